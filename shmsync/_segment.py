@@ -1,0 +1,167 @@
+"""Named shared-memory segments: files in ``/dev/shm`` mapped into each process.
+
+Files in ``/dev/shm`` are used directly instead of :mod:`multiprocessing.shared_memory`
+because the latter registers every attachment with the resource tracker of the
+attaching process, which unlinks the segment for everyone when an unrelated
+process exits (Python < 3.13). Here only the creator (or ``shmsync gc``) unlinks.
+
+Each segment also carries advisory locks (Linux open-file-description locks,
+released by the kernel when the holder dies, however it dies):
+
+* byte 0, shared by every process that has the segment open: lets ``gc`` tell
+  whether any live process still holds a store;
+* byte 1, exclusive: the writer role;
+* byte 2, exclusive: the reader's starvation token (see :mod:`shmsync.store`).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import struct
+
+from .errors import StoreNotFoundError
+
+SHM_DIR = os.environ.get("SHMSYNC_DIR", "/dev/shm")
+PREFIX = "shmsync-"
+
+HOLDER_LOCK = 0
+WRITER_LOCK = 1
+TOKEN_LOCK = 2
+
+_F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
+_F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+_F_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", 38)
+# struct flock on 64-bit Linux: short type, short whence, off_t start, off_t len, pid_t pid.
+_FLOCK = "hhqqi4x"
+
+
+def path_of(name: str) -> str:
+    """The file that backs store ``name``."""
+    return os.path.join(SHM_DIR, PREFIX + name)
+
+
+def list_names() -> list[str]:
+    """Names of every segment on this host, oldest first."""
+    try:
+        entries = [e for e in os.scandir(SHM_DIR) if e.name.startswith(PREFIX)]
+    except FileNotFoundError:
+        return []
+    entries.sort(key=lambda e: e.stat().st_mtime_ns if e.is_file() else 0)
+    return [e.name[len(PREFIX) :] for e in entries]
+
+
+def peek(name: str, nbytes: int = 4096) -> bytes | None:
+    """The first ``nbytes`` of a segment, read without mapping or locking it (None if gone)."""
+    try:
+        fd = os.open(path_of(name), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.pread(fd, nbytes, 0)
+    finally:
+        os.close(fd)
+
+
+def validate_name(name: str) -> str:
+    if not isinstance(name, str) or not name or "/" in name or len(name) > 200:
+        raise ValueError(f"invalid store name {name!r}: use 1-200 characters without '/'")
+    return name
+
+
+class Segment:
+    """One mapped segment. ``buf`` is the writable mapping."""
+
+    def __init__(self, name: str, fd: int, size: int, created: bool) -> None:
+        self.name = name
+        self.fd = fd
+        self.size = size
+        self.created = created
+        self.buf = mmap.mmap(fd, size)
+        self._locks: set[int] = set()
+        # Every holder takes a shared lock so gc can see the segment is in use.
+        self.lock(HOLDER_LOCK, exclusive=False, wait=True)
+
+    @classmethod
+    def create(cls, name: str, size: int) -> Segment:
+        path = path_of(validate_name(name))
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except FileExistsError:
+            raise FileExistsError(f"a store named {name!r} already exists ({path})") from None
+        try:
+            os.ftruncate(fd, size)
+            return cls(name, fd, size, created=True)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+
+    @classmethod
+    def open(cls, name: str) -> Segment:
+        path = path_of(validate_name(name))
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise StoreNotFoundError(
+                f"no store named {name!r} on this host ({path} does not exist); "
+                "was it unlinked, or created on another host?"
+            ) from None
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise StoreNotFoundError(f"store {name!r} is still being created or is corrupt (empty)")
+            return cls(name, fd, size, created=False)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    # -- locks ---------------------------------------------------------------------------------
+    def lock(self, byte: int, *, exclusive: bool, wait: bool) -> bool:
+        """Take lock ``byte``; returns False if ``wait`` is False and another holder has it."""
+        kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
+        try:
+            fcntl.fcntl(self.fd, _F_OFD_SETLKW if wait else _F_OFD_SETLK, struct.pack(_FLOCK, kind, 0, byte, 1, 0))
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        self._locks.add(byte)
+        return True
+
+    def unlock(self, byte: int) -> None:
+        fcntl.fcntl(self.fd, _F_OFD_SETLK, struct.pack(_FLOCK, fcntl.F_UNLCK, 0, byte, 1, 0))
+        self._locks.discard(byte)
+
+    def held(self, byte: int) -> bool:
+        return byte in self._locks
+
+    def is_locked_by_others(self, byte: int, *, exclusive: bool) -> bool:
+        """Whether another open file description holds a lock that conflicts with ``exclusive``."""
+        kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
+        out = fcntl.fcntl(self.fd, _F_OFD_GETLK, struct.pack(_FLOCK, kind, 0, byte, 1, 0))
+        return struct.unpack(_FLOCK, out)[0] != fcntl.F_UNLCK
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unmap and close. Raises BufferError if tensors still view the mapping."""
+        if self.fd < 0:
+            return
+        self.buf.close()
+        os.close(self.fd)  # also drops this description's locks
+        self.fd = -1
+        self._locks.clear()
+
+    def unlink(self) -> None:
+        unlink(self.name)
+
+
+def unlink(name: str) -> bool:
+    """Remove the file behind store ``name``; existing mappings stay valid. True if removed."""
+    try:
+        os.unlink(path_of(name))
+        return True
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,46 @@
+"""Turning what users pass (a module, a TensorDict, or a mapping of them) into one TensorDict."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Union
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+Source = Union[nn.Module, TensorDictBase, Mapping[str, Any]]
+
+
+def module_weights(module: nn.Module) -> TensorDictBase:
+    """Parameters and buffers of ``module`` as a TensorDict (no copy)."""
+    return TensorDict.from_module(module)
+
+
+def as_tensordict(source: Any, what: str = "source") -> tuple[TensorDictBase, tuple[str, ...] | None]:
+    """Returns ``(weights, destinations)``; destinations is None for a single module or TensorDict.
+
+    A mapping ``{destination: module | TensorDict | state_dict}`` becomes one TensorDict keyed by
+    destination, so that all destinations are published under one version.
+    """
+    if isinstance(source, nn.Module):
+        return module_weights(source), None
+    if isinstance(source, TensorDictBase):
+        return source, None
+    if isinstance(source, Mapping):
+        if not source:
+            raise ValueError(f"{what} is an empty mapping")
+        if all(isinstance(v, torch.Tensor) for v in source.values()):
+            # A plain state_dict: {"0.weight": tensor, ...}.
+            return TensorDict({k: v for k, v in source.items()}).unflatten_keys("."), None
+        td = TensorDict()
+        for dest, value in source.items():
+            if not isinstance(dest, str) or not dest:
+                raise ValueError(f"{what}: destination names must be non-empty strings, got {dest!r}")
+            sub, _ = as_tensordict(value, what=f"{what}[{dest!r}]")
+            td.set(dest, sub)
+        return td, tuple(source.keys())
+    raise TypeError(
+        f"{what} must be an nn.Module, a TensorDict, or a mapping destination -> module/TensorDict; "
+        f"got {type(source).__name__}"
+    )

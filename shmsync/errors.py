@@ -1,0 +1,26 @@
+"""Exceptions raised by shmsync."""
+
+from __future__ import annotations
+
+
+class ShmSyncError(RuntimeError):
+    """Base class of shmsync's own runtime errors."""
+
+
+class StoreNotFoundError(ShmSyncError, FileNotFoundError):
+    """No store of that name exists on this host (never created, or already unlinked)."""
+
+
+class WeightMismatchError(ValueError):
+    """Weights do not match the store's layout: a key, shape or dtype differs.
+
+    Raised before anything in shared memory is written.
+    """
+
+
+class WriterBusyError(ShmSyncError):
+    """Another live process is already publishing into this store."""
+
+
+class ReloadTimeoutError(ShmSyncError, TimeoutError):
+    """A reader could not load a complete version (or the version it waits for) in time."""

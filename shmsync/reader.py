@@ -1,0 +1,181 @@
+"""The worker side: check a store's version cheaply and reload a module lazily."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._layout import W_VERSION
+from ._source import module_weights
+from .errors import ReloadTimeoutError, WeightMismatchError
+from .store import WeightStore, _copy_all
+
+
+class WeightReader:
+    """Loads the newest complete version of a store into a module, only when it changed.
+
+    :meth:`poll` costs about a microsecond when nothing was published (one read of a
+    shared word: no copy, no syscall, no lock). When the version changed it copies the
+    newest complete version into the module's parameters and buffers, in place, on the
+    module's device. Between calls the module always holds exactly one version; during
+    :meth:`poll` it is being written, like during ``load_state_dict``, so no other
+    thread should run it at that moment.
+
+    Args:
+        store: the :class:`~shmsync.WeightStore` (attached or pickled from the trainer).
+        module: the module to load into, or a mapping ``{destination: module}`` for a store
+            created from a mapping. Parameters on the ``meta`` device are materialized on
+            the first load (TorchRL builds worker policies so).
+        device: where the module's weights should live. Default: where they are (CPU if
+            they are on ``meta``).
+        destination: for a store holding several destinations, which one ``module`` takes.
+            Not needed when the store holds a single destination.
+        timeout: seconds a reload may take before :class:`~shmsync.errors.ReloadTimeoutError`.
+
+    Examples:
+        >>> import torch
+        >>> from shmsync import WeightStore, WeightReader
+        >>> trainer_policy = torch.nn.Linear(3, 1)
+        >>> store = WeightStore.create(trainer_policy)
+        >>> worker_policy = torch.nn.Linear(3, 1)
+        >>> reader = WeightReader(store, worker_policy)
+        >>> reader.poll()          # first load
+        True
+        >>> reader.poll()          # nothing new: no copy
+        False
+        >>> with torch.no_grad():
+        ...     _ = trainer_policy.weight.fill_(1.0)
+        >>> store.publish(trainer_policy)
+        1
+        >>> reader.poll(), float(worker_policy.weight.detach().sum())
+        (True, 3.0)
+        >>> store.close()
+    """
+
+    def __init__(
+        self,
+        store: WeightStore,
+        module: nn.Module | Mapping[str, nn.Module],
+        device: torch.device | str | None = None,
+        *,
+        destination: str | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        if not isinstance(store, WeightStore):
+            raise TypeError(f"store must be a WeightStore, got {type(store).__name__}")
+        self.store = store
+        self.module = module
+        self.device = torch.device(device) if device is not None else None
+        self.timeout = timeout
+        self.reloads = 0
+        self._version = -1
+        self._hdr = store._hdr
+        self._parts = _parts(store, module, destination)
+        self._targets: list[torch.Tensor] | None = None
+        self._indices: list[int] = []
+        # Check the module against the store now (clear error at construction time).
+        if not any(_is_meta(m) for _, m in self._parts):
+            self._bind()
+
+    @property
+    def version(self) -> int:
+        """The version loaded in the module (-1 before the first load)."""
+        return self._version
+
+    def poll(self) -> bool:
+        """Reload if a newer version was published.
+
+        Returns:
+            True if the module was reloaded, False if it already held the latest version.
+        """
+        if self._hdr[W_VERSION] == self._version:
+            return False
+        return self.reload()
+
+    def reload(self) -> bool:
+        """Load the newest complete version now, even if it is already loaded."""
+        if self._targets is None:
+            self._bind()
+        targets, indices = self._targets, self._indices
+        version = self.store._read(lambda views: _copy_all(targets, [views[i] for i in indices]), timeout=self.timeout)
+        changed = version != self._version
+        self._version = version
+        self.reloads += 1
+        return changed
+
+    def wait(self, min_version: int, timeout: float | None = None) -> int:
+        """Block until at least ``min_version`` is loaded; returns the loaded version.
+
+        Raises:
+            ReloadTimeoutError: ``min_version`` was not published within ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 5e-5
+        self.poll()
+        while self._version < min_version:
+            if deadline is not None and time.monotonic() > deadline:
+                raise ReloadTimeoutError(
+                    f"store {self.store.name!r}: version {min_version} was not published within {timeout}s "
+                    f"(latest published: {self.store.version}, loaded: {self._version})"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+            self.poll()
+        return self._version
+
+    def _bind(self) -> None:
+        """Materialize meta weights, move to ``device``, match the module against the store."""
+        layout = self.store._layout
+        targets, indices = [], []
+        for prefix, module in self._parts:
+            if _is_meta(module):
+                module.to_empty(device=self.device or torch.device("cpu"))
+            elif self.device is not None:
+                module.to(self.device)
+            where = f"module given to WeightReader for store {self.store.name!r}" + (
+                f", destination {prefix[0]!r}" if prefix else ""
+            )
+            targets += layout.match(module_weights(module), where, prefix=prefix)
+            indices += layout.subset(prefix)
+        self._targets, self._indices = targets, indices
+
+    def __repr__(self) -> str:
+        return f"WeightReader(store={self.store.name!r}, version={self._version}, reloads={self.reloads})"
+
+
+def _is_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in module_weights(module).values(include_nested=True, leaves_only=True))
+
+
+def _parts(store: WeightStore, module: Any, destination: str | None) -> list[tuple[tuple[str, ...], nn.Module]]:
+    """(key prefix in the store, module) pairs this reader loads."""
+    dests = store.destinations
+    if isinstance(module, Mapping):
+        if dests is None:
+            raise WeightMismatchError(
+                f"store {store.name!r} holds a single module; pass one module, not a mapping"
+            )
+        unknown = [d for d in module if d not in dests]
+        if unknown:
+            raise WeightMismatchError(f"store {store.name!r} has no destination {unknown[0]!r} (it has {list(dests)})")
+        return [((d,), m) for d, m in module.items()]
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module or a mapping of them, got {type(module).__name__}")
+    if dests is None:
+        if destination is not None:
+            raise WeightMismatchError(f"store {store.name!r} holds a single module, it has no destination {destination!r}")
+        return [((), module)]
+    if destination is None:
+        if len(dests) != 1:
+            raise WeightMismatchError(
+                f"store {store.name!r} holds destinations {list(dests)}: say which one this module takes "
+                "(destination=...), or pass a mapping"
+            )
+        destination = dests[0]
+    if destination not in dests:
+        raise WeightMismatchError(f"store {store.name!r} has no destination {destination!r} (it has {list(dests)})")
+    return [((destination,), module)]

@@ -1,0 +1,58 @@
+"""A sender: the object TorchRL's ``UpdateWeights(sender=...)`` calls ``update_weights()`` on."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ._paths import resolve_path
+from .store import WeightStore
+
+
+class WeightSender:
+    """Publishes a fixed source into a store each time :meth:`update_weights` is called.
+
+    Args:
+        store: the store to publish into.
+        source: what :meth:`WeightStore.publish` takes (a module, a TensorDict, a mapping
+            ``{destination: module}``), or a mapping ``{destination: "path.on.root"}`` whose
+            paths are resolved on ``root`` at every update (attributes, ``[int]`` and
+            ``['key']`` subscripts, and modules registered with ``Trainer.register_module``).
+        root: the object paths are resolved on, e.g. a TorchRL ``Trainer``.
+
+    Examples:
+        >>> import torch
+        >>> from shmsync import WeightStore
+        >>> class Trainer: ...
+        >>> trainer = Trainer()
+        >>> trainer.actor = torch.nn.Linear(2, 2)
+        >>> store = WeightStore.create({"policy": trainer.actor})
+        >>> sender = store.sender({"policy": "actor"}, root=trainer)
+        >>> sender.update_weights()
+        1
+        >>> store.close()
+    """
+
+    def __init__(self, store: WeightStore, source: Any, *, root: Any = None) -> None:
+        self.store = store
+        self.source = source
+        self.root = root
+        self._paths = isinstance(source, Mapping) and any(isinstance(v, str) for v in source.values())
+        if self._paths:
+            if root is None:
+                raise ValueError("a source given as paths needs root= (the object the paths are resolved on)")
+            self._resolve()  # fail now, not at the first interval
+
+    def _resolve(self) -> Any:
+        if not self._paths:
+            return self.source
+        return {
+            dest: resolve_path(self.root, path) if isinstance(path, str) else path for dest, path in self.source.items()
+        }
+
+    def update_weights(self, weights: Any = None) -> int:
+        """Publish ``weights`` (default: the source) as one new version; returns it."""
+        return self.store.publish(self._resolve() if weights is None else weights)
+
+    def __repr__(self) -> str:
+        return f"WeightSender(store={self.store.name!r})"

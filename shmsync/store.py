@@ -1,0 +1,580 @@
+"""The weight store: versioned copies of a model's weights in host shared memory.
+
+Protocol
+--------
+A store has ``N >= 2`` slots (3 by default), each a full copy of the weights, and a
+header of int64 words: ``version`` (the last completed version), ``latest`` (the slot
+holding it), and per slot a sequence number ``seq[i]`` and the version it holds.
+
+Writer (one process at a time, enforced by a lock the kernel drops if it dies)::
+
+    target = a slot that is neither `latest` nor pinned (the least recently written)
+    seq[target] += 1            # odd: being written
+    copy the weights into target
+    slot_version[target] = v; seq[target] += 1   # even: complete
+    latest = target; version = v
+
+The writer never reads anything a reader writes except three pin words, and never
+waits: publishing is a copy plus a handful of word stores.
+
+Reader, optimistic path (seqlock validation)::
+
+    s = seq[latest]; v = slot_version[latest]; copy the slot; valid iff seq is still s
+
+A slot is rewritten only once it is no longer ``latest``; with 3 slots the writer
+must finish two whole publishes and start a third while one reader copy runs before
+that copy is invalidated, so retries are rare. Validation guarantees that a reader
+never *accepts* a mixed copy, whatever the timing.
+
+Reader, bounded fallback (slot pinning): after ``max_attempts`` failed optimistic
+copies a reader takes the store's single reader token (a kernel lock, released if
+the reader dies) and asks the writer to pin a slot by writing a fresh ticket into
+``pin_request``. At the start of its next publish the writer sets
+``pin_slot = latest`` and ``pin_grant = ticket``, and from then on never writes
+into ``pin_slot`` until ``pin_release == pin_grant``. With 3 slots there is always
+a slot that is neither latest nor pinned, so the writer still never waits, and the
+pinned reader's copy cannot be invalidated: it completes in one copy. A writer that
+is idle grants nothing, but then an optimistic copy succeeds, so the reader keeps
+trying those while it waits. A reader that dies while pinned only costs the writer
+one slot until the next ticket replaces its pin.
+
+Ordering: on x86-64 stores become visible in program order and loads are not
+reordered with other loads, which is all this protocol needs between its word
+stores and the bulk copies; elsewhere a full fence is issued at the marked points.
+
+A writer killed in the middle of a copy leaves ``seq[target]`` odd and ``latest``
+untouched: readers keep loading the last complete version, and the next writer
+rewrites that slot from scratch.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import secrets
+import threading
+import time
+import weakref
+from typing import Any, Callable, NamedTuple
+
+import psutil
+import torch
+from tensordict import TensorDict
+
+from . import _segment
+from ._layout import (
+    FORMAT,
+    MAGIC,
+    MAX_SLOTS,
+    W_CREATE_NS,
+    W_CREATOR_PID,
+    W_CREATOR_PPID,
+    W_CREATOR_START,
+    W_DATA_OFFSET,
+    W_FORMAT,
+    W_LATEST,
+    W_LAYOUT_BYTES,
+    W_LAYOUT_OFFSET,
+    W_MAGIC,
+    W_NUM_SLOTS,
+    W_PAYLOAD_BYTES,
+    W_PIN_GRANT,
+    W_PIN_RELEASE,
+    W_PIN_REQUEST,
+    W_PIN_SLOT,
+    W_PUBLISH_COUNT,
+    W_PUBLISH_NS,
+    W_SEQ,
+    W_SLOT_BYTES,
+    W_SLOT_VERSION,
+    W_VERSION,
+    W_WRITER_PID,
+    Layout,
+    header_view,
+    segment_bytes,
+)
+from ._segment import TOKEN_LOCK, WRITER_LOCK, Segment
+from ._source import as_tensordict
+from .errors import ReloadTimeoutError, ShmSyncError, StoreNotFoundError, WriterBusyError
+
+if platform.machine() in ("x86_64", "AMD64", "i386", "i686"):
+
+    def _fence() -> None:
+        pass
+
+else:  # weakly ordered CPUs: a lock round trip is a full barrier
+    _FENCE_LOCK = threading.Lock()
+
+    def _fence() -> None:
+        with _FENCE_LOCK:
+            pass
+
+
+CopyFn = Callable[[list[torch.Tensor]], None]
+
+
+class Snapshot(NamedTuple):
+    """A private copy of one complete version."""
+
+    version: int
+    weights: TensorDict
+
+
+def process_start_ns(pid: int) -> int:
+    """Start time of ``pid`` in ns (0 if it does not exist): tells a reused pid apart."""
+    try:
+        return int(psutil.Process(pid).create_time() * 1e9)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0
+
+
+def _release(segment: Segment, slots: list, creator_pid: int, unlink: bool) -> None:
+    slots.clear()
+    if unlink and os.getpid() == creator_pid:
+        segment.unlink()
+    try:
+        segment.close()
+    except BufferError:
+        pass  # tensors of the caller still view the mapping; it goes when they do
+
+
+class WeightStore:
+    """Versioned weights in host shared memory, published by one process, read by many.
+
+    Create it in the trainer with :meth:`create`; open it elsewhere with :meth:`attach`
+    or by pickling it to a child process. :meth:`publish` copies new weights in and
+    makes them visible as one new version; readers (:class:`~shmsync.WeightReader`)
+    load the newest complete version, never a mix of two.
+
+    Examples:
+        >>> import torch
+        >>> from shmsync import WeightStore
+        >>> policy = torch.nn.Linear(4, 2)
+        >>> with WeightStore.create(policy) as store:
+        ...     v = store.publish(policy)
+        ...     reader = store.reader(torch.nn.Linear(4, 2))
+        ...     reader.poll(), reader.version == v
+        (True, True)
+    """
+
+    def __init__(self, segment: Segment, *, owner: bool, unlink_at_exit: bool) -> None:
+        self._segment = segment
+        buf = segment.buf
+        self._hdr = h = header_view(buf)
+        if int(h[W_MAGIC]) != MAGIC:
+            raise StoreNotFoundError(f"{segment.name!r} is not a shmsync store, or it is still being created")
+        if int(h[W_FORMAT]) != FORMAT:
+            raise ShmSyncError(f"store {segment.name!r} has format {int(h[W_FORMAT])}, this shmsync reads {FORMAT}")
+        lo, ln = int(h[W_LAYOUT_OFFSET]), int(h[W_LAYOUT_BYTES])
+        self._layout, self._destinations = Layout.from_json(bytes(buf[lo : lo + ln]))
+        self._num_slots = int(h[W_NUM_SLOTS])
+        data, stride = int(h[W_DATA_OFFSET]), int(h[W_SLOT_BYTES])
+        self._slots = [self._layout.slot_views(buf, data + i * stride) for i in range(self._num_slots)]
+        self._owner = owner
+        self.retries = 0  # optimistic copies that failed validation in this process
+        self.pinned_reads = 0  # reads that needed the pinned fallback in this process
+        self._finalizer = weakref.finalize(
+            self, _release, segment, self._slots, int(h[W_CREATOR_PID]), owner and unlink_at_exit
+        )
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        source: Any,
+        name: str | None = None,
+        *,
+        num_slots: int = 3,
+        unlink_at_exit: bool = True,
+    ) -> WeightStore:
+        """Allocate a store shaped like ``source`` and publish its weights as version 0.
+
+        Args:
+            source: an ``nn.Module`` (its parameters and buffers), a ``TensorDict``, or a
+                mapping ``{destination: module or TensorDict}``. Several destinations live
+                in one store and are published together under one version. Tensors may be
+                on any device; the store always lives in host shared memory.
+            name: a name to attach by. Default: a unique name, so concurrent test
+                processes never collide.
+            num_slots: copies kept. 3 (the default) guarantees that no reader starves
+                however fast the writer publishes; 2 saves memory but readers may have to
+                wait for a pause in publishing.
+            unlink_at_exit: remove the shared memory when this process exits or the
+                store is garbage collected. Existing readers keep their mapping.
+
+        Returns:
+            The store, open in this process, at version 0.
+
+        Raises:
+            FileExistsError: ``name`` is taken.
+            WeightMismatchError: ``source`` holds no tensors, or tensors on ``meta``.
+        """
+        if not 2 <= num_slots <= MAX_SLOTS:
+            raise ValueError(f"num_slots must be between 2 and {MAX_SLOTS}, got {num_slots}")
+        td, destinations = as_tensordict(source, "WeightStore.create() source")
+        layout = Layout.from_tensordict(td)
+        tensors = layout.match(td, "weights given to WeightStore.create()")
+        doc = layout.to_json(destinations)
+        layout_offset, data_offset, size = segment_bytes(doc, layout.slot_bytes, num_slots)
+        segment = Segment.create(name or f"{os.getpid()}-{secrets.token_hex(6)}", size)
+        try:
+            h = header_view(segment.buf)
+            segment.buf[layout_offset : layout_offset + len(doc)] = doc
+            pid = os.getpid()
+            for word, value in (
+                (W_FORMAT, FORMAT),
+                (W_VERSION, -1),
+                (W_LATEST, 0),
+                (W_NUM_SLOTS, num_slots),
+                (W_CREATOR_PID, pid),
+                (W_CREATOR_PPID, os.getppid()),
+                (W_CREATOR_START, process_start_ns(pid)),
+                (W_CREATE_NS, time.time_ns()),
+                (W_LAYOUT_OFFSET, layout_offset),
+                (W_LAYOUT_BYTES, len(doc)),
+                (W_DATA_OFFSET, data_offset),
+                (W_SLOT_BYTES, layout.slot_bytes),
+                (W_PAYLOAD_BYTES, layout.payload_bytes),
+            ):
+                h[word] = value
+            for i in range(num_slots):
+                h[W_SLOT_VERSION + i] = -1
+            _fence()
+            h[W_MAGIC] = MAGIC  # last: attach() refuses a half-initialised header
+            del h
+            store = cls(segment, owner=True, unlink_at_exit=unlink_at_exit)
+        except BaseException:
+            segment.unlink()
+            segment.close()
+            raise
+        with store._writer_role(keep=False):
+            store._write(tensors)
+        return store
+
+    @classmethod
+    def attach(cls, name: str) -> WeightStore:
+        """Open the store called ``name`` from any process on this host.
+
+        Raises:
+            StoreNotFoundError: there is no such store (or it was unlinked).
+        """
+        segment = Segment.open(name)
+        try:
+            return cls(segment, owner=False, unlink_at_exit=False)
+        except BaseException:
+            segment.close()
+            raise
+
+    def __reduce__(self):
+        # A child process attaches by name; the shared memory is the same.
+        return (WeightStore.attach, (self.name,))
+
+    # -- properties -----------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The name other processes attach by."""
+        return self._segment.name
+
+    @property
+    def version(self) -> int:
+        """The last completed version (monotonic; 0 is the weights given to :meth:`create`)."""
+        return int(self._hdr[W_VERSION])
+
+    @property
+    def destinations(self) -> tuple[str, ...] | None:
+        """The destination names when created from a mapping, else None."""
+        return self._destinations
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one copy of the weights."""
+        return int(self._hdr[W_PAYLOAD_BYTES])
+
+    @property
+    def shm_bytes(self) -> int:
+        """Bytes of shared memory the store occupies (header and all slots)."""
+        return self._segment.size
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def keys(self) -> list[str]:
+        """Dotted keys of every tensor in the store."""
+        return [".".join(e.key) for e in self._layout.entries]
+
+    def info(self) -> dict[str, int]:
+        """Header facts: version, creator and writer pids, publish count and times (ns)."""
+        h = self._hdr
+        return {
+            "version": int(h[W_VERSION]),
+            "creator_pid": int(h[W_CREATOR_PID]),
+            "creator_start_ns": int(h[W_CREATOR_START]),
+            "creator_ppid": int(h[W_CREATOR_PPID]),
+            "writer_pid": int(h[W_WRITER_PID]),
+            "publish_count": int(h[W_PUBLISH_COUNT]),
+            "last_publish_ns": int(h[W_PUBLISH_NS]),
+            "create_ns": int(h[W_CREATE_NS]),
+            "payload_bytes": int(h[W_PAYLOAD_BYTES]),
+            "shm_bytes": self._segment.size,
+            "num_slots": self._num_slots,
+        }
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"version={self.version}"
+        return f"WeightStore(name={self.name!r}, {state}, nbytes={self.nbytes})"
+
+    # -- writing --------------------------------------------------------------------------------
+    def publish(self, source: Any) -> int:
+        """Copy ``source``'s weights in and make them visible as one new version.
+
+        Never waits for readers. Only one process may publish into a store at a time;
+        the first publish takes the writer role for this process until :meth:`close`.
+
+        Args:
+            source: the same kind of object the store was created from, with the same
+                keys, shapes and dtypes (on any device).
+
+        Returns:
+            The new version.
+
+        Raises:
+            WeightMismatchError: a key, shape or dtype differs; nothing is written.
+            WriterBusyError: another live process holds the writer role.
+        """
+        self._check_open()
+        td, _ = as_tensordict(source, "publish() source")
+        tensors = self._layout.match(td, f"weights published to store {self.name!r}")
+        if not self._segment.held(WRITER_LOCK):
+            self._acquire_writer()
+        return self._write(tensors)
+
+    def release_writer(self) -> None:
+        """Give up the writer role so another process may publish."""
+        if self._segment.held(WRITER_LOCK):
+            self._segment.unlock(WRITER_LOCK)
+
+    def _acquire_writer(self) -> None:
+        if not self._segment.lock(WRITER_LOCK, exclusive=True, wait=False):
+            raise WriterBusyError(
+                f"store {self.name!r} is being published by another process (last writer pid "
+                f"{int(self._hdr[W_WRITER_PID])}); one process publishes at a time: publish from "
+                "that process, or call release_writer()/close() there first"
+            )
+
+    class _WriterRole:
+        def __init__(self, store: WeightStore, keep: bool) -> None:
+            self.store, self.keep = store, keep
+
+        def __enter__(self) -> None:
+            self.had = self.store._segment.held(WRITER_LOCK)
+            if not self.had:
+                self.store._acquire_writer()
+
+        def __exit__(self, *exc) -> None:
+            if not self.had and not self.keep:
+                self.store.release_writer()
+
+    def _writer_role(self, keep: bool) -> WeightStore._WriterRole:
+        return WeightStore._WriterRole(self, keep)
+
+    def _choose_target(self) -> int:
+        """Serve a pending pin request, then pick the slot to write. Never waits."""
+        h = self._hdr
+        request = int(h[W_PIN_REQUEST])
+        if request != int(h[W_PIN_GRANT]):
+            h[W_PIN_SLOT] = h[W_LATEST]
+            _fence()
+            h[W_PIN_GRANT] = request
+        pinned = int(h[W_PIN_SLOT]) if int(h[W_PIN_RELEASE]) != int(h[W_PIN_GRANT]) else -1
+        latest = int(h[W_LATEST]) if int(h[W_VERSION]) >= 0 else -1
+        candidates = [s for s in range(self._num_slots) if s != latest and s != pinned]
+        if not candidates:  # two slots and a pin: the pinned reader will retry
+            candidates = [s for s in range(self._num_slots) if s != latest]
+        return min(candidates, key=lambda s: h[W_SLOT_VERSION + s])
+
+    def _begin_write(self) -> tuple[int, int]:
+        h = self._hdr
+        target = self._choose_target()
+        seq = int(h[W_SEQ + target])
+        odd = seq + 2 if seq & 1 else seq + 1  # odd already: a writer died mid-copy
+        h[W_SEQ + target] = odd
+        _fence()
+        return target, odd
+
+    def _end_write(self, target: int, odd: int) -> int:
+        h = self._hdr
+        version = int(h[W_VERSION]) + 1
+        h[W_SLOT_VERSION + target] = version
+        _fence()
+        h[W_SEQ + target] = odd + 1
+        h[W_LATEST] = target
+        h[W_VERSION] = version
+        h[W_PUBLISH_NS] = time.time_ns()
+        h[W_WRITER_PID] = os.getpid()
+        h[W_PUBLISH_COUNT] += 1
+        return version
+
+    def _write(self, tensors: list[torch.Tensor]) -> int:
+        target, odd = self._begin_write()
+        _copy_all(self._slots[target], tensors)
+        return self._end_write(target, odd)
+
+    # -- reading --------------------------------------------------------------------------------
+    def _read(
+        self,
+        copy: CopyFn,
+        *,
+        max_attempts: int = 2,
+        timeout: float = 60.0,
+    ) -> int:
+        """Run ``copy(slot_views)`` on the newest complete slot until one copy validates.
+
+        ``copy`` must have finished reading the slot when it returns. Returns the version
+        copied. Optimistic copies are tried ``max_attempts`` times, then the pinned
+        fallback (see the module docstring) bounds the wait.
+        """
+        self._check_open()
+        for _ in range(max_attempts):
+            version = self._try_read(copy)
+            if version is not None:
+                return version
+        return self._read_pinned(copy, time.monotonic() + timeout)
+
+    def _try_read(self, copy: CopyFn) -> int | None:
+        h = self._hdr
+        slot = int(h[W_LATEST])
+        seq = int(h[W_SEQ + slot])
+        if seq & 1:
+            return None  # `latest` moved on and that slot is already being rewritten
+        version = int(h[W_SLOT_VERSION + slot])
+        _fence()
+        copy(self._slots[slot])
+        _fence()
+        if int(h[W_SEQ + slot]) != seq:
+            self.retries += 1
+            return None
+        return version
+
+    def _read_pinned(self, copy: CopyFn, deadline: float) -> int:
+        h, segment = self._hdr, self._segment
+        self.pinned_reads += 1
+        while not segment.lock(TOKEN_LOCK, exclusive=True, wait=False):
+            # Another reader is pinned; it finishes in one copy. Keep trying meanwhile.
+            version = self._try_read(copy)
+            if version is not None:
+                return version
+            self._check_deadline(deadline, "waiting for the reader token")
+            time.sleep(0.0005)
+        try:
+            while True:
+                ticket = int(h[W_PIN_REQUEST]) + 1
+                h[W_PIN_REQUEST] = ticket
+                try:
+                    version = self._await_pin(copy, ticket, deadline)
+                finally:
+                    h[W_PIN_RELEASE] = ticket
+                if version is not None:
+                    return version
+        finally:
+            segment.unlock(TOKEN_LOCK)
+
+    def _await_pin(self, copy: CopyFn, ticket: int, deadline: float) -> int | None:
+        h = self._hdr
+        published = int(h[W_PUBLISH_COUNT])
+        waited_since = time.monotonic()
+        while True:
+            if int(h[W_PIN_GRANT]) == ticket:
+                _fence()
+                slot = int(h[W_PIN_SLOT])
+                seq = int(h[W_SEQ + slot])
+                version = int(h[W_SLOT_VERSION + slot])
+                copy(self._slots[slot])
+                _fence()
+                return version if int(h[W_SEQ + slot]) == seq else None  # None: 2 slots only
+            # No grant yet. A writer that has not published since the request is idle or
+            # in a long copy; an optimistic copy then succeeds (or at worst fails once).
+            if int(h[W_PUBLISH_COUNT]) == published and time.monotonic() - waited_since > 0.002:
+                version = self._try_read(copy)
+                if version is not None:
+                    return version
+                published, waited_since = int(h[W_PUBLISH_COUNT]), time.monotonic()
+            self._check_deadline(deadline, "waiting for the writer to pin a slot")
+            time.sleep(0.0001)
+
+    def _check_deadline(self, deadline: float, doing: str) -> None:
+        if time.monotonic() > deadline:
+            raise ReloadTimeoutError(f"store {self.name!r}: no complete version could be read in time ({doing})")
+
+    def snapshot(self) -> Snapshot:
+        """A private copy of the newest complete version.
+
+        Returns:
+            ``Snapshot(version, weights)``; ``weights`` is a TensorDict shaped like the source
+            (keyed by destination for a multi-destination store).
+        """
+        tensors = [torch.empty(e.shape, dtype=e.dtype) for e in self._layout.entries]
+        version = self._read(lambda views: _copy_all(tensors, views))
+        return Snapshot(version, self._layout.as_tensordict(tensors))
+
+    def reader(self, module: Any, device: torch.device | str | None = None, **kwargs: Any):
+        """A :class:`~shmsync.WeightReader` that loads this store into ``module``."""
+        from .reader import WeightReader
+
+        return WeightReader(self, module, device=device, **kwargs)
+
+    def sender(self, source: Any, *, root: Any = None):
+        """A :class:`~shmsync.WeightSender`: ``update_weights()`` publishes ``source``.
+
+        ``source`` is what :meth:`publish` takes, or a mapping ``{destination: path}`` of
+        paths resolved on ``root`` (say, a trainer) at every update.
+        """
+        from .sender import WeightSender
+
+        return WeightSender(self, source, root=root)
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ShmSyncError(f"store {self.name!r} is closed in this process")
+
+    def close(self) -> None:
+        """Let go of the store in this process (and unlink it, if this process created it with
+        ``unlink_at_exit=True``). Other processes keep their mapping."""
+        if self._finalizer.alive:
+            # Drop this object's views first so the mapping can be unmapped now.
+            self._hdr = header_view(bytearray(self._hdr.nbytes))
+            self._finalizer()
+
+    def unlink(self) -> None:
+        """Remove the store's name from the host: no new process can attach. Mappings that
+        exist stay valid until closed."""
+        self._segment.unlink()
+
+    def __enter__(self) -> WeightStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._owner:
+            self.unlink()
+        self.close()
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all i, batched, without autograd."""
+    with torch.no_grad():
+        if all(t.device.type == "cpu" for t in src) and all(t.device.type == "cpu" for t in dst):
+            torch._foreach_copy_(dst, src)
+        else:
+            non_blocking = any(t.device.type == "cuda" for t in dst)
+            for d, s in zip(dst, src):
+                d.copy_(s, non_blocking=non_blocking)
+            for dev in {t.device for t in (*dst, *src) if t.device.type == "cuda"}:
+                torch.cuda.current_stream(dev).synchronize()
+
+
+__all__ = ["WeightStore", "Snapshot"]

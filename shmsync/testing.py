@@ -1,0 +1,121 @@
+"""Pytest fixtures for multi-process suites that use shmsync (loaded automatically as a plugin).
+
+* ``store_factory``: makes stores with unique names and removes them after the test,
+  however it ends.
+* ``shm_leak_check``: fails a test that leaves behind a store created by its own process
+  or by one of its children, or a live child process.
+
+Examples:
+    A test of a user's project::
+
+        def test_workers_see_new_weights(store_factory, shm_leak_check):
+            store = store_factory(torch.nn.Linear(4, 2))
+            ...
+
+    or, to check every test of a suite, in ``conftest.py``::
+
+        @pytest.fixture(autouse=True)
+        def _no_leaks(shm_leak_check):
+            yield
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+
+from . import _segment
+from ._layout import MAGIC, W_CREATOR_PID, W_CREATOR_PPID, W_MAGIC
+from .store import WeightStore
+
+
+def stores_created_by(pids: set[int]) -> set[str]:
+    """Names of the stores on this host whose creator, or the creator's parent, is in ``pids``."""
+    out = set()
+    for name in _segment.list_names():
+        raw = _segment.peek(name, 8 * 32)
+        if not raw or len(raw) < 8 * 32:
+            continue
+        h = np.frombuffer(raw, dtype=np.int64)
+        if int(h[W_MAGIC]) == MAGIC and (int(h[W_CREATOR_PID]) in pids or int(h[W_CREATOR_PPID]) in pids):
+            out.add(name)
+    return out
+
+
+# Long-lived helpers that multiprocessing starts once per process on purpose.
+_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def live_children() -> list[psutil.Process]:
+    """Live descendants of this process, except multiprocessing's own helpers."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and not any(h in " ".join(p.cmdline()) for h in _HELPERS):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.fixture
+def store_factory() -> Iterator[Callable[..., WeightStore]]:
+    """``store_factory(source, **kwargs)`` -> a new :class:`~shmsync.WeightStore`, removed after the test."""
+    made: list[WeightStore] = []
+
+    def make(source: Any, **kwargs: Any) -> WeightStore:
+        store = WeightStore.create(source, **kwargs)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        store.unlink()
+        store.close()
+
+
+@pytest.fixture
+def shm_leak_check() -> Iterator[None]:
+    """Fails the test if it leaves a store of its own process tree, or a child process, behind.
+
+    Children get up to 10 seconds to exit; any left are killed so the next test starts clean.
+    """
+    me = os.getpid()
+    before_children = {p.pid for p in live_children()}
+    tree = {me} | before_children
+    before = stores_created_by(tree)
+    yield
+    gc.collect()  # stores dropped by the test but held in a reference cycle
+    deadline = time.monotonic() + 10
+    while True:
+        extra = [p for p in live_children() if p.pid not in before_children]
+        if not extra or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for p in extra:
+        p.kill()
+    # Stores whose creator died are only found through the creator's parent (us) or pid set.
+    leaked = stores_created_by(tree | {p.pid for p in extra}) - before
+    for name in leaked:
+        _segment.unlink(name)
+    problems = []
+    if leaked:
+        problems.append(f"shared-memory stores left behind: {sorted(leaked)}")
+    if extra:
+        problems.append(f"child processes left running: {[(p.pid, _cmd(p)) for p in extra]}")
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)
+
+
+def _cmd(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())[:120]
+    except psutil.Error:
+        return "?"

@@ -1,0 +1,68 @@
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+
+from shmsync import _segment
+from shmsync.testing import stores_created_by
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(shm_leak_check):
+    """Every test must leave no store and no child process behind."""
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _suite_leaves_no_store():
+    before = set(_segment.list_names())
+    yield
+    left = stores_created_by({os.getpid()}) - before
+    assert not left, f"the suite left stores in {_segment.SHM_DIR}: {sorted(left)}"
+
+
+@pytest.fixture
+def ctx():
+    return mp.get_context("spawn")
+
+
+class Child:
+    def __init__(self, proc, conn):
+        self.proc, self.conn = proc, conn
+
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    def expect(self, tag, timeout=60.0):
+        """The next message, which must start with ``tag``."""
+        if not self.conn.poll(timeout):
+            raise AssertionError(f"child {self.pid} sent nothing for {timeout}s (alive: {self.proc.is_alive()})")
+        msg = self.conn.recv()
+        assert msg[0] == tag, msg
+        return msg[1:]
+
+
+@pytest.fixture
+def start(ctx):
+    """``start(target, *args)`` runs ``target(*args, conn)`` in a spawned child; all are killed after the test."""
+    started = []
+
+    def _start(target, *args):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+        proc.start()
+        child.close()
+        started.append(proc)
+        return Child(proc, parent)
+
+    yield _start
+    for proc in started:
+        if proc.is_alive():
+            try:
+                os.kill(proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            proc.kill()
+        proc.join(10)

@@ -1,0 +1,133 @@
+"""Child-process entry points for the tests (spawn needs them importable)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from shmsync import WeightReader, WeightStore, WriterBusyError
+
+
+class Blob(nn.Module):
+    """A module whose buffers match :func:`blob_weights` (for stress tests)."""
+
+    def __init__(self, sizes: dict[str, int], dtype=torch.float32):
+        super().__init__()
+        for k, n in sizes.items():
+            self.register_buffer(k, torch.zeros(n, dtype=dtype))
+
+
+def blob_weights(sizes: dict[str, int], value: float = 0.0) -> TensorDict:
+    return TensorDict({k: torch.full((n,), float(value)) for k, n in sizes.items()})
+
+
+def set_all(td: TensorDict, value: float) -> None:
+    for t in td.values():
+        t.fill_(value)
+
+
+def mixed_values(module: nn.Module) -> set[float]:
+    """Distinct values across all buffers (one value means one consistent version)."""
+    vals = set()
+    for b in module.buffers():
+        lo, hi = torch.aminmax(b)
+        vals.update({float(lo), float(hi)})
+    return vals
+
+
+def attach_and_follow(store_or_name, sizes, want_versions: int, conn) -> None:
+    """Attach (by name or pickled store), report each version loaded until ``want_versions``."""
+    store = WeightStore.attach(store_or_name) if isinstance(store_or_name, str) else store_or_name
+    module = Blob(sizes)
+    reader = WeightReader(store, module)
+    seen = []
+    conn.send(("ready", os.getpid()))
+    while reader.version < want_versions:
+        if reader.poll():
+            values = mixed_values(module)
+            seen.append((reader.version, sorted(values)))
+        else:
+            time.sleep(0.0002)
+    conn.send(("seen", seen))
+    store.close()
+
+
+def stress_reader(store: WeightStore, sizes, min_reloads: int, conn) -> None:
+    """Poll as fast as possible; count reloads whose buffers hold more than one value."""
+    torch.set_num_threads(1)
+    module = Blob(sizes)
+    reader = WeightReader(store, module)
+    reloads = mixed = wrong_tag = 0
+    conn.send(("ready", os.getpid()))
+    while reloads < min_reloads:
+        if reader.poll():
+            reloads += 1
+            values = mixed_values(module)
+            if len(values) != 1:
+                mixed += 1
+            elif values != {float(reader.version)}:
+                wrong_tag += 1
+    conn.send(("done", reloads, mixed, wrong_tag, store.retries, store.pinned_reads))
+    store.close()
+
+
+def writer(store_name: str, sizes, count: int, conn, every_value: bool = True) -> None:
+    """Publish ``count`` versions back to back, each tensor filled with its version number."""
+    torch.set_num_threads(1)
+    store = WeightStore.attach(store_name)
+    weights = blob_weights(sizes)
+    conn.send(("ready", os.getpid()))
+    start = time.perf_counter()
+    try:
+        for _ in range(count):
+            set_all(weights, store.version + 1)
+            store.publish(weights)
+            if conn.poll():
+                break  # the parent says stop
+    except WriterBusyError as e:
+        conn.send(("busy", str(e)))
+        return
+    conn.send(("done", store.version, time.perf_counter() - start))
+    store.close()
+
+
+def stuck_reader(store: WeightStore, how: str, conn) -> None:
+    """Enter a pinned reload and stop in the middle of the copy (the parent then kills or stops us)."""
+    def copy(views):
+        conn.send(("in-copy", os.getpid()))
+        if how == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(3600)
+
+    store._read_pinned(copy, time.monotonic() + 3600)
+
+
+def slow_reader(store: WeightStore, sizes, loads: int, delay: float, conn) -> None:
+    """Reload with a copy slowed by ``delay`` s: slower than several publishes of the writer."""
+    torch.set_num_threads(1)
+    module = Blob(sizes)
+    targets = list(module.buffers())
+    names = [n for n, _ in module.named_buffers()]
+    order = sorted(range(len(names)), key=lambda i: names[i])
+    targets = [targets[i] for i in order]
+    done, bad = 0, 0
+    conn.send(("ready", os.getpid()))
+    start = time.monotonic()
+    while done < loads:
+
+        def copy(views):
+            for t, v in zip(targets, views):
+                t.copy_(v)
+                time.sleep(delay)
+
+        version = store._read(copy, timeout=60)
+        done += 1
+        if mixed_values(module) != {float(version)}:
+            bad += 1
+    conn.send(("done", done, bad, store.retries, store.pinned_reads, time.monotonic() - start))
+    store.close()

@@ -1,0 +1,192 @@
+"""WeightStore and WeightReader across real spawned processes."""
+
+import os
+import pickle
+import signal
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from procs import (
+    Blob,
+    attach_and_follow,
+    blob_weights,
+    set_all,
+    slow_reader,
+    stress_reader,
+    stuck_reader,
+    writer,
+)
+from shmsync import StoreNotFoundError, WeightReader, WeightStore, WriterBusyError
+
+SMALL = {"a": 1000, "b": 300, "c": 7}
+
+
+def test_create_publish_read_in_process(store_factory):
+    policy = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    store = store_factory(policy)
+    assert store.version == 0
+    worker = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    reader = WeightReader(store, worker)
+    assert reader.version == -1
+    assert reader.poll() is True and reader.version == 0
+    assert reader.poll() is False
+    torch.testing.assert_close(worker[0].weight, policy[0].weight)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(1.0)
+    assert store.publish(policy) == 1
+    assert store.version == 1
+    assert reader.poll() and reader.version == 1
+    torch.testing.assert_close(worker[2].bias, policy[2].bias)
+
+
+def test_worker_copy_is_private(store_factory):
+    policy = nn.Linear(3, 3)
+    store = store_factory(policy)
+    worker = nn.Linear(3, 3)
+    store.reader(worker).poll()
+    with torch.no_grad():
+        policy.weight.zero_()
+    assert worker.weight.abs().sum() > 0, "an unpublished in-place edit leaked into the worker"
+
+
+def test_meta_module_first_load(store_factory):
+    store = store_factory(nn.Linear(5, 3))
+    with torch.device("meta"):
+        worker = nn.Linear(5, 3)
+    reader = WeightReader(store, worker)
+    assert reader.poll()
+    assert worker.weight.device.type == "cpu"
+    torch.testing.assert_close(worker.weight, store.snapshot().weights["weight"])
+
+
+def test_several_destinations_share_one_version(store_factory):
+    actor, critic = nn.Linear(2, 2), nn.Linear(2, 1)
+    store = store_factory({"policy": actor, "value": critic})
+    assert store.destinations == ("policy", "value")
+    a2, c2 = nn.Linear(2, 2), nn.Linear(2, 1)
+    both = WeightReader(store, {"policy": a2, "value": c2})
+    only_policy = WeightReader(store, nn.Linear(2, 2), destination="policy")
+    with torch.no_grad():
+        actor.weight.fill_(3.0)
+        critic.weight.fill_(4.0)
+    v = store.publish({"policy": actor, "value": critic})
+    assert both.poll() and only_policy.poll()
+    assert both.version == only_policy.version == v == 1
+    assert float(a2.weight.detach().mean()) == 3.0 and float(c2.weight.detach().mean()) == 4.0
+
+
+def test_snapshot_and_info(store_factory):
+    store = store_factory(blob_weights(SMALL, 7.0), name=f"readable-{os.getpid()}")
+    snap = store.snapshot()
+    assert snap.version == 0 and float(snap.weights["a"][0]) == 7.0
+    info = store.info()
+    assert info["creator_pid"] == os.getpid() and info["num_slots"] == 3
+    assert store.shm_bytes <= 3 * store.nbytes + (1 << 20)
+    assert store.name == f"readable-{os.getpid()}"
+
+
+def test_unique_default_names(store_factory):
+    names = {store_factory(nn.Linear(1, 1)).name for _ in range(5)}
+    assert len(names) == 5
+
+
+def test_close_unlinks_and_attach_fails(store_factory):
+    store = WeightStore.create(nn.Linear(2, 2))
+    name = store.name
+    assert os.path.exists(f"/dev/shm/shmsync-{name}")
+    store.close()
+    assert store.closed and not os.path.exists(f"/dev/shm/shmsync-{name}")
+    with pytest.raises(StoreNotFoundError, match=name):
+        WeightStore.attach(name)
+
+
+def test_context_manager_unlinks():
+    with WeightStore.create(nn.Linear(2, 2)) as store:
+        name = store.name
+        assert WeightStore.attach(name).version == 0
+    with pytest.raises(StoreNotFoundError):
+        WeightStore.attach(name)
+
+
+def test_readers_survive_unlink(store_factory):
+    store = store_factory(blob_weights(SMALL, 1.0))
+    reader = WeightReader(store, Blob(SMALL))
+    store.unlink()
+    set_all(w := blob_weights(SMALL), 5.0)
+    store.publish(w)
+    assert reader.poll() and float(reader.module.a[0]) == 5.0
+
+
+def test_one_writer_at_a_time(store_factory, start):
+    store = store_factory(blob_weights(SMALL))
+    store.publish(blob_weights(SMALL, 1.0))  # this process now holds the writer role
+    child = start(writer, store.name, SMALL, 1)
+    child.expect("ready")
+    (msg,) = child.expect("busy")
+    assert store.name in msg
+    other = WeightStore.attach(store.name)
+    with pytest.raises(WriterBusyError):
+        other.publish(blob_weights(SMALL, 9.0))
+    other.close()
+    assert store.version == 1
+    store.release_writer()
+    child = start(writer, store.name, SMALL, 3)
+    child.expect("ready")
+    assert child.expect("done")[0] == 4
+    assert store.snapshot().weights["a"][0] == 4.0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("by", ["name", "pickle"])
+def test_children_attach_and_see_versions_in_order(store_factory, start, by):
+    store = store_factory(blob_weights(SMALL, 0.0))
+    arg = store.name if by == "name" else store
+    children = [start(attach_and_follow, arg, SMALL, 20) for _ in range(2)]
+    for c in children:
+        c.expect("ready")
+    w = blob_weights(SMALL)
+    for v in range(1, 21):
+        set_all(w, v)
+        assert store.publish(w) == v
+        time.sleep(0.002)
+    for c in children:
+        (seen,) = c.expect("seen")
+        versions = [v for v, _ in seen]
+        assert versions == sorted(versions) and versions[-1] == 20
+        assert all(values == [float(v)] for v, values in seen)
+
+
+def test_store_pickles_to_same_memory(store_factory):
+    store = store_factory(nn.Linear(2, 2))
+    clone = pickle.loads(pickle.dumps(store))
+    store.publish(nn.Linear(2, 2))
+    assert clone.version == 1
+    clone.close()
+
+
+STRESS = {"a": 2_000_000, "b": 1_000_000, "c": 1_000_000, "d": 17}  # ~16 MB of float32
+
+
+@pytest.mark.timeout(300)
+def test_torn_read_stress(store_factory, start):
+    """A writer publishes flat out; two readers check every reload holds exactly one version."""
+    store = store_factory(blob_weights(STRESS, 0.0))
+    store.release_writer()
+    min_reloads = 2600
+    readers = [start(stress_reader, store, STRESS, min_reloads) for _ in range(2)]
+    for r in readers:
+        r.expect("ready")
+    w = start(writer, store.name, STRESS, 10**9)
+    w.expect("ready")
+    results = [r.expect("done", timeout=280) for r in readers]
+    w.conn.send("stop")
+    w.expect("done")
+    total = sum(r[0] for r in results)
+    assert total >= 5000, results
+    assert sum(r[1] for r in results) == 0, f"mixed versions loaded: {results}"
+    assert sum(r[2] for r in results) == 0, f"loaded values differ from the version tag: {results}"
