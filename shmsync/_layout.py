@@ -75,9 +75,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _is_leaf(cls: type) -> bool:
+    return not issubclass(cls, TensorDictBase) or getattr(cls, "_is_non_tensor", False)
+
+
 def _leaves(td: TensorDictBase) -> list[tuple[tuple[str, ...], torch.Tensor]]:
     out = []
-    for key, value in td.items(include_nested=True, leaves_only=True):
+    # Non-tensor entries count as leaves here so they are reported, not silently dropped.
+    for key, value in td.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf):
         key = (key,) if isinstance(key, str) else tuple(key)
         if not isinstance(value, torch.Tensor):
             raise WeightMismatchError(f"entry {key_str(key)!r} is a {type(value).__name__}, not a tensor")

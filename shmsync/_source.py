@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-Source = Union[nn.Module, TensorDictBase, Mapping[str, Any]]
+Source = nn.Module | TensorDictBase | Mapping[str, Any]
 
 
 def module_weights(module: nn.Module) -> TensorDictBase:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 from tensordict import TensorDict
 from torchrl.trainers import UpdateWeights as _TorchRLUpdateWeights

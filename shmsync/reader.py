@@ -156,9 +156,7 @@ def _parts(store: WeightStore, module: Any, destination: str | None) -> list[tup
     dests = store.destinations
     if isinstance(module, Mapping):
         if dests is None:
-            raise WeightMismatchError(
-                f"store {store.name!r} holds a single module; pass one module, not a mapping"
-            )
+            raise WeightMismatchError(f"store {store.name!r} holds a single module; pass one module, not a mapping")
         unknown = [d for d in module if d not in dests]
         if unknown:
             raise WeightMismatchError(f"store {store.name!r} has no destination {unknown[0]!r} (it has {list(dests)})")
@@ -167,7 +165,9 @@ def _parts(store: WeightStore, module: Any, destination: str | None) -> list[tup
         raise TypeError(f"module must be an nn.Module or a mapping of them, got {type(module).__name__}")
     if dests is None:
         if destination is not None:
-            raise WeightMismatchError(f"store {store.name!r} holds a single module, it has no destination {destination!r}")
+            raise WeightMismatchError(
+                f"store {store.name!r} holds a single module, it has no destination {destination!r}"
+            )
         return [((), module)]
     if destination is None:
         if len(dests) != 1:

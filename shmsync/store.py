@@ -55,13 +55,13 @@ import secrets
 import threading
 import time
 import weakref
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import psutil
 import torch
 from tensordict import TensorDict
 
-from . import _segment
 from ._layout import (
     FORMAT,
     MAGIC,
@@ -216,7 +216,7 @@ class WeightStore:
         tensors = layout.match(td, "weights given to WeightStore.create()")
         doc = layout.to_json(destinations)
         layout_offset, data_offset, size = segment_bytes(doc, layout.slot_bytes, num_slots)
-        segment = Segment.create(name or f"{os.getpid()}-{secrets.token_hex(6)}", size)
+        segment = Segment.create(f"{os.getpid()}-{secrets.token_hex(6)}" if name is None else name, size)
         try:
             h = header_view(segment.buf)
             segment.buf[layout_offset : layout_offset + len(doc)] = doc

@@ -98,6 +98,7 @@ def writer(store_name: str, sizes, count: int, conn, every_value: bool = True) -
 
 def stuck_reader(store: WeightStore, how: str, conn) -> None:
     """Enter a pinned reload and stop in the middle of the copy (the parent then kills or stops us)."""
+
     def copy(views):
         conn.send(("in-copy", os.getpid()))
         if how == "sigstop":

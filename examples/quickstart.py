@@ -1,0 +1,76 @@
+"""Quickstart: one trainer process publishes, two worker processes reload lazily.
+
+    python examples/quickstart.py
+
+The trainer "trains" a small policy (random gradient steps) and publishes every few
+steps; each worker polls between its own steps and prints every version it loads.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shmsync import WeightReader, WeightStore
+
+
+@dataclass
+class Args:
+    steps: int = 40  # trainer optimizer steps
+    publish_every: int = 5  # steps between publishes
+    workers: int = 2
+
+
+def make_policy() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 2))
+
+
+def worker(store: WeightStore, worker_id: int, last_version: int) -> None:
+    # The store arrives pickled: the child attaches to the same shared memory by name.
+    with torch.device("meta"):
+        policy = make_policy()  # no memory until the first load
+    reader = WeightReader(store, policy)
+    obs = torch.randn(1, 8)
+    while reader.version < last_version:
+        if reader.poll():  # ~1 us when nothing changed
+            print(f"worker {worker_id}: loaded version {reader.version}", flush=True)
+        with torch.no_grad():
+            policy(obs)  # act with exactly one version of the weights
+        time.sleep(0.001)
+    store.close()
+
+
+def main(args: Args) -> None:
+    policy = make_policy()
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.01)
+    store = WeightStore.create(policy)
+    last_version = args.steps // args.publish_every
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker, args=(store, i, last_version)) for i in range(args.workers)]
+    for p in procs:
+        p.start()
+    try:
+        for step in range(1, args.steps + 1):
+            loss = policy(torch.randn(32, 8)).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if step % args.publish_every == 0:
+                version = store.publish(policy)  # never waits for the workers
+                print(f"trainer: step {step}, published version {version}", flush=True)
+            time.sleep(0.01)
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        store.close()  # the creator removes the shared memory
+
+
+if __name__ == "__main__":
+    main(Args())

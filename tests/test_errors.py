@@ -1,0 +1,153 @@
+"""Bad input: a clear error naming what is at fault, and nothing in shared memory changes."""
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from shmsync import StoreNotFoundError, WeightMismatchError, WeightReader, WeightStore
+
+
+def _state(store):
+    snap = store.snapshot()
+    return store.version, snap.weights.clone()
+
+
+def _assert_unchanged(store, before):
+    version, weights = before
+    assert store.version == version
+    after = store.snapshot()
+    assert after.version == version
+    assert (after.weights == weights).all()
+
+
+@pytest.fixture
+def store(store_factory):
+    return store_factory(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
+
+
+def test_publish_wrong_shape(store):
+    before = _state(store)
+    bad = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 5))
+    with pytest.raises(WeightMismatchError, match=r"'1\.bias' has shape \(5,\), the store holds \(2,\)"):
+        store.publish(bad)
+    _assert_unchanged(store, before)
+
+
+def test_publish_wrong_dtype(store):
+    before = _state(store)
+    bad = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).double()
+    with pytest.raises(
+        WeightMismatchError, match=r"'0\.bias' has dtype torch\.float64, the store holds torch\.float32"
+    ):
+        store.publish(bad)
+    _assert_unchanged(store, before)
+
+
+def test_publish_wrong_keys(store):
+    before = _state(store)
+    with pytest.raises(WeightMismatchError, match=r"missing \['1\.bias', '1\.weight'\]"):
+        store.publish(nn.Sequential(nn.Linear(4, 3)))
+    with pytest.raises(WeightMismatchError, match=r"unexpected \['2\.bias', '2\.weight'\]"):
+        store.publish(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2), nn.Linear(2, 2)))
+    _assert_unchanged(store, before)
+
+
+def test_publish_wrong_type(store):
+    before = _state(store)
+    with pytest.raises(TypeError, match="nn.Module, a TensorDict, or a mapping"):
+        store.publish([torch.zeros(3)])
+    _assert_unchanged(store, before)
+
+
+def test_publish_meta_tensors(store):
+    before = _state(store)
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    with pytest.raises(WeightMismatchError, match="meta device"):
+        store.publish(meta)
+    _assert_unchanged(store, before)
+
+
+def test_publish_missing_destination(store_factory):
+    store = store_factory({"policy": nn.Linear(2, 2), "value": nn.Linear(2, 1)})
+    before = _state(store)
+    with pytest.raises(WeightMismatchError, match=r"missing \['value\.bias', 'value\.weight'\]"):
+        store.publish({"policy": nn.Linear(2, 2)})
+    _assert_unchanged(store, before)
+
+
+def test_attach_missing_name():
+    with pytest.raises(StoreNotFoundError, match="no store named 'does-not-exist-42'"):
+        WeightStore.attach("does-not-exist-42")
+
+
+@pytest.mark.parametrize("name", ["", "a/b"])
+def test_bad_names(name):
+    with pytest.raises(ValueError, match="invalid store name"):
+        WeightStore.create(nn.Linear(1, 1), name=name)
+
+
+def test_name_taken(store_factory):
+    store = store_factory(nn.Linear(1, 1))
+    with pytest.raises(FileExistsError, match=store.name):
+        WeightStore.create(nn.Linear(1, 1), name=store.name)
+
+
+def test_empty_source():
+    with pytest.raises(WeightMismatchError, match="nothing to store"):
+        WeightStore.create(nn.ReLU())
+
+
+def test_bad_num_slots():
+    with pytest.raises(ValueError, match="num_slots"):
+        WeightStore.create(nn.Linear(1, 1), num_slots=1)
+
+
+def test_reader_module_mismatch(store):
+    before = _state(store)
+    with pytest.raises(WeightMismatchError, match=r"'0\.weight' has shape \(3, 5\), the store holds \(3, 4\)"):
+        WeightReader(store, nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 2)))
+    with pytest.raises(WeightMismatchError, match="single module"):
+        WeightReader(store, {"policy": nn.Linear(2, 2)})
+    _assert_unchanged(store, before)
+
+
+def test_reader_meta_module_mismatch_fails_on_first_load(store):
+    with torch.device("meta"):
+        wrong = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 7))
+    reader = WeightReader(store, wrong)
+    with pytest.raises(WeightMismatchError, match=r"'1\.bias' has shape \(7,\)"):
+        reader.poll()
+    assert reader.version == -1
+
+
+def test_reader_destination_errors(store_factory):
+    store = store_factory({"policy": nn.Linear(2, 2), "value": nn.Linear(2, 1)})
+    with pytest.raises(WeightMismatchError, match="say which one"):
+        WeightReader(store, nn.Linear(2, 2))
+    with pytest.raises(WeightMismatchError, match="no destination 'critic'"):
+        WeightReader(store, nn.Linear(2, 2), destination="critic")
+    with pytest.raises(WeightMismatchError, match="no destination 'critic'"):
+        WeightReader(store, {"critic": nn.Linear(2, 2)})
+
+
+def test_tensordict_with_non_tensor(store_factory):
+    td = TensorDict({"w": torch.zeros(2)})
+    td.set_non_tensor("note", "hello")
+    with pytest.raises(WeightMismatchError, match="'note'"):
+        WeightStore.create(td)
+
+
+def test_wait_timeout(store):
+    reader = WeightReader(store, nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
+    with pytest.raises(TimeoutError, match="version 5 was not published within 0.05s"):
+        reader.wait(5, timeout=0.05)
+    assert reader.wait(0, timeout=1) == 0
+
+
+def test_closed_store(store_factory):
+    store = WeightStore.create(nn.Linear(1, 1))
+    store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        store.publish(nn.Linear(1, 1))

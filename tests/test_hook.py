@@ -1,0 +1,126 @@
+"""UpdateWeights with a real TorchRL Trainer and collector."""
+
+import pytest
+import torch
+import torchrl.trainers
+from rl import make_env, make_loss, make_policy, make_trainer
+from torchrl.collectors import Collector
+
+from shmsync import UpdateWeights, WeightReader
+
+
+def _trainer(batches=4, frames_per_batch=20, optim_steps=3):
+    policy = make_policy()
+    collector = Collector(make_env, policy, frames_per_batch=frames_per_batch, total_frames=batches * frames_per_batch)
+    trainer = make_trainer(collector, make_loss(policy), batches * frames_per_batch, optim_steps)
+    return trainer, policy
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("unit,interval,expected", [("optim_steps", 2, 6), ("batches", 2, 2), ("batches", 1, 4)])
+def test_hook_publishes_each_interval(store_factory, unit, interval, expected):
+    trainer, policy = _trainer()
+    store = store_factory({"policy": policy})
+    published = []
+    hook = UpdateWeights(
+        update_weights_interval=interval,
+        trainer=trainer,
+        sender=store.sender({"policy": "loss_module.value_network"}, root=trainer),
+        interval_unit=unit,
+    )
+    hook.register(trainer)
+    trainer.register_op(
+        "post_optim" if unit == "optim_steps" else "post_steps", lambda: published.append(store.version)
+    )
+    trainer.train()
+    assert store.version == expected
+    assert published == sorted(published)
+    # What the store holds is the trained policy.
+    worker = make_policy(seed=1)
+    WeightReader(store, worker).poll()
+    if unit == "batches" and interval == 1:
+        for a, b in zip(worker.parameters(), policy.parameters()):
+            torch.testing.assert_close(a, b)
+
+
+def test_hook_registers_at_the_right_stage():
+    trainer, _ = _trainer()
+    for unit, stage in [("batches", "post_steps"), ("optim_steps", "post_optim")]:
+        hook = UpdateWeights(trainer.collector, 1, trainer=trainer, interval_unit=unit)
+        before = len(getattr(trainer, f"_{stage}_ops"))
+        hook.register(trainer, name=f"uw_{unit}")
+        assert len(getattr(trainer, f"_{stage}_ops")) == before + 1
+        assert trainer._modules[f"uw_{unit}"] is hook
+    assert isinstance(hook, torchrl.trainers.UpdateWeights)
+
+
+def test_state_dict_round_trip(store_factory):
+    trainer, policy = _trainer()
+    store = store_factory(policy)
+    hook = UpdateWeights(
+        update_weights_interval=3, trainer=trainer, sender=store.sender(policy), interval_unit="optim_steps"
+    )
+    trainer._optim_count = 7
+    hook()
+    assert hook.state_dict() == {"counter": 0, "last_update_count": 7}
+    other = UpdateWeights(
+        update_weights_interval=3, trainer=trainer, sender=store.sender(policy), interval_unit="optim_steps"
+    )
+    other.load_state_dict(hook.state_dict())
+    trainer._optim_count = 9
+    other()
+    assert store.version == 1  # 9 - 7 < 3: no publish
+    trainer._optim_count = 10
+    other()
+    assert store.version == 2
+    b = UpdateWeights(trainer.collector, 2)
+    b(), b(), b()
+    assert b.state_dict()["counter"] == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(update_weights_interval=0, collector="c"),
+        dict(interval_unit="epochs", collector="c"),
+        dict(),
+        dict(collector="c", weight_update_map={"policy": "x"}),
+        dict(collector="c", interval_unit="optim_steps"),
+        dict(sender="s", weight_update_map={"policy": "x"}, trainer="t"),
+    ],
+)
+def test_validation_errors_match_torchrl(kwargs):
+    with pytest.raises(ValueError) as ours:
+        UpdateWeights(**kwargs)
+    with pytest.raises(ValueError) as theirs:
+        torchrl.trainers.UpdateWeights(**kwargs)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_paths_resolve_subscripts_and_registered_modules(store_factory):
+    trainer, policy = _trainer()
+    behaviour = make_policy(seed=3)
+    trainer.register_module("behaviour", behaviour)
+    mlp = policy.module[0]
+    store = store_factory({"mlp": mlp, "behaviour": behaviour, "again": behaviour})
+    sender = store.sender(
+        {"mlp": "loss_module.value_network.module[0]", "behaviour": "behaviour", "again": "_modules['behaviour']"},
+        root=trainer,
+    )
+    with torch.no_grad():
+        for p in behaviour.parameters():
+            p.fill_(0.5)
+    assert sender.update_weights() == 1
+    snap = store.snapshot().weights
+    assert (snap["behaviour"] == 0.5).all() and (snap["again"] == 0.5).all()
+    torch.testing.assert_close(snap["mlp"]["module", "0", "weight"], mlp.module[0].weight.detach())
+
+
+def test_bad_path_is_reported_before_anything_changes(store_factory):
+    trainer, policy = _trainer()
+    store = store_factory({"policy": policy})
+    with pytest.raises(AttributeError, match=r"path 'loss_module\.actor_network' does not resolve: 'loss_module'"):
+        UpdateWeights(trainer.collector, 1, weight_update_map={"policy": "loss_module.actor_network"}, trainer=trainer)
+    with pytest.raises(AttributeError, match=r"has no item 5"):
+        store.sender({"policy": "loss_module.value_network.module[5]"}, root=trainer)
+    assert store.version == 0
