@@ -374,8 +374,8 @@ class _TagNext:
 
 def _model_of(collector: Any, key: str) -> Any:
     model = collector.get_model(key)
-    if model is None:
-        raise ValueError(f"the collector has no model for weight sync key {key!r}")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"weight sync key {key!r}: the collector's model is a {type(model).__name__}, not a module")
     return model
 
 
