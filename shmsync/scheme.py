@@ -45,6 +45,9 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             weights that produced it (also written under ``("next", version_key)``); None
             to write nothing.
         num_slots: copies kept in shared memory (see :meth:`WeightStore.create`).
+        source: the trainer-side module for this key, when the collector cannot resolve it in
+            the main process (say, a key such as ``"env.transform[0]"`` that names a module
+            that exists only inside each worker). Default: ``collector.get_model(key)``.
 
     Examples:
         >>> from torchrl.collectors import MultiSyncCollector  # doctest: +SKIP
@@ -63,9 +66,13 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         poll_every_steps: int | None = None,
         version_key: str | None = "policy_version",
         num_slots: int = 3,
+        source: nn.Module | None = None,
         strategy: str = "tensordict",
     ) -> None:
         super().__init__(strategy)
+        if source is not None and not isinstance(source, nn.Module):
+            raise TypeError(f"source must be an nn.Module, got {type(source).__name__}")
+        self.source = source
         if poll_every_steps is not None and poll_every_steps < 1:
             raise ValueError(f"poll_every_steps must be >= 1 or None, got {poll_every_steps}")
         self.poll_every_steps = poll_every_steps
@@ -153,6 +160,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
     # -- lifetime -------------------------------------------------------------------------------
     def __getstate__(self) -> dict:
         state = super().__getstate__()
+        state["source"] = None  # the trainer's module stays with the trainer
         state["_group"] = None
         state["_receiver"] = None
         return state
@@ -173,7 +181,7 @@ class _SenderGroup:
     def __init__(self, collector: Any, schemes: dict[str, ShmWeightSyncScheme]) -> None:
         self.keys = list(schemes)
         first = next(iter(schemes.values()))
-        models = {key: _model_of(collector, key) for key in self.keys}
+        models = {key: _model_of(collector, key, scheme) for key, scheme in schemes.items()}
         self.store = WeightStore.create(models, name=f"torchrl-{secrets.token_hex(6)}", num_slots=first.num_slots)
         self._models = {
             key: weakref.ref(m) if isinstance(m, nn.Module) else (lambda m=m: m) for key, m in models.items()
@@ -372,8 +380,16 @@ class _TagNext:
             self.then(batch)
 
 
-def _model_of(collector: Any, key: str) -> Any:
-    model = collector.get_model(key)
+def _model_of(collector: Any, key: str, scheme: ShmWeightSyncScheme) -> nn.Module:
+    if scheme.source is not None:
+        return scheme.source
+    try:
+        model = collector.get_model(key)
+    except (AttributeError, KeyError, IndexError, ValueError) as e:
+        raise ValueError(
+            f"weight sync key {key!r} does not resolve on the collector in the main process ({e}); "
+            f"pass ShmWeightSyncScheme(source=the trainer's module for {key!r})"
+        ) from None
     if not isinstance(model, nn.Module):
         raise ValueError(f"weight sync key {key!r}: the collector's model is a {type(model).__name__}, not a module")
     return model

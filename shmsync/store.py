@@ -546,8 +546,9 @@ class WeightStore:
         """Let go of the store in this process (and unlink it, if this process created it with
         ``unlink_at_exit=True``). Other processes keep their mapping."""
         if self._finalizer.alive:
-            # Drop this object's views first so the mapping can be unmapped now.
-            self._hdr = header_view(bytearray(self._hdr.nbytes))
+            # Drop this object's views first so the mapping can be unmapped now; keep a
+            # private copy of the header so `version` and `info()` still tell the last state.
+            self._hdr = self._hdr.copy()
             self._finalizer()
 
     def unlink(self) -> None:

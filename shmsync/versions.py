@@ -30,8 +30,8 @@ def staleness(batch: TensorDictBase, current: Any, key: str = "policy_version") 
         >>> batch = TensorDict({"policy_version": torch.tensor([3, 3, 4])}, batch_size=[3])
         >>> staleness(batch, 5).tolist()
         [2, 2, 1]
-        >>> s = staleness(batch, 5); (s.float().mean().item(), s.max().item())
-        (1.6666666269302246, 2)
+        >>> staleness(batch, 5).max().item()
+        2
     """
     if key not in batch.keys(include_nested=isinstance(key, tuple)):
         raise KeyError(f"the batch has no {key!r} entry: was it collected with ShmWeightSyncScheme?")

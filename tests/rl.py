@@ -38,3 +38,45 @@ def make_trainer(collector, loss, total_frames: int, optim_steps_per_batch: int 
 
 def make_loss(policy) -> DQNLoss:
     return DQNLoss(policy, action_space=make_env().action_spec, delay_value=False)
+
+
+def make_normed_env():
+    """CartPole whose observations pass through an ObservationNorm (a module with buffers)."""
+    from torchrl.envs import ObservationNorm, TransformedEnv
+
+    return TransformedEnv(make_env(), ObservationNorm(loc=torch.zeros(4), scale=torch.ones(4), in_keys=["observation"]))
+
+
+class WeightProbe(torch.nn.Module):
+    """A Pendulum policy that reports, per frame, the min and max over all of its weights.
+
+    When every weight of a version is filled with that version's number, a frame produced by
+    one complete version has ``lo == hi == version``; a mix of two versions cannot.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.Parameter(torch.zeros(512, 512))
+        self.small = torch.nn.Parameter(torch.zeros(1000))
+
+    def forward(self, observation):
+        with torch.no_grad():
+            lo = torch.minimum(self.big.min(), self.small.min())
+            hi = torch.maximum(self.big.max(), self.small.max())
+        batch = observation.shape[:-1]
+        return torch.zeros(*batch, 1), lo.expand(batch).clone(), hi.expand(batch).clone()
+
+
+def make_probe_policy():
+    from tensordict.nn import TensorDictModule
+
+    return TensorDictModule(WeightProbe(), in_keys=["observation"], out_keys=["action", "w_lo", "w_hi"])
+
+
+def make_marked_env():
+    """CartPole whose observations are shifted by +100, so a batch tells which worker made it."""
+    from torchrl.envs import ObservationNorm, TransformedEnv
+
+    return TransformedEnv(
+        make_env(), ObservationNorm(loc=torch.full((4,), 100.0), scale=torch.ones(4), in_keys=["observation"])
+    )

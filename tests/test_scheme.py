@@ -1,0 +1,256 @@
+"""ShmWeightSyncScheme with real TorchRL multi-process collectors on gymnasium environments."""
+
+import os
+import threading
+
+import pytest
+import torch
+import torchrl.trainers
+from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
+
+from rl import (
+    make_env,
+    make_loss,
+    make_marked_env,
+    make_normed_env,
+    make_pendulum,
+    make_policy,
+    make_probe_policy,
+    make_trainer,
+)
+from shmsync import ShmWeightSyncScheme, StoreNotFoundError, UpdateWeights, WeightStore, staleness
+
+pytestmark = pytest.mark.timeout(180)
+
+TIE = torch.tensor([1, 1])  # QValueActor's one-hot action when both Q-values are equal (all-zero weights)
+
+
+def _zero_(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.zero_()
+
+
+def _is_tie(actions):
+    return (actions == TIE).all(-1)
+
+
+def _collector(cls, workers, policy, frames=40, **scheme_kwargs):
+    scheme = ShmWeightSyncScheme(**scheme_kwargs)
+    collector = cls(
+        [make_env, make_marked_env][:workers] if workers <= 2 else [make_env] * workers,
+        policy,
+        frames_per_batch=frames * workers,
+        total_frames=-1,
+        weight_sync_schemes={"policy": scheme},
+    )
+    return collector, scheme
+
+
+@pytest.mark.parametrize("cls", [MultiSyncCollector, MultiAsyncCollector])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_published_weights_reach_every_worker_and_edits_do_not(cls, workers):
+    policy = make_policy()
+    collector, scheme = _collector(cls, workers, policy)
+    try:
+        it = iter(collector)
+        batch = next(it)
+        assert (batch["policy_version"] == 0).all()
+        _zero_(policy)  # an in-place edit on the trainer, not published
+        for _ in range(2 * workers):
+            batch = next(it)
+            assert (batch["policy_version"] == 0).all()
+            assert not _is_tie(batch["action"]).any(), "an unpublished edit reached a worker"
+        collector.update_policy_weights_()
+        assert scheme.version == 1
+        if cls is MultiSyncCollector:
+            # Every worker reports the new weights right away (state_dict polls the store).
+            state = collector.state_dict()
+            for w in range(workers):
+                weights = state[f"worker{w}"]["policy_state_dict"]
+                assert all((v == 0).all() for v in weights.values()), f"worker {w} kept old weights"
+        new_frames_per_worker = [0] * workers
+        for _ in range(6 * workers):
+            batch = next(it)
+            new = batch["policy_version"] == 1
+            assert _is_tie(batch["action"][new]).all(), "frames tagged 1 were not produced by version 1"
+            assert not _is_tie(batch["action"][~new]).any(), "frames tagged 0 were produced by version 1"
+            worker = (batch["observation"][..., 0] > 50).long()  # worker 1's observations are shifted
+            for w in range(workers):
+                new_frames_per_worker[w] += int((new & (worker == w)).sum())
+        assert all(n > 0 for n in new_frames_per_worker), f"a worker kept the old weights: {new_frames_per_worker}"
+    finally:
+        collector.shutdown()
+
+
+def test_tags_follow_published_versions_in_sync_collector():
+    policy = make_policy()
+    collector, scheme = _collector(MultiSyncCollector, 2, policy)
+    try:
+        for i, batch in enumerate(collector):
+            # The sync collector collects batch i after the i-th publish.
+            assert batch["policy_version"].unique().tolist() == [i]
+            assert batch["next", "policy_version"].unique().tolist() == [i]
+            assert (staleness(batch, scheme.store) == 0).all()
+            collector.update_policy_weights_()
+            if i == 5:
+                break
+        assert scheme.version == 6
+    finally:
+        collector.shutdown()
+
+
+def test_poll_inside_long_rollouts():
+    policy = make_policy()
+    collector, scheme = _collector(MultiSyncCollector, 1, policy, frames=400, poll_every_steps=10)
+    try:
+        it = iter(collector)
+        next(it)
+        _zero_(policy)
+        collector.update_policy_weights_()
+        # Already published before the next rollout: all of it is version 1.
+        batch = next(it)
+        assert (batch["policy_version"] == 1).all()
+    finally:
+        collector.shutdown()
+
+
+def test_shutdown_releases_shared_memory():
+    collector, scheme = _collector(MultiSyncCollector, 2, make_policy())
+    name = scheme.store.name
+    next(iter(collector))
+    assert os.path.exists(f"/dev/shm/shmsync-{name}")
+    collector.shutdown()
+    assert not os.path.exists(f"/dev/shm/shmsync-{name}")
+    with pytest.raises(StoreNotFoundError):
+        WeightStore.attach(name)
+
+
+def test_update_with_explicit_weights_and_weights_dict():
+    policy = make_policy()
+    other = make_policy(seed=5)
+    collector, scheme = _collector(MultiSyncCollector, 1, policy)
+    try:
+        from tensordict import TensorDict
+
+        it = iter(collector)
+        next(it)
+        _zero_(other)
+        collector.update_policy_weights_(TensorDict.from_module(other))
+        assert scheme.version == 1
+        collector.update_policy_weights_(weights_dict={"policy": other})
+        assert scheme.version == 2
+        batch = next(it)
+        assert (batch["policy_version"] == 2).all() and _is_tie(batch["action"]).all()
+    finally:
+        collector.shutdown()
+
+
+def test_two_keys_publish_atomically():
+    from torchrl.envs import ObservationNorm
+
+    policy = make_policy()
+    norm = ObservationNorm(loc=torch.zeros(4), scale=torch.ones(4), in_keys=["observation"])
+    schemes = {"policy": ShmWeightSyncScheme(), "env.transform": ShmWeightSyncScheme(source=norm)}
+    collector = MultiAsyncCollector(
+        [make_normed_env] * 2, policy, frames_per_batch=50, total_frames=-1, weight_sync_schemes=schemes
+    )
+    try:
+        store = schemes["policy"].store
+        assert store is schemes["env.transform"].store and store.destinations == ("policy", "env.transform")
+        it = iter(collector)
+        next(it)
+        _zero_(policy)
+        with torch.no_grad():
+            norm.loc.fill_(-1000.0)  # observations become >= 997 once it arrives
+        collector.update_policy_weights_(weights_dict={"policy": policy, "env.transform": norm})
+        assert store.version == 1  # one version for both keys
+        for _ in range(6):
+            batch = next(it)
+            v = batch["policy_version"]
+            big_obs = (batch["observation"] > 900).all(-1)
+            tie = _is_tie(batch["action"])
+            # Frames of version 1 have both changes, frames of version 0 neither.
+            assert (tie[v == 1]).all() and not tie[v == 0].any()
+            assert not big_obs[v == 0].any()
+    finally:
+        collector.shutdown()
+
+
+def test_no_frame_mixes_two_versions_under_async_publishing():
+    policy = make_probe_policy()
+    scheme = ShmWeightSyncScheme(poll_every_steps=1)
+    collector = MultiAsyncCollector(
+        [make_pendulum] * 2, policy, frames_per_batch=50, total_frames=-1, weight_sync_schemes={"policy": scheme}
+    )
+    stop = threading.Event()
+    published = []
+
+    def publish_flat_out():
+        from tensordict import TensorDict
+
+        weights = TensorDict.from_module(policy).clone()
+        while not stop.is_set():
+            v = scheme.version + 1
+            weights.apply_(lambda t: t.fill_(v))
+            collector.update_policy_weights_(weights)
+            published.append(v)
+
+    thread = threading.Thread(target=publish_flat_out, daemon=True)
+    try:
+        it = iter(collector)
+        next(it)
+        thread.start()
+        frames = mixed = 0
+        versions = set()
+        for _ in range(30):
+            batch = next(it)
+            lo, hi, tag = batch["w_lo"], batch["w_hi"], batch["policy_version"]
+            mixed += int((lo != hi).sum())
+            assert (lo[lo == hi] == tag[lo == hi].float()).all(), "a frame's tag differs from its weights"
+            frames += batch.numel()
+            versions.update(tag.unique().tolist())
+        assert mixed == 0
+        assert len(versions) > 5, f"publishing did not reach the workers: {versions}"
+        assert frames == 30 * 50
+    finally:
+        stop.set()
+        thread.join(10)
+        collector.shutdown()
+
+
+@pytest.mark.parametrize("hook_cls", [torchrl.trainers.UpdateWeights, UpdateWeights])
+def test_update_weights_hooks_with_weight_update_map(hook_cls):
+    policy = make_policy()
+    collector, scheme = _collector(MultiSyncCollector, 2, policy, frames=25)
+    trainer = make_trainer(collector, make_loss(policy), total_frames=250, optim_steps_per_batch=2)
+    hook = hook_cls(collector, 1, weight_update_map={"policy": "loss_module.value_network"}, trainer=trainer)
+    hook.register(trainer)
+    tags = []
+    trainer.register_op("batch_process", lambda batch: tags.append(batch["policy_version"].unique().tolist()))
+    trainer.train()  # shuts the collector down at the end
+    assert scheme.version == 5
+    assert tags == [[i] for i in range(5)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_worker_policies():
+    policy = make_policy()
+    scheme = ShmWeightSyncScheme()
+    collector = MultiSyncCollector(
+        [make_env] * 2,
+        policy,
+        frames_per_batch=40,
+        total_frames=-1,
+        device="cuda:0",
+        weight_sync_schemes={"policy": scheme},
+    )
+    try:
+        it = iter(collector)
+        next(it)
+        _zero_(policy)
+        collector.update_policy_weights_()
+        batch = next(it)
+        assert (batch["policy_version"] == 1).all() and _is_tie(batch["action"].cpu()).all()
+    finally:
+        collector.shutdown()
