@@ -3,10 +3,11 @@
 import pytest
 import torch
 import torchrl.trainers
-from rl import make_env, make_loss, make_policy, make_trainer
 from torchrl.collectors import Collector
 
 from shmsync import UpdateWeights, WeightReader
+
+from rl import make_env, make_loss, make_policy, make_trainer
 
 
 def _trainer(batches=4, frames_per_batch=20, optim_steps=3):

@@ -8,6 +8,8 @@ import torch
 import torchrl.trainers
 from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
 
+from shmsync import ShmWeightSyncScheme, StoreNotFoundError, UpdateWeights, WeightStore, staleness
+
 from rl import (
     make_env,
     make_loss,
@@ -18,7 +20,6 @@ from rl import (
     make_probe_policy,
     make_trainer,
 )
-from shmsync import ShmWeightSyncScheme, StoreNotFoundError, UpdateWeights, WeightStore, staleness
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -192,7 +193,7 @@ def test_no_frame_mixes_two_versions_under_async_publishing():
         weights = TensorDict.from_module(policy).clone()
         while not stop.is_set():
             v = scheme.version + 1
-            weights.apply_(lambda t: t.fill_(v))
+            weights.apply_(lambda t, v=v: t.fill_(v))
             collector.update_policy_weights_(weights)
             published.append(v)
 

@@ -7,6 +7,10 @@ import time
 
 import pytest
 import torch
+from torch import nn
+
+from shmsync import StoreNotFoundError, WeightReader, WeightStore, WriterBusyError
+
 from procs import (
     Blob,
     attach_and_follow,
@@ -17,9 +21,6 @@ from procs import (
     stuck_reader,
     writer,
 )
-from torch import nn
-
-from shmsync import StoreNotFoundError, WeightReader, WeightStore, WriterBusyError
 
 SMALL = {"a": 1000, "b": 300, "c": 7}
 
