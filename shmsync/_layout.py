@@ -52,6 +52,10 @@ W_PUBLISH_COUNT = 19
 W_CREATOR_PPID = 20  # lets a test's leak check find stores made by its children
 W_SEQ = 32  # W_SEQ + i: slot i's sequence number, odd while it is being written
 W_SLOT_VERSION = 64  # W_SLOT_VERSION + i: the version slot i holds
+# Reader table: one row per attached reader, each row written only by its own reader.
+W_READERS = 128
+READER_WORDS = 4  # pid, loaded version, reloads, time of the last reload (ns)
+MAX_READERS = (HEADER_WORDS - W_READERS) // READER_WORDS
 
 
 def _align(n: int, to: int) -> int:

@@ -11,7 +11,8 @@ released by the kernel when the holder dies, however it dies):
 * byte 0, shared by every process that has the segment open: lets ``gc`` tell
   whether any live process still holds a store;
 * byte 1, exclusive: the writer role;
-* byte 2, exclusive: the reader's starvation token (see :mod:`shmsync.store`).
+* byte 2, exclusive: the reader's starvation token (see :mod:`shmsync.store`);
+* byte 3, exclusive, held for microseconds: claiming a row of the reader table.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ PREFIX = "shmsync-"
 HOLDER_LOCK = 0
 WRITER_LOCK = 1
 TOKEN_LOCK = 2
+TABLE_LOCK = 3
 
 _F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
 _F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -77,6 +78,8 @@ class WeightReader:
         self._parts = _parts(store, module, destination)
         self._targets: list[torch.Tensor] | None = None
         self._indices: list[int] = []
+        self._row = store._claim_reader_row()  # for `shmsync ls` and store.readers()
+        self._finalizer = weakref.finalize(self, store._release_reader_row, self._row)
         # Check the module against the store now (clear error at construction time).
         if not any(_is_meta(m) for _, m in self._parts):
             self._bind()
@@ -105,6 +108,7 @@ class WeightReader:
         changed = version != self._version
         self._version = version
         self.reloads += 1
+        self.store._update_reader_row(self._row, version, self.reloads)
         return changed
 
     def wait(self, min_version: int, timeout: float | None = None) -> int:
@@ -126,6 +130,10 @@ class WeightReader:
             pause = min(pause * 2, 0.005)
             self.poll()
         return self._version
+
+    def close(self) -> None:
+        """Leave the store's reader table (the module keeps its weights)."""
+        self._finalizer()
 
     def _bind(self) -> None:
         """Materialize meta weights, move to ``device``, match the module against the store."""

@@ -65,7 +65,9 @@ from tensordict import TensorDict
 from ._layout import (
     FORMAT,
     MAGIC,
+    MAX_READERS,
     MAX_SLOTS,
+    READER_WORDS,
     W_CREATE_NS,
     W_CREATOR_PID,
     W_CREATOR_PPID,
@@ -84,6 +86,7 @@ from ._layout import (
     W_PIN_SLOT,
     W_PUBLISH_COUNT,
     W_PUBLISH_NS,
+    W_READERS,
     W_SEQ,
     W_SLOT_BYTES,
     W_SLOT_VERSION,
@@ -93,7 +96,7 @@ from ._layout import (
     header_view,
     segment_bytes,
 )
-from ._segment import TOKEN_LOCK, WRITER_LOCK, Segment
+from ._segment import TABLE_LOCK, TOKEN_LOCK, WRITER_LOCK, Segment
 from ._source import as_tensordict
 from .errors import ReloadTimeoutError, ShmSyncError, StoreNotFoundError, WriterBusyError
 
@@ -173,6 +176,7 @@ class WeightStore:
         self._owner = owner
         self.retries = 0  # optimistic copies that failed validation in this process
         self.pinned_reads = 0  # reads that needed the pinned fallback in this process
+        self.publish_seconds = 0.0  # time spent in publish() by this process
         self._finalizer = weakref.finalize(
             self, _release, segment, self._slots, int(h[W_CREATOR_PID]), owner and unlink_at_exit
         )
@@ -346,12 +350,15 @@ class WeightStore:
             WeightMismatchError: a key, shape or dtype differs; nothing is written.
             WriterBusyError: another live process holds the writer role.
         """
+        start = time.perf_counter()
         self._check_open()
         td, _ = as_tensordict(source, "publish() source")
         tensors = self._layout.match(td, f"weights published to store {self.name!r}")
         if not self._segment.held(WRITER_LOCK):
             self._acquire_writer()
-        return self._write(tensors)
+        version = self._write(tensors)
+        self.publish_seconds += time.perf_counter() - start
+        return version
 
     def release_writer(self) -> None:
         """Give up the writer role so another process may publish."""
@@ -521,6 +528,49 @@ class WeightStore:
         version = self._read(lambda views: _copy_all(tensors, views))
         return Snapshot(version, self._layout.as_tensordict(tensors))
 
+    # -- reader table -------------------------------------------------------------------------
+    def _claim_reader_row(self) -> int:
+        """A free row of the reader table for this process (-1 if the table is full)."""
+        h = self._hdr
+        self._segment.lock(TABLE_LOCK, exclusive=True, wait=True)
+        try:
+            for row in range(MAX_READERS):
+                base = W_READERS + row * READER_WORDS
+                pid = int(h[base])
+                if pid == 0 or not _alive(pid):
+                    h[base : base + READER_WORDS] = (os.getpid(), -1, 0, 0)
+                    return row
+            return -1
+        finally:
+            self._segment.unlock(TABLE_LOCK)
+
+    def _update_reader_row(self, row: int, version: int, reloads: int) -> None:
+        if row >= 0 and not self.closed:
+            base = W_READERS + row * READER_WORDS
+            self._hdr[base + 1 : base + 4] = (version, reloads, time.time_ns())
+
+    def _release_reader_row(self, row: int) -> None:
+        if row >= 0 and not self.closed:
+            self._hdr[W_READERS + row * READER_WORDS] = 0
+
+    def readers(self) -> list[dict[str, int]]:
+        """Readers attached to this store in live processes: pid, loaded version, reloads,
+        and the wall-clock time of their last reload (ns)."""
+        h, out = self._hdr, []
+        for row in range(MAX_READERS):
+            base = W_READERS + row * READER_WORDS
+            pid = int(h[base])
+            if pid and _alive(pid):
+                out.append(
+                    {
+                        "pid": pid,
+                        "version": int(h[base + 1]),
+                        "reloads": int(h[base + 2]),
+                        "last_reload_ns": int(h[base + 3]),
+                    }
+                )
+        return out
+
     def reader(self, module: Any, device: torch.device | str | None = None, **kwargs: Any):
         """A :class:`~shmsync.WeightReader` that loads this store into ``module``."""
         from .reader import WeightReader
@@ -563,6 +613,16 @@ class WeightStore:
         if self._owner:
             self.unlink()
         self.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

@@ -1,0 +1,202 @@
+"""DQN on CartPole-v1 with TorchRL's Trainer, a 2-worker collector and shmsync weight sync.
+
+    python examples/train_cartpole.py            # MultiSyncCollector
+    python examples/train_cartpole.py --async    # MultiAsyncCollector
+    python examples/train_cartpole.py --help
+
+The collector's workers get the trainer's weights through a shared-memory store
+(`ShmWeightSyncScheme`); the `UpdateWeights` hook publishes after every batch without
+waiting for any worker. Every collected frame carries the version of the weights that
+produced it, so the summary can report exact staleness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+from tensordict.nn import TensorDictSequential
+from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+from torchrl.envs import GymEnv
+from torchrl.envs.utils import ExplorationType, set_exploration_type
+from torchrl.modules import MLP, EGreedyModule, QValueActor
+from torchrl.objectives import DQNLoss, SoftUpdate
+from torchrl.trainers import DefaultOptimizationStepper, Trainer
+
+from shmsync import ShmWeightSyncScheme, UpdateWeights, staleness
+
+
+@dataclass
+class Args:
+    total_frames: int = 60_160  # upper bound (a multiple of frames_per_batch); stops at the target
+    frames_per_batch: int = 256  # per batch, over all workers
+    workers: int = 2
+    optim_steps_per_batch: int = 64
+    batch_size: int = 128
+    lr: float = 1e-3
+    gamma: float = 0.99
+    tau: float = 0.02  # soft target-network update rate
+    eps_frames: int = 10_000  # frames over which epsilon anneals from 1 to eps_end
+    eps_end: float = 0.05
+    buffer_size: int = 50_000
+    eval_every: int = 5  # batches between evaluations
+    eval_episodes: int = 5
+    target_return: float = 195.0  # stop when the evaluation average reaches it (0: never)
+    seed: int = 0
+    use_async: bool = False  # MultiAsyncCollector instead of MultiSyncCollector
+    progress: bool = True
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for f in dataclasses.fields(Args):
+        flag = "--async" if f.name == "use_async" else f"--{f.name.replace('_', '-')}"
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            parser.add_argument(flag, dest=f.name, type=type(f.default), default=f.default)
+    return Args(**vars(parser.parse_args(argv)))
+
+
+def make_env():
+    return GymEnv("CartPole-v1")
+
+
+def evaluate(actor, episodes: int) -> float:
+    env = make_env()
+    returns = []
+    with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
+        for _ in range(episodes):
+            rollout = env.rollout(500, actor, break_when_any_done=True)
+            returns.append(rollout["next", "reward"].sum().item())
+    env.close()
+    return sum(returns) / len(returns)
+
+
+def main(args: Args) -> dict:
+    torch.manual_seed(args.seed)
+    start = time.perf_counter()
+    spec = make_env().action_spec
+
+    # Policy: a Q-network, plus epsilon-greedy exploration for the collectors.
+    actor = QValueActor(MLP(in_features=4, out_features=2, num_cells=[128, 128]), in_keys=["observation"], spec=spec)
+    greedy = EGreedyModule(spec, annealing_num_steps=args.eps_frames, eps_init=1.0, eps_end=args.eps_end)
+    policy = TensorDictSequential(actor, greedy)
+
+    # Workers load `policy` from shared memory and reload only when a new version is published.
+    scheme = ShmWeightSyncScheme()
+    collector_cls = MultiAsyncCollector if args.use_async else MultiSyncCollector
+    collector = collector_cls(
+        [make_env] * args.workers,
+        policy,
+        frames_per_batch=args.frames_per_batch,
+        total_frames=args.total_frames,
+        weight_sync_schemes={"policy": scheme},
+    )
+
+    loss = DQNLoss(actor, action_space=spec, delay_value=True)
+    loss.make_value_estimator(gamma=args.gamma)
+    target_updater = SoftUpdate(loss, tau=args.tau)
+    buffer = TensorDictReplayBuffer(storage=LazyTensorStorage(args.buffer_size), batch_size=args.batch_size)
+    trainer = Trainer(
+        collector=collector,
+        total_frames=args.total_frames,
+        frame_skip=1,
+        optim_steps_per_batch=args.optim_steps_per_batch,
+        loss_module=loss,
+        optimizer=torch.optim.Adam(loss.parameters(), lr=args.lr),
+        optimization_stepper=DefaultOptimizationStepper(),
+        target_net_updater=target_updater,
+        progress_bar=args.progress,
+        log_interval=10**9,
+    )
+
+    # The replay buffer, by hand: extend with each batch, sample for each optimizer step.
+    stats = {"staleness": [], "versions_per_worker": [set() for _ in range(args.workers)]}
+
+    def record(batch):
+        tags = staleness(batch, scheme)
+        stats["staleness"].append(tags.flatten())
+        if not args.use_async:  # [workers, time]
+            for w in range(args.workers):
+                stats["versions_per_worker"][w].update(batch["policy_version"][w].unique().tolist())
+        greedy.step(batch.numel())
+        buffer.extend(batch.reshape(-1))
+
+    trainer.register_op("batch_process", record)
+    trainer.register_op("process_optim_batch", lambda _: buffer.sample())
+    trainer.register_op("post_optim", target_updater.step)
+
+    # Publish the exploration policy (registered on the trainer) after every batch.
+    trainer.register_module("exploration_policy", policy)
+    UpdateWeights(collector, 1, weight_update_map={"policy": "exploration_policy"}, trainer=trainer).register(trainer)
+
+    evals: list[tuple[int, float, float]] = []
+    batches = [0]
+
+    def maybe_evaluate():
+        batches[0] += 1
+        if batches[0] % args.eval_every:
+            return
+        avg = evaluate(actor, args.eval_episodes)
+        evals.append((trainer.collected_frames, avg, time.perf_counter() - start))
+        if getattr(trainer, "_pbar", None) is not None:
+            trainer._pbar.set_postfix(eval_return=f"{avg:.0f}", version=scheme.version)
+        if args.target_return and avg >= args.target_return:
+            trainer.request_stop(f"evaluation return {avg:.0f} >= {args.target_return}")
+
+    trainer.register_op("post_steps", maybe_evaluate)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            trainer.train()  # shuts the collector (and its store) down at the end
+    finally:
+        collector.shutdown()  # also on errors, or worker processes would keep the program alive
+    total = time.perf_counter() - start
+
+    final = evaluate(actor, 10)
+    store = scheme.store
+    tags = torch.cat(stats["staleness"]) if stats["staleness"] else torch.zeros(1, dtype=torch.long)
+    summary = {
+        "frames": trainer.collected_frames,
+        "seconds": total,
+        "frames_per_second": trainer.collected_frames / total,
+        "versions_published": store.version,
+        "versions_seen_per_worker": [len(v) for v in stats["versions_per_worker"]] if not args.use_async else None,
+        "staleness_mean": tags.float().mean().item(),
+        "staleness_max": int(tags.max()),
+        "publish_seconds": store.publish_seconds,
+        "publish_fraction": store.publish_seconds / total,
+        "final_eval_return": final,
+        "target_reached_at": next(((f, t) for f, r, t in evals if r >= args.target_return), None),
+    }
+    print("\n--- summary ---")
+    print(f"collector            {collector_cls.__name__}, {args.workers} workers")
+    print(f"frames               {summary['frames']} in {total:.1f}s ({summary['frames_per_second']:.0f} frames/s)")
+    print(f"versions published   {summary['versions_published']}")
+    if summary["versions_seen_per_worker"] is not None:
+        print(f"reloads per worker   {summary['versions_seen_per_worker']} (distinct versions in each worker's frames)")
+    print(f"staleness of frames  mean {summary['staleness_mean']:.2f}, max {summary['staleness_max']} versions")
+    print(
+        f"time publishing      {store.publish_seconds * 1e3:.1f} ms ({100 * summary['publish_fraction']:.3f}% of total)"
+    )
+    reached = summary["target_reached_at"]
+    print(
+        f"evaluation           final average return {final:.1f} over 10 episodes; "
+        + (
+            f"target {args.target_return:.0f} reached after {reached[0]} frames, {reached[1]:.0f}s"
+            if reached
+            else "target not reached"
+        )
+    )
+    return summary
+
+
+if __name__ == "__main__":
+    main(parse_args())

@@ -1,0 +1,51 @@
+"""The examples run end to end with tiny budgets."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args, timeout=240):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_quickstart():
+    out = _run("examples/quickstart.py")
+    assert "trainer: step 40, published version 8" in out
+    for worker in (0, 1):
+        assert f"worker {worker}: loaded version 8" in out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", [[], ["--async"]])
+def test_train_cartpole_tiny_budget(mode):
+    out = _run(
+        "examples/train_cartpole.py",
+        "--total-frames",
+        "512",
+        "--frames-per-batch",
+        "128",
+        "--optim-steps-per-batch",
+        "4",
+        "--eval-every",
+        "2",
+        "--eval-episodes",
+        "1",
+        "--target-return",
+        "0",
+        "--no-progress",
+        *mode,
+    )
+    assert "versions published   4" in out
+    assert "staleness of frames" in out and "evaluation" in out
+    if not mode:
+        assert "reloads per worker   [4, 4]" in out
