@@ -1,42 +1,57 @@
 """shmsync: versioned shared-memory weights for RL rollout workers on one host.
 
 The trainer publishes into a :class:`WeightStore`; workers load the newest complete
-version with a :class:`WeightReader` when, and only when, it changed. The store and
-the reader import without TorchRL; :class:`UpdateWeights` and
-:class:`ShmWeightSyncScheme` plug into TorchRL and are imported on first use.
+version with a :class:`WeightReader` when, and only when, it changed.
+:class:`UpdateWeights` and :class:`ShmWeightSyncScheme` plug into TorchRL.
+
+Names are imported on first use, so ``import shmsync`` (and the ``shmsync`` command) stays
+light; the store and the reader never import TorchRL.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from .errors import (
-    ReloadTimeoutError,
-    ShmSyncError,
-    StoreNotFoundError,
-    WeightMismatchError,
-    WriterBusyError,
-)
-from .reader import WeightReader
-from .sender import WeightSender
-from .store import Snapshot, WeightStore
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
 _LAZY = {
+    "WeightStore": "shmsync.store",
+    "Snapshot": "shmsync.store",
+    "WeightReader": "shmsync.reader",
+    "WeightSender": "shmsync.sender",
     "UpdateWeights": "shmsync.hook",
     "ShmWeightSyncScheme": "shmsync.scheme",
     "staleness": "shmsync.versions",
+    "tag_versions": "shmsync.tagging",
+    "ShmSyncError": "shmsync.errors",
+    "StoreNotFoundError": "shmsync.errors",
+    "WeightMismatchError": "shmsync.errors",
+    "WriterBusyError": "shmsync.errors",
+    "ReloadTimeoutError": "shmsync.errors",
 }
+
+if TYPE_CHECKING:
+    from .errors import ReloadTimeoutError, ShmSyncError, StoreNotFoundError, WeightMismatchError, WriterBusyError
+    from .hook import UpdateWeights
+    from .reader import WeightReader
+    from .scheme import ShmWeightSyncScheme
+    from .sender import WeightSender
+    from .store import Snapshot, WeightStore
+    from .tagging import tag_versions
+    from .versions import staleness
 
 
 def __getattr__(name: str) -> Any:
-    # TorchRL-facing names load torchrl only when asked for.
     if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'shmsync' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
 
 
 __all__ = [
@@ -52,4 +67,5 @@ __all__ = [
     "WeightStore",
     "WriterBusyError",
     "staleness",
+    "tag_versions",
 ]

@@ -14,48 +14,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from ._header import ALIGN, HEADER_BYTES, PAGE
 from .errors import WeightMismatchError
-
-MAGIC = 0x534D5359_4E433031  # "SMSYNC01"
-FORMAT = 1
-HEADER_BYTES = 4096
-HEADER_WORDS = HEADER_BYTES // 8
-MAX_SLOTS = 16
-ALIGN = 64
-PAGE = 4096
-
-# Header word indices.
-W_MAGIC = 0
-W_FORMAT = 1
-W_VERSION = 2  # last completed version
-W_LATEST = 3  # slot holding it
-W_NUM_SLOTS = 4
-W_CREATOR_PID = 5
-W_CREATOR_START = 6  # creator's process start time (ns), tells a reused pid apart
-W_WRITER_PID = 7
-W_PUBLISH_NS = 8  # wall-clock time of the last completed publish
-W_CREATE_NS = 9
-W_PIN_REQUEST = 10  # pin protocol, see store.py
-W_PIN_GRANT = 11
-W_PIN_SLOT = 12
-W_PIN_RELEASE = 13
-W_LAYOUT_OFFSET = 14
-W_LAYOUT_BYTES = 15
-W_DATA_OFFSET = 16
-W_SLOT_BYTES = 17
-W_PAYLOAD_BYTES = 18
-W_PUBLISH_COUNT = 19
-W_CREATOR_PPID = 20  # lets a test's leak check find stores made by its children
-W_SEQ = 32  # W_SEQ + i: slot i's sequence number, odd while it is being written
-W_SLOT_VERSION = 64  # W_SLOT_VERSION + i: the version slot i holds
-# Reader table: one row per attached reader, each row written only by its own reader.
-W_READERS = 128
-READER_WORDS = 4  # pid, loaded version, reloads, time of the last reload (ns)
-MAX_READERS = (HEADER_WORDS - W_READERS) // READER_WORDS
 
 
 def _align(n: int, to: int) -> int:
@@ -191,14 +154,10 @@ class Layout:
         return td
 
 
-def header_view(buf) -> np.ndarray:
-    return np.frombuffer(buf, dtype=np.int64, count=HEADER_WORDS)
-
-
 def segment_bytes(layout_json: bytes, slot_bytes: int, num_slots: int) -> tuple[int, int, int]:
     """(layout offset, data offset, total size) for a new segment."""
     data_offset = _align(HEADER_BYTES + len(layout_json), PAGE)
     return HEADER_BYTES, data_offset, data_offset + slot_bytes * num_slots
 
 
-__all__ = ["Entry", "Layout", "header_view", "segment_bytes"]
+__all__ = ["Entry", "Layout", "segment_bytes"]

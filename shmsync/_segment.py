@@ -140,12 +140,6 @@ class Segment:
     def held(self, byte: int) -> bool:
         return byte in self._locks
 
-    def is_locked_by_others(self, byte: int, *, exclusive: bool) -> bool:
-        """Whether another open file description holds a lock that conflicts with ``exclusive``."""
-        kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
-        out = fcntl.fcntl(self.fd, _F_OFD_GETLK, struct.pack(_FLOCK, kind, 0, byte, 1, 0))
-        return struct.unpack(_FLOCK, out)[0] != fcntl.F_UNLCK
-
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
         """Unmap and close. Raises BufferError if tensors still view the mapping."""
@@ -158,6 +152,13 @@ class Segment:
 
     def unlink(self) -> None:
         unlink(self.name)
+
+
+def conflicting_lock(fd: int, byte: int, *, exclusive: bool) -> bool:
+    """Whether another open file description holds a lock on ``byte`` that conflicts with ``exclusive``."""
+    kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
+    out = fcntl.fcntl(fd, _F_OFD_GETLK, struct.pack(_FLOCK, kind, 0, byte, 1, 0))
+    return struct.unpack(_FLOCK, out)[0] != fcntl.F_UNLCK
 
 
 def unlink(name: str) -> bool:

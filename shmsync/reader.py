@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._layout import W_VERSION
+from ._header import W_VERSION
 from ._source import module_weights
 from .errors import ReloadTimeoutError, WeightMismatchError
 from .store import WeightStore, _copy_all

@@ -19,13 +19,13 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 
 from .reader import WeightReader
 from .store import WeightStore
+from .tagging import tag_versions
 
 # Worker process: store name -> receivers polled before each rollout.
 _RECEIVERS: dict[str, list[_Receiver]] = {}
@@ -313,7 +313,7 @@ class _Receiver:
         if every is not None:
             model.register_forward_pre_hook(_step_poll_hook(self, every))
         if key is not None:
-            model.register_forward_hook(_version_tag_hook(self, key))
+            tag_versions(model, lambda: self.reader_version, key)
 
     def close(self) -> None:
         receivers = _RECEIVERS.get(self.store.name, [])
@@ -336,16 +336,6 @@ def _step_poll_hook(receiver: _Receiver, every: int) -> Callable:
         receiver.calls += 1
         if receiver.calls % every == 0:
             receiver.poll()
-
-    return hook
-
-
-def _version_tag_hook(receiver: _Receiver, key: str) -> Callable:
-    def hook(module, args, output):
-        if isinstance(output, TensorDictBase):
-            output.set(
-                key, torch.full(output.batch_size, receiver.reader_version, dtype=torch.int64, device=output.device)
-            )
 
     return hook
 

@@ -62,7 +62,7 @@ import psutil
 import torch
 from tensordict import TensorDict
 
-from ._layout import (
+from ._header import (
     FORMAT,
     MAGIC,
     MAX_READERS,
@@ -92,10 +92,9 @@ from ._layout import (
     W_SLOT_VERSION,
     W_VERSION,
     W_WRITER_PID,
-    Layout,
     header_view,
-    segment_bytes,
 )
+from ._layout import Layout, segment_bytes
 from ._segment import TABLE_LOCK, TOKEN_LOCK, WRITER_LOCK, Segment
 from ._source import as_tensordict
 from .errors import ReloadTimeoutError, ShmSyncError, StoreNotFoundError, WriterBusyError

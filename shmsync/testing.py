@@ -32,7 +32,7 @@ import psutil
 import pytest
 
 from . import _segment
-from ._layout import MAGIC, W_CREATOR_PID, W_CREATOR_PPID, W_MAGIC
+from ._header import MAGIC, W_CREATOR_PID, W_CREATOR_PPID, W_MAGIC
 from .store import WeightStore
 
 

@@ -49,9 +49,9 @@ def start(ctx):
     """``start(target, *args)`` runs ``target(*args, conn)`` in a spawned child; all are killed after the test."""
     started = []
 
-    def _start(target, *args):
+    def _start(target, *args, daemon=True):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+        proc = ctx.Process(target=target, args=(*args, child), daemon=daemon)
         proc.start()
         child.close()
         started.append(proc)

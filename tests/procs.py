@@ -12,6 +12,8 @@ from torch import nn
 
 from shmsync import WeightReader, WeightStore, WriterBusyError
 
+STRESS_SIZES = {"a": 2_000_000, "b": 1_000_000, "c": 1_000_000, "d": 17}  # ~16 MB of float32
+
 
 class Blob(nn.Module):
     """A module whose buffers match :func:`blob_weights` (for stress tests)."""
@@ -132,3 +134,22 @@ def slow_reader(store: WeightStore, sizes, loads: int, delay: float, conn) -> No
             bad += 1
     conn.send(("done", done, bad, store.retries, store.pinned_reads, time.monotonic() - start))
     store.close()
+
+
+def create_and_hang(sizes, conn) -> None:
+    """Create a store (this process is its creator) and wait to be killed."""
+    store = WeightStore.create(blob_weights(sizes, 1.0))
+    conn.send(("created", store.name))
+    time.sleep(3600)
+
+
+def pool_parent(conn) -> None:
+    """A trainer that launches two workers, then waits to be killed (its workers must follow)."""
+    from workers.launch import launch
+    from workers.policies import make_env, mlp_policy
+
+    store = WeightStore.create(mlp_policy(make_env("CartPole-v1")))
+    pool = launch(store.name, 2, "CartPole-v1", frames_per_batch=50)
+    next(pool.batches(1))
+    conn.send(("running", store.name, pool.pids))
+    time.sleep(3600)

@@ -12,6 +12,7 @@ from torch import nn
 from shmsync import StoreNotFoundError, WeightReader, WeightStore, WriterBusyError
 
 from procs import (
+    STRESS_SIZES,
     Blob,
     attach_and_follow,
     blob_weights,
@@ -169,7 +170,7 @@ def test_store_pickles_to_same_memory(store_factory):
     clone.close()
 
 
-STRESS = {"a": 2_000_000, "b": 1_000_000, "c": 1_000_000, "d": 17}  # ~16 MB of float32
+STRESS = STRESS_SIZES
 
 
 @pytest.mark.timeout(300)

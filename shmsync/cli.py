@@ -1,0 +1,85 @@
+"""The ``shmsync`` command: ``shmsync ls`` and ``shmsync gc``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .host import collect_garbage, is_garbage, list_stores
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _age(s: float | None) -> str:
+    if s is None:
+        return "never"
+    if s < 120:
+        return f"{s:.1f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    return f"{s / 3600:.0f}h"
+
+
+def _table(stores) -> str:
+    head = ["NAME", "VERSION", "PAYLOAD", "SHM", "CREATOR", "READERS", "LAST PUBLISH", "STATE"]
+    rows = [head]
+    for s in stores:
+        state = "garbage" if is_garbage(s) else ("in use" if s.held else "idle")
+        if not s.valid:
+            state = "incomplete " + state
+        rows.append(
+            [
+                s.name,
+                str(s.version),
+                _bytes(s.payload_bytes),
+                _bytes(s.shm_bytes),
+                f"{s.creator_pid} ({'alive' if s.creator_alive else 'dead'})",
+                str(len(s.readers)),
+                _age(s.last_publish_age_s) + (" ago" if s.last_publish_age_s is not None else ""),
+                state,
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shmsync", description="Inspect and clean up shmsync stores on this host.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("ls", help="list every store on this host")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    gc = sub.add_parser("gc", help="remove stores whose creator is dead and that no live process holds")
+    gc.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    gc.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+
+    if args.command == "ls":
+        stores = list_stores()
+        if args.json:
+            print(json.dumps([s.as_dict() for s in stores], indent=2))
+        elif stores:
+            print(_table(stores))
+        else:
+            print("no shmsync stores on this host")
+        return 0
+
+    removed = collect_garbage(dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps({"dry_run": args.dry_run, "removed": [s.as_dict() for s in removed]}, indent=2))
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        for s in removed:
+            print(f"{verb} {s.name} ({_bytes(s.shm_bytes)}, creator {s.creator_pid} dead)")
+        print(f"{verb} {len(removed)} store(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

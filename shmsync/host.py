@@ -1,0 +1,139 @@
+"""The stores on this host: listing them and removing the ones nobody can use any more.
+
+Everything here reads headers with ``pread`` and asks the kernel about locks; it never
+attaches, so it cannot keep a store alive or change it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import psutil
+
+from . import _segment
+from ._header import (
+    HEADER_BYTES,
+    MAGIC,
+    MAX_READERS,
+    READER_WORDS,
+    W_CREATE_NS,
+    W_CREATOR_PID,
+    W_CREATOR_START,
+    W_MAGIC,
+    W_PAYLOAD_BYTES,
+    W_PUBLISH_NS,
+    W_READERS,
+    W_VERSION,
+    W_WRITER_PID,
+)
+
+
+@dataclass
+class StoreStatus:
+    """What ``shmsync ls`` shows about one store."""
+
+    name: str
+    valid: bool  # a complete shmsync header
+    version: int
+    payload_bytes: int
+    shm_bytes: int
+    creator_pid: int
+    creator_alive: bool
+    writer_pid: int
+    readers: list[int]  # pids of live attached readers
+    held: bool  # some live process has it open
+    last_publish_age_s: float | None
+    age_s: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _alive(pid: int, start_ns: int = 0) -> bool:
+    """Whether ``pid`` runs and, if ``start_ns`` is given, is the same process (not a reused pid)."""
+    if pid <= 0:
+        return False
+    try:
+        proc = psutil.Process(pid)
+        if start_ns and abs(int(proc.create_time() * 1e9) - start_ns) > 50_000_000:
+            return False
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def _held(name: str) -> bool:
+    try:
+        fd = os.open(_segment.path_of(name), os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        return _segment.conflicting_lock(fd, _segment.HOLDER_LOCK, exclusive=True)
+    finally:
+        os.close(fd)
+
+
+def status(name: str) -> StoreStatus | None:
+    """The status of store ``name`` (None if it vanished meanwhile)."""
+    raw = _segment.peek(name, HEADER_BYTES)
+    try:
+        st = os.stat(_segment.path_of(name))
+    except FileNotFoundError:
+        return None
+    now = time.time_ns()
+    if raw is None or len(raw) < HEADER_BYTES or np.frombuffer(raw, np.int64, 1)[0] != MAGIC:
+        return StoreStatus(
+            name, False, -1, 0, st.st_size, 0, False, 0, [], _held(name), None, (now - st.st_mtime_ns) / 1e9
+        )
+    h = np.frombuffer(raw, dtype=np.int64)
+    readers = []
+    for row in range(MAX_READERS):
+        pid = int(h[W_READERS + row * READER_WORDS])
+        if pid and _alive(pid):
+            readers.append(pid)
+    published = int(h[W_PUBLISH_NS])
+    return StoreStatus(
+        name=name,
+        valid=int(h[W_MAGIC]) == MAGIC,
+        version=int(h[W_VERSION]),
+        payload_bytes=int(h[W_PAYLOAD_BYTES]),
+        shm_bytes=st.st_size,
+        creator_pid=int(h[W_CREATOR_PID]),
+        creator_alive=_alive(int(h[W_CREATOR_PID]), int(h[W_CREATOR_START])),
+        writer_pid=int(h[W_WRITER_PID]),
+        readers=readers,
+        held=_held(name),
+        last_publish_age_s=(now - published) / 1e9 if published else None,
+        age_s=(now - int(h[W_CREATE_NS])) / 1e9,
+    )
+
+
+def list_stores() -> list[StoreStatus]:
+    """Every store on this host, oldest first."""
+    return [s for s in (status(n) for n in _segment.list_names()) if s is not None]
+
+
+def is_garbage(s: StoreStatus, min_age_s: float = 5.0) -> bool:
+    """Nobody can use it: its creator is gone and no live process has it open.
+
+    A store without a complete header counts once it is older than ``min_age_s`` (its
+    creator died while creating it)."""
+    if s.held:
+        return False
+    if not s.valid:
+        return s.age_s > min_age_s
+    return not s.creator_alive
+
+
+def collect_garbage(dry_run: bool = False) -> list[StoreStatus]:
+    """Remove (or, with ``dry_run``, only list) every store :func:`is_garbage` says is garbage."""
+    removed = []
+    for s in list_stores():
+        if is_garbage(s):
+            if not dry_run:
+                _segment.unlink(s.name)
+            removed.append(s)
+    return removed

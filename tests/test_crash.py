@@ -1,0 +1,103 @@
+"""Crash safety with real processes and SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shmsync import WeightStore, _segment
+from shmsync._header import W_SEQ
+
+from procs import STRESS_SIZES, blob_weights, create_and_hang, stress_reader, writer
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _odd_slots(store):
+    h = store._hdr
+    return [i for i in range(store.num_slots) if int(h[W_SEQ + i]) & 1]
+
+
+def test_writer_killed_mid_publish(store_factory, start):
+    store = store_factory(blob_weights(STRESS_SIZES, 0.0))
+    store.release_writer()
+    reader = start(stress_reader, store, STRESS_SIZES, 300)
+    reader.expect("ready")
+    killed_mid_copy = 0
+    for attempt in range(6):
+        w = start(writer, store.name, STRESS_SIZES, 10**9)
+        w.expect("ready")
+        time.sleep(0.2 + 0.13 * attempt)
+        before = store.version
+        os.kill(w.pid, signal.SIGKILL)
+        w.proc.join(10)
+        killed_mid_copy += bool(_odd_slots(store))
+        # Readers stay on the last complete version, whose contents are whole.
+        snap = store.snapshot()
+        assert snap.version == store.version >= before
+        assert all((t == float(snap.version)).all() for t in snap.weights.values())
+        if killed_mid_copy >= 2:
+            break
+    assert killed_mid_copy >= 1, "never caught the writer in the middle of a copy"
+    # A new writer continues the versions monotonically and readers follow.
+    last = store.version
+    w = start(writer, store.name, STRESS_SIZES, 3)
+    w.expect("ready")
+    assert w.expect("done")[0] == last + 3
+    assert not _odd_slots(store)
+    w = start(writer, store.name, STRESS_SIZES, 10**9)  # until the reader has its reloads
+    w.expect("ready")
+    reloads, mixed, wrong, *_ = reader.expect("done", timeout=150)
+    w.conn.send("stop")
+    assert w.expect("done")[0] > last + 3
+    assert mixed == 0 and wrong == 0 and reloads >= 300
+
+
+def test_creator_killed_then_gc(start):
+    child = start(create_and_hang, {"a": 1000})
+    (name,) = child.expect("created")
+    assert name in _segment.list_names()
+    os.kill(child.pid, signal.SIGKILL)
+    child.proc.join(10)
+    ls = json.loads(_cli("ls", "--json"))
+    row = next(r for r in ls if r["name"] == name)
+    assert row["creator_alive"] is False and row["held"] is False
+    dry = json.loads(_cli("gc", "--dry-run", "--json"))
+    assert name in [r["name"] for r in dry["removed"]]
+    assert name in _segment.list_names(), "--dry-run removed something"
+    json.loads(_cli("gc", "--json"))
+    assert name not in _segment.list_names()
+
+
+def test_gc_keeps_stores_in_use(store_factory, start):
+    # A store whose creator died but that a live process still holds is kept.
+    child = start(create_and_hang, {"a": 10})
+    (name,) = child.expect("created")
+    held = WeightStore.attach(name)
+    os.kill(child.pid, signal.SIGKILL)
+    child.proc.join(10)
+    removed = json.loads(_cli("gc", "--json"))["removed"]
+    assert name not in [r["name"] for r in removed]
+    held.close()
+    removed = json.loads(_cli("gc", "--json"))["removed"]
+    assert name in [r["name"] for r in removed]
+    # and a store whose creator lives is never garbage
+    mine = store_factory(blob_weights({"a": 10}))
+    assert mine.name not in [r["name"] for r in json.loads(_cli("gc", "--dry-run", "--json"))["removed"]]
+
+
+def test_ls_table(store_factory):
+    store = store_factory(blob_weights({"a": 1000}), name=f"ls-table-{os.getpid()}")
+    out = _cli("ls")
+    line = next(line for line in out.splitlines() if line.startswith(store.name))
+    assert "in use" in line and f"{os.getpid()} (alive)" in line
+
+
+def _cli(*args):
+    proc = subprocess.run([sys.executable, "-m", "shmsync.cli", *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout

@@ -1,0 +1,104 @@
+"""workers/: standalone collector processes attached to a store by name."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from shmsync import _segment
+from workers.launch import launch
+from workers.policies import make_env, mlp_policy
+
+from procs import pool_parent
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _zero_(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.zero_()
+
+
+@pytest.mark.parametrize("env", ["CartPole-v1", "Pendulum-v1"])
+def test_workers_reload_lazily_and_tag_frames(store_factory, env):
+    policy = mlp_policy(make_env(env))
+    store = store_factory(policy)
+    with launch(store.name, 2, env, frames_per_batch=50) as pool:
+        seen = {0: set(), 1: set()}
+        published = False
+        for worker_id, batch in pool.batches(max_batches=40):
+            versions = batch["policy_version"]
+            seen[worker_id].update(versions.unique().tolist())
+            if env == "CartPole-v1":
+                ties = (batch["action"] == 1).all(-1)  # zero weights: both Q-values equal
+                assert ties[versions == 1].all() and not ties[versions == 0].any()
+            else:
+                zero = batch["action"].abs().sum(-1) == 0
+                assert zero[versions == 1].all() and not zero[versions == 0].any()
+            if not published and len(seen[0]) and len(seen[1]):
+                _zero_(policy)
+                store.publish(policy)
+                published = True
+            if all(1 in s for s in seen.values()):
+                break
+        assert all(1 in s for s in seen.values()), f"a worker never loaded version 1: {seen}"
+        assert {r["pid"] for r in store.readers()} == set(pool.pids)
+        codes = pool.stop()
+    assert codes == {0: 0, 1: 0}, "SIGTERM should end each worker cleanly after its rollout"
+    assert pool.reloads == {0: 2, 1: 2}
+
+
+def test_workers_exit_when_their_parent_dies(start):
+    parent = start(pool_parent, daemon=False)  # it starts processes of its own
+    name, pids = parent.expect("running", timeout=120)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.proc.join(10)
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=3)
+    assert not alive, f"workers outlived their parent: {[p.pid for p in alive]}"
+    # The dead trainer's store is garbage now: gc removes it.
+    out = subprocess.run(
+        [sys.executable, "-m", "shmsync.cli", "gc", "--json"], capture_output=True, text=True, timeout=60
+    ).stdout
+    assert name in out
+    assert name not in _segment.list_names()
+
+
+def test_launcher_command_line(store_factory):
+    policy = mlp_policy(make_env("CartPole-v1"))
+    store = store_factory(policy)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "workers.launch",
+            "--store",
+            store.name,
+            "--num-workers",
+            "2",
+            "--frames-per-batch",
+            "50",
+            "--batches",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("frames, versions [0]") == 4
+    assert "exit codes {0: 0, 1: 0}" in proc.stdout
+    time.sleep(0.1)
+    assert store.readers() == []
+
+
+def test_launch_errors(store_factory):
+    with pytest.raises(ValueError, match="num_workers"):
+        launch("x", 0)
+    with pytest.raises(ValueError, match="got 1 devices for 2 workers"):
+        launch("x", 2, devices=["cpu"])

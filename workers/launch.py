@@ -1,0 +1,166 @@
+"""Start and stop a pool of rollout worker processes attached to a store.
+
+    python -m workers.launch --store NAME --num-workers 2 --env CartPole-v1 --device cpu --batches 10
+
+As a library::
+
+    with launch(store.name, num_workers=2, env="CartPole-v1") as pool:
+        for worker_id, batch in pool.batches():
+            ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue as queue_module
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from .collector import WorkerConfig, run_worker
+
+
+class WorkerPool:
+    """N spawned collector processes and the queue their batches arrive on.
+
+    Args:
+        config: what every worker runs (store name, env, device, policy factory...).
+        num_workers: how many processes.
+        devices: one device per worker (overrides ``config.device``), e.g. ``["cuda:0", "cuda:1"]``.
+
+    Examples:
+        >>> pool = WorkerPool(WorkerConfig(store="my-store"), num_workers=2)  # doctest: +SKIP
+        >>> for worker_id, batch in pool.batches(max_batches=10):  # doctest: +SKIP
+        ...     print(worker_id, batch["policy_version"].unique())
+        >>> pool.stop()  # doctest: +SKIP
+    """
+
+    def __init__(self, config: WorkerConfig, num_workers: int, devices: list[str] | None = None) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if devices is not None and len(devices) != num_workers:
+            raise ValueError(f"got {len(devices)} devices for {num_workers} workers")
+        ctx = mp.get_context("spawn")
+        self.config = config
+        self.queue = ctx.Queue(maxsize=2 * num_workers)
+        self.reloads: dict[int, int] = {}
+        self.procs = []
+        for i in range(num_workers):
+            cfg = replace(config, device=devices[i]) if devices else config
+            proc = ctx.Process(target=run_worker, args=(i, cfg, self.queue, os.getpid()), daemon=False)
+            proc.start()
+            self.procs.append(proc)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def batches(self, max_batches: int | None = None, timeout: float = 120.0) -> Iterator[tuple[int, Any]]:
+        """Yield ``(worker_id, batch)`` as workers produce them.
+
+        Raises:
+            TimeoutError: no batch arrived for ``timeout`` seconds.
+            RuntimeError: a worker died.
+        """
+        n = 0
+        while max_batches is None or n < max_batches:
+            try:
+                kind, worker_id, payload = self.queue.get(timeout=timeout)
+            except queue_module.Empty:
+                dead = [(i, p.exitcode) for i, p in enumerate(self.procs) if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"workers exited: {dead} (worker, exit code)") from None
+                raise TimeoutError(f"no batch from any worker for {timeout}s") from None
+            if kind == "exit":
+                self.reloads[worker_id] = payload
+                continue
+            n += 1
+            yield worker_id, payload
+
+    def stop(self, timeout: float = 30.0) -> dict[int, int | None]:
+        """SIGTERM every worker (each finishes its rollout), then kill stragglers.
+
+        Returns:
+            ``{worker_id: exit code}``; 0 for a clean exit.
+        """
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + timeout
+        while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
+            self._drain()
+            time.sleep(0.02)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        self._drain()
+        return {i: p.exitcode for i, p in enumerate(self.procs)}
+
+    def _drain(self) -> None:
+        # Workers flush their queue before exiting: keep it moving so they can.
+        while True:
+            try:
+                kind, worker_id, payload = self.queue.get_nowait()
+            except (queue_module.Empty, OSError, ValueError):
+                return
+            if kind == "exit":
+                self.reloads[worker_id] = payload
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch(
+    store: str,
+    num_workers: int,
+    env: str = "CartPole-v1",
+    device: str = "cpu",
+    *,
+    devices: list[str] | None = None,
+    **config: Any,
+) -> WorkerPool:
+    """Start ``num_workers`` collector processes that attach to ``store`` by name.
+
+    Keyword arguments go to :class:`~workers.collector.WorkerConfig` (``frames_per_batch``,
+    ``policy``, ``destination``, ``seed``...).
+    """
+    return WorkerPool(WorkerConfig(store=store, env=env, device=device, **config), num_workers, devices)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers.launch", description=__doc__.splitlines()[0])
+    parser.add_argument("--store", required=True, help="name of the trainer's store")
+    parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--env", default="CartPole-v1")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda:0, ...")
+    parser.add_argument("--frames-per-batch", type=int, default=200)
+    parser.add_argument("--policy", default="workers.policies:mlp_policy", help="module:function(env) -> module")
+    parser.add_argument(
+        "--batches", type=int, default=None, help="stop after this many batches (default: run until Ctrl-C)"
+    )
+    args = parser.parse_args(argv)
+    pool = launch(
+        args.store, args.num_workers, args.env, args.device, frames_per_batch=args.frames_per_batch, policy=args.policy
+    )
+    try:
+        for worker_id, batch in pool.batches(args.batches):
+            versions = batch["policy_version"].unique().tolist()
+            print(f"worker {worker_id}: {batch.numel()} frames, versions {versions}", flush=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        codes = pool.stop()
+    print(f"workers stopped: exit codes {codes}, reloads {pool.reloads}")
+    return 0 if all(c == 0 for c in codes.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
