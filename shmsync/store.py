@@ -163,21 +163,21 @@ class WeightStore:
         self._segment = segment
         buf = segment.buf
         self._hdr = h = header_view(buf)
-        if int(h[W_MAGIC]) != MAGIC:
+        if h[W_MAGIC] != MAGIC:
             raise StoreNotFoundError(f"{segment.name!r} is not a shmsync store, or it is still being created")
-        if int(h[W_FORMAT]) != FORMAT:
-            raise ShmSyncError(f"store {segment.name!r} has format {int(h[W_FORMAT])}, this shmsync reads {FORMAT}")
-        lo, ln = int(h[W_LAYOUT_OFFSET]), int(h[W_LAYOUT_BYTES])
+        if h[W_FORMAT] != FORMAT:
+            raise ShmSyncError(f"store {segment.name!r} has format {h[W_FORMAT]}, this shmsync reads {FORMAT}")
+        lo, ln = h[W_LAYOUT_OFFSET], h[W_LAYOUT_BYTES]
         self._layout, self._destinations = Layout.from_json(bytes(buf[lo : lo + ln]))
-        self._num_slots = int(h[W_NUM_SLOTS])
-        data, stride = int(h[W_DATA_OFFSET]), int(h[W_SLOT_BYTES])
+        self._num_slots = h[W_NUM_SLOTS]
+        data, stride = h[W_DATA_OFFSET], h[W_SLOT_BYTES]
         self._slots = [self._layout.slot_views(buf, data + i * stride) for i in range(self._num_slots)]
         self._owner = owner
         self.retries = 0  # optimistic copies that failed validation in this process
         self.pinned_reads = 0  # reads that needed the pinned fallback in this process
         self.publish_seconds = 0.0  # time spent in publish() by this process
         self._finalizer = weakref.finalize(
-            self, _release, segment, self._slots, int(h[W_CREATOR_PID]), owner and unlink_at_exit
+            self, _release, segment, self._slots, h[W_CREATOR_PID], owner and unlink_at_exit
         )
 
     # -- construction ---------------------------------------------------------------------------
@@ -244,7 +244,7 @@ class WeightStore:
                 h[W_SLOT_VERSION + i] = -1
             _fence()
             h[W_MAGIC] = MAGIC  # last: attach() refuses a half-initialised header
-            del h
+            h.release()
             store = cls(segment, owner=True, unlink_at_exit=unlink_at_exit)
         except BaseException:
             segment.unlink()
@@ -281,7 +281,7 @@ class WeightStore:
     @property
     def version(self) -> int:
         """The last completed version (monotonic; 0 is the weights given to :meth:`create`)."""
-        return int(self._hdr[W_VERSION])
+        return self._hdr[W_VERSION]
 
     @property
     def destinations(self) -> tuple[str, ...] | None:
@@ -291,7 +291,7 @@ class WeightStore:
     @property
     def nbytes(self) -> int:
         """Bytes of one copy of the weights."""
-        return int(self._hdr[W_PAYLOAD_BYTES])
+        return self._hdr[W_PAYLOAD_BYTES]
 
     @property
     def shm_bytes(self) -> int:
@@ -314,15 +314,15 @@ class WeightStore:
         """Header facts: version, creator and writer pids, publish count and times (ns)."""
         h = self._hdr
         return {
-            "version": int(h[W_VERSION]),
-            "creator_pid": int(h[W_CREATOR_PID]),
-            "creator_start_ns": int(h[W_CREATOR_START]),
-            "creator_ppid": int(h[W_CREATOR_PPID]),
-            "writer_pid": int(h[W_WRITER_PID]),
-            "publish_count": int(h[W_PUBLISH_COUNT]),
-            "last_publish_ns": int(h[W_PUBLISH_NS]),
-            "create_ns": int(h[W_CREATE_NS]),
-            "payload_bytes": int(h[W_PAYLOAD_BYTES]),
+            "version": h[W_VERSION],
+            "creator_pid": h[W_CREATOR_PID],
+            "creator_start_ns": h[W_CREATOR_START],
+            "creator_ppid": h[W_CREATOR_PPID],
+            "writer_pid": h[W_WRITER_PID],
+            "publish_count": h[W_PUBLISH_COUNT],
+            "last_publish_ns": h[W_PUBLISH_NS],
+            "create_ns": h[W_CREATE_NS],
+            "payload_bytes": h[W_PAYLOAD_BYTES],
             "shm_bytes": self._segment.size,
             "num_slots": self._num_slots,
         }
@@ -368,7 +368,7 @@ class WeightStore:
         if not self._segment.lock(WRITER_LOCK, exclusive=True, wait=False):
             raise WriterBusyError(
                 f"store {self.name!r} is being published by another process (last writer pid "
-                f"{int(self._hdr[W_WRITER_PID])}); one process publishes at a time: publish from "
+                f"{self._hdr[W_WRITER_PID]}); one process publishes at a time: publish from "
                 "that process, or call release_writer()/close() there first"
             )
 
@@ -391,13 +391,13 @@ class WeightStore:
     def _choose_target(self) -> int:
         """Serve a pending pin request, then pick the slot to write. Never waits."""
         h = self._hdr
-        request = int(h[W_PIN_REQUEST])
-        if request != int(h[W_PIN_GRANT]):
+        request = h[W_PIN_REQUEST]
+        if request != h[W_PIN_GRANT]:
             h[W_PIN_SLOT] = h[W_LATEST]
             _fence()
             h[W_PIN_GRANT] = request
-        pinned = int(h[W_PIN_SLOT]) if int(h[W_PIN_RELEASE]) != int(h[W_PIN_GRANT]) else -1
-        latest = int(h[W_LATEST]) if int(h[W_VERSION]) >= 0 else -1
+        pinned = h[W_PIN_SLOT] if h[W_PIN_RELEASE] != h[W_PIN_GRANT] else -1
+        latest = h[W_LATEST] if h[W_VERSION] >= 0 else -1
         candidates = [s for s in range(self._num_slots) if s != latest and s != pinned]
         if not candidates:  # two slots and a pin: the pinned reader will retry
             candidates = [s for s in range(self._num_slots) if s != latest]
@@ -406,7 +406,7 @@ class WeightStore:
     def _begin_write(self) -> tuple[int, int]:
         h = self._hdr
         target = self._choose_target()
-        seq = int(h[W_SEQ + target])
+        seq = h[W_SEQ + target]
         odd = seq + 2 if seq & 1 else seq + 1  # odd already: a writer died mid-copy
         h[W_SEQ + target] = odd
         _fence()
@@ -414,7 +414,7 @@ class WeightStore:
 
     def _end_write(self, target: int, odd: int) -> int:
         h = self._hdr
-        version = int(h[W_VERSION]) + 1
+        version = h[W_VERSION] + 1
         h[W_SLOT_VERSION + target] = version
         _fence()
         h[W_SEQ + target] = odd + 1
@@ -453,15 +453,15 @@ class WeightStore:
 
     def _try_read(self, copy: CopyFn) -> int | None:
         h = self._hdr
-        slot = int(h[W_LATEST])
-        seq = int(h[W_SEQ + slot])
+        slot = h[W_LATEST]
+        seq = h[W_SEQ + slot]
         if seq & 1:
             return None  # `latest` moved on and that slot is already being rewritten
-        version = int(h[W_SLOT_VERSION + slot])
+        version = h[W_SLOT_VERSION + slot]
         _fence()
         copy(self._slots[slot])
         _fence()
-        if int(h[W_SEQ + slot]) != seq:
+        if h[W_SEQ + slot] != seq:
             self.retries += 1
             return None
         return version
@@ -478,7 +478,7 @@ class WeightStore:
             time.sleep(0.0005)
         try:
             while True:
-                ticket = int(h[W_PIN_REQUEST]) + 1
+                ticket = h[W_PIN_REQUEST] + 1
                 h[W_PIN_REQUEST] = ticket
                 try:
                     version = self._await_pin(copy, ticket, deadline)
@@ -491,24 +491,24 @@ class WeightStore:
 
     def _await_pin(self, copy: CopyFn, ticket: int, deadline: float) -> int | None:
         h = self._hdr
-        published = int(h[W_PUBLISH_COUNT])
+        published = h[W_PUBLISH_COUNT]
         waited_since = time.monotonic()
         while True:
-            if int(h[W_PIN_GRANT]) == ticket:
+            if h[W_PIN_GRANT] == ticket:
                 _fence()
-                slot = int(h[W_PIN_SLOT])
-                seq = int(h[W_SEQ + slot])
-                version = int(h[W_SLOT_VERSION + slot])
+                slot = h[W_PIN_SLOT]
+                seq = h[W_SEQ + slot]
+                version = h[W_SLOT_VERSION + slot]
                 copy(self._slots[slot])
                 _fence()
-                return version if int(h[W_SEQ + slot]) == seq else None  # None: 2 slots only
+                return version if h[W_SEQ + slot] == seq else None  # None: 2 slots only
             # No grant yet. A writer that has not published since the request is idle or
             # in a long copy; an optimistic copy then succeeds (or at worst fails once).
-            if int(h[W_PUBLISH_COUNT]) == published and time.monotonic() - waited_since > 0.002:
+            if h[W_PUBLISH_COUNT] == published and time.monotonic() - waited_since > 0.002:
                 version = self._try_read(copy)
                 if version is not None:
                     return version
-                published, waited_since = int(h[W_PUBLISH_COUNT]), time.monotonic()
+                published, waited_since = h[W_PUBLISH_COUNT], time.monotonic()
             self._check_deadline(deadline, "waiting for the writer to pin a slot")
             time.sleep(0.0001)
 
@@ -535,9 +535,9 @@ class WeightStore:
         try:
             for row in range(MAX_READERS):
                 base = W_READERS + row * READER_WORDS
-                pid = int(h[base])
+                pid = h[base]
                 if pid == 0 or not _alive(pid):
-                    h[base : base + READER_WORDS] = (os.getpid(), -1, 0, 0)
+                    h[base], h[base + 1], h[base + 2], h[base + 3] = os.getpid(), -1, 0, 0
                     return row
             return -1
         finally:
@@ -546,7 +546,8 @@ class WeightStore:
     def _update_reader_row(self, row: int, version: int, reloads: int) -> None:
         if row >= 0 and not self.closed:
             base = W_READERS + row * READER_WORDS
-            self._hdr[base + 1 : base + 4] = (version, reloads, time.time_ns())
+            h = self._hdr
+            h[base + 1], h[base + 2], h[base + 3] = version, reloads, time.time_ns()
 
     def _release_reader_row(self, row: int) -> None:
         if row >= 0 and not self.closed:
@@ -558,14 +559,14 @@ class WeightStore:
         h, out = self._hdr, []
         for row in range(MAX_READERS):
             base = W_READERS + row * READER_WORDS
-            pid = int(h[base])
+            pid = h[base]
             if pid and _alive(pid):
                 out.append(
                     {
                         "pid": pid,
-                        "version": int(h[base + 1]),
-                        "reloads": int(h[base + 2]),
-                        "last_reload_ns": int(h[base + 3]),
+                        "version": h[base + 1],
+                        "reloads": h[base + 2],
+                        "last_reload_ns": h[base + 3],
                     }
                 )
         return out
@@ -597,7 +598,8 @@ class WeightStore:
         if self._finalizer.alive:
             # Drop this object's views first so the mapping can be unmapped now; keep a
             # private copy of the header so `version` and `info()` still tell the last state.
-            self._hdr = self._hdr.copy()
+            mapped, self._hdr = self._hdr, memoryview(bytearray(self._hdr.tobytes())).cast("q")
+            mapped.release()
             self._finalizer()
 
     def unlink(self) -> None:
