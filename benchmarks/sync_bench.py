@@ -1,0 +1,510 @@
+"""shmsync side by side with TorchRL's weight-sync schemes and with the memory-copy limit.
+
+    python benchmarks/sync_bench.py            # full run (a few minutes on 2 cores)
+    python benchmarks/sync_bench.py --quick    # under a minute
+    python benchmarks/sync_bench.py --out results.json
+
+Everything is measured in one run on one machine; compare ratios, not absolute times.
+All in-process timings use one torch thread: TorchRL's multi-process collectors set the
+trainer to max(1, cores - workers) threads, which is 1 on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import psutil
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("RL_WARNINGS", "False")
+
+SIZES = {"4KB": 4 << 10, "1MB": 1 << 20, "16MB": 16 << 20, "128MB": 128 << 20}
+
+
+# -- a Pendulum policy carrying a payload of the requested size --------------------------------
+class PayloadPolicy(nn.Module):
+    def __init__(self, nbytes: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(3, 1)
+        self.payload = nn.Parameter(torch.zeros(max(1, nbytes // 4 - 4)))
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return 2 * torch.tanh(self.head(observation))
+
+
+def make_policy(nbytes: int) -> TensorDictModule:
+    return TensorDictModule(PayloadPolicy(nbytes), in_keys=["observation"], out_keys=["action"])
+
+
+def make_env():
+    from torchrl.envs import GymEnv
+
+    return GymEnv("Pendulum-v1")
+
+
+# -- measurement helpers ------------------------------------------------------------------------
+def timed(fn, reps: int, warmup: int = 3) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def p50(xs):
+    return statistics.median(xs)
+
+
+def p95(xs):
+    return sorted(xs)[min(len(xs) - 1, int(0.95 * len(xs)))]
+
+
+def shm_used() -> int:
+    st = os.statvfs("/dev/shm")
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def uss_tree() -> int:
+    total = 0
+    me = psutil.Process()
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            total += p.memory_full_info().uss
+        except psutil.Error:
+            pass
+    return total
+
+
+def fmt_t(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} us"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s:.2f} s"
+
+
+def fmt_b(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def table(title: str, head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    line = "  ".join(h.ljust(w) for h, w in zip(head, widths))
+    out = [f"\n## {title}", line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def reps_for(nbytes: int, quick: bool) -> int:
+    base = 2000 if nbytes <= 4096 else 400 if nbytes <= 1 << 20 else 60 if nbytes <= 16 << 20 else 15
+    return max(5, base // 4) if quick else base
+
+
+# -- 1. trainer side, no workers: publish against the copy floor --------------------------------
+def interleaved(fns: dict, reps: int, warmup: int = 3) -> dict[str, list[float]]:
+    """Time each function once per round, round after round, so drift hits all alike."""
+    out = {k: [] for k in fns}
+    for r in range(warmup + reps):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            if r >= warmup:
+                out[k].append(time.perf_counter() - t)
+    return out
+
+
+def rotating_copy(dsts: list[torch.Tensor], src: torch.Tensor):
+    turn = [0]
+
+    def copy():
+        turn[0] = (turn[0] + 1) % len(dsts)
+        dsts[turn[0]].copy_(src)
+
+    return copy
+
+
+def bench_publish(sizes: dict[str, int], quick: bool) -> list[dict]:
+    from shmsync import WeightStore
+
+    results = []
+    for label, nbytes in sizes.items():
+        n = max(1, nbytes // 4)
+        src = torch.randn(n)
+        private = [torch.empty(n) for _ in range(3)]
+        shared = [torch.empty(n).share_memory_() for _ in range(3)]
+        policy = make_policy(nbytes)
+        store = WeightStore.create(policy)
+        times = interleaved(
+            {
+                "copy_warm": lambda d=private[0], src=src: d.copy_(src),
+                "copy_3_rotating": rotating_copy(private, src),
+                "copy_3_rotating_shm": rotating_copy(shared, src),
+                "publish": lambda store=store, policy=policy: store.publish(policy),
+            },
+            reps_for(nbytes, quick),
+        )
+        store.close()
+        results.append({"payload": label, "bytes": nbytes, **times})
+        del src, private, shared
+        gc.collect()
+    return results
+
+
+# -- 2. worker side: version check and reload against the copy floor ----------------------------
+def bench_reader(sizes: dict[str, int], quick: bool) -> dict:
+    from shmsync import WeightReader, WeightStore
+
+    policy = make_policy(4096)
+    store = WeightStore.create(policy)
+    reader = WeightReader(store, make_policy(4096))
+    reader.poll()
+    n = 200_000 if not quick else 50_000
+    t = time.perf_counter()
+    for _ in range(n):
+        reader.poll()
+    check = (time.perf_counter() - t) / n
+    store.close()
+    reloads = []
+    for label, nbytes in sizes.items():
+        if nbytes < 1 << 20:
+            continue
+        policy = make_policy(nbytes)
+        store = WeightStore.create(policy)
+        worker = make_policy(nbytes)
+        reader = WeightReader(store, worker)
+        slot = store._slots[0][store._layout.index[("module", "payload")]]
+        dst = worker.module.payload.data
+        times = interleaved(
+            {"reload": reader.reload, "copy_floor": lambda d=dst, s=slot: d.copy_(s)}, reps_for(nbytes, quick)
+        )
+        reloads.append({"payload": label, "bytes": nbytes, **times})
+        store.close()
+        gc.collect()
+    return {"version_check_s": check, "reload": reloads}
+
+
+# -- 3. trainer side with 2 workers: update_policy_weights_() per scheme -------------------------
+def make_scheme(kind: str):
+    if kind == "shmsync":
+        from shmsync import ShmWeightSyncScheme
+
+        return ShmWeightSyncScheme()
+    from torchrl.weight_update import MultiProcessWeightSyncScheme, SharedMemWeightSyncScheme
+
+    return {"SharedMem": SharedMemWeightSyncScheme, "MultiProcess": MultiProcessWeightSyncScheme}[kind]()
+
+
+def build_collector(kind: str, nbytes: int, workers: int, cls_name: str = "MultiSyncCollector", fpb: int = 200):
+    import torchrl.collectors as C
+
+    cls = getattr(C, cls_name)
+    policy = make_policy(nbytes)
+    collector = cls(
+        [make_env] * workers,
+        policy,
+        frames_per_batch=fpb,
+        total_frames=-1,
+        weight_sync_schemes={"policy": make_scheme(kind)},
+    )
+    return collector, policy
+
+
+def bench_update(sizes: dict[str, int], kinds: list[str], workers: int, quick: bool) -> list[dict]:
+    results = []
+    for label, nbytes in sizes.items():
+        for kind in kinds:
+            if kind == "MultiProcess" and nbytes > 16 << 20:
+                continue  # it keeps 2x the payload in shared memory after shutdown
+            shm0, uss0 = shm_used(), uss_tree()
+            collector, policy = build_collector(kind, nbytes, workers)
+            try:
+                next(iter(collector))  # workers up and weights initialized
+                reps = max(5, reps_for(nbytes, quick) // 5)
+                # The trainer's own copy of the weights (a loss module's, say), sent explicitly.
+                trainer_weights = TensorDict.from_module(make_policy(nbytes))
+                times = interleaved(
+                    {
+                        "update": collector.update_policy_weights_,
+                        "update_explicit": lambda c=collector, w=trainer_weights: c.update_policy_weights_(w),
+                    },
+                    reps,
+                    warmup=2,
+                )
+                lat = times["update"]
+                shm1, uss1 = shm_used(), uss_tree()
+            finally:
+                collector.shutdown()
+            del collector, policy
+            gc.collect()
+            time.sleep(0.2)
+            results.append(
+                {
+                    "payload": label,
+                    "bytes": nbytes,
+                    "scheme": kind,
+                    "workers": workers,
+                    "update": lat,
+                    "update_explicit": times["update_explicit"],
+                    "shm_bytes": shm1 - shm0,
+                    "uss_bytes": uss1 - uss0,
+                    "shm_left_after_shutdown": max(0, shm_used() - shm0),
+                }
+            )
+            print(f"  update {label:>5} {kind:<12} p50 {fmt_t(p50(lat))}", file=sys.stderr, flush=True)
+    return results
+
+
+# -- 4. collection throughput, publishing after every batch against never ------------------------
+def bench_throughput(sizes: dict[str, int], kinds: list[str], classes: list[str], batches: int) -> list[dict]:
+    results = []
+    for cls_name in classes:
+        for label, nbytes in sizes.items():
+            for kind in kinds:
+                collector, policy = build_collector(kind, nbytes, 2, cls_name)
+                frames = {"never": 0, "every_batch": 0}
+                seconds = {"never": 0.0, "every_batch": 0.0}
+                try:
+                    it = iter(collector)
+                    for _ in range(3):
+                        next(it)  # warm up
+                    # Alternate the two modes in chunks so drift affects both alike.
+                    for chunk in range(4):
+                        mode = "never" if chunk % 2 == 0 else "every_batch"
+                        t = time.perf_counter()
+                        for _ in range(batches // 2):
+                            batch = next(it)
+                            frames[mode] += batch.numel()
+                            if mode == "every_batch":
+                                collector.update_policy_weights_()
+                        seconds[mode] += time.perf_counter() - t
+                finally:
+                    collector.shutdown()
+                del collector, policy
+                gc.collect()
+                fps = {m: frames[m] / seconds[m] for m in frames}
+                results.append(
+                    {
+                        "collector": cls_name,
+                        "payload": label,
+                        "scheme": kind,
+                        "fps_never": fps["never"],
+                        "fps_every_batch": fps["every_batch"],
+                        "loss": 1 - fps["every_batch"] / fps["never"],
+                    }
+                )
+                print(f"  fps {cls_name} {label} {kind}: {fps}", file=sys.stderr, flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions: under a minute")
+    parser.add_argument("--out", default="benchmarks/results/sync_bench.json", help="where to write the JSON")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    quick = args.quick
+    all_sizes = SIZES
+    upd_sizes = {k: SIZES[k] for k in (["1MB", "16MB"] if quick else SIZES)}
+    kinds = ["shmsync", "SharedMem"] if quick else ["shmsync", "SharedMem", "MultiProcess"]
+    started = time.perf_counter()
+    report: dict = {
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "memory_gb": round(psutil.virtual_memory().total / 2**30),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
+        "quick": quick,
+    }
+    import tensordict
+    import torchrl
+
+    report["machine"].update(torchrl=torchrl.__version__, tensordict=tensordict.__version__)
+
+    print("publish ...", file=sys.stderr, flush=True)
+    report["publish"] = bench_publish(all_sizes if not quick else {k: SIZES[k] for k in ("4KB", "16MB")}, quick)
+    print("reader ...", file=sys.stderr, flush=True)
+    report["reader"] = bench_reader(all_sizes if not quick else {"16MB": SIZES["16MB"]}, quick)
+    print("update_policy_weights_ with 2 workers ...", file=sys.stderr, flush=True)
+    report["update"] = bench_update(upd_sizes, kinds, 2, quick)
+    print("throughput ...", file=sys.stderr, flush=True)
+    report["throughput"] = bench_throughput(
+        {"1MB": SIZES["1MB"]} if quick else {"1MB": SIZES["1MB"], "16MB": SIZES["16MB"]},
+        ["shmsync", "SharedMem"],
+        ["MultiSyncCollector"] if quick else ["MultiSyncCollector", "MultiAsyncCollector"],
+        batches=8 if quick else 30,
+    )
+    if not quick:
+        print("scaling ...", file=sys.stderr, flush=True)
+        report["scaling"] = []
+        for w in (1, 2, 4):
+            report["scaling"] += bench_update({"16MB": SIZES["16MB"]}, ["shmsync", "SharedMem"], w, quick)
+    report["seconds"] = time.perf_counter() - started
+
+    print(render(report))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"\nJSON written to {out} ({report['seconds']:.0f}s)")
+    return 0
+
+
+def render(r: dict) -> str:
+    m = r["machine"]
+    parts = [
+        f"# shmsync benchmark: {m['cores']} cores, {m['memory_gb']} GB, Python {m['python']}, torch {m['torch']}, "
+        f"torchrl {m['torchrl']}, tensordict {m['tensordict']}, {m['torch_threads']} torch thread"
+    ]
+    rows = []
+    for x in r["publish"]:
+        floor = p50(x["copy_3_rotating_shm"])
+        rows.append(
+            [
+                x["payload"],
+                fmt_t(p50(x["copy_warm"])),
+                fmt_t(p50(x["copy_3_rotating"])),
+                fmt_t(floor),
+                f"{fmt_t(p50(x['publish']))} / {fmt_t(p95(x['publish']))}",
+                f"{p50(x['publish']) / p50(x['copy_warm']):.2f}x",
+                f"{p50(x['publish']) / floor:.2f}x",
+                fmt_t(p50(x["publish"]) - p50(x["copy_warm"])),
+            ]
+        )
+    parts.append(
+        table(
+            "Trainer side: publish() against a plain copy_ of the same bytes (p50; publish p50 / p95)",
+            [
+                "payload",
+                "copy_ warm dst",
+                "copy_ 3 rotating dsts",
+                "copy_ 3 rotating shm dsts",
+                "publish p50 / p95",
+                "vs warm",
+                "vs rotating shm",
+                "publish - warm copy",
+            ],
+            rows,
+        )
+        + "\npublish writes its 3 shared-memory slots in turn, so the like-for-like floor is a copy into 3 rotating"
+        "\nshared-memory destinations; at 16 MB one warm destination stays in the 32 MB L3 cache, 3 do not."
+    )
+    rd = r["reader"]
+    rows = [
+        [
+            x["payload"],
+            fmt_t(p50(x["copy_floor"])),
+            fmt_t(p50(x["reload"])),
+            f"{p50(x['reload']) / p50(x['copy_floor']):.2f}x",
+        ]
+        for x in rd["reload"]
+    ]
+    parts.append(
+        table(
+            f"Worker side: version check with nothing new {rd['version_check_s'] * 1e9:.0f} ns; reload against copy_",
+            ["payload", "copy_ from shared memory", "reload p50", "ratio"],
+            rows,
+        )
+    )
+    by = {}
+    for x in r["update"]:
+        by.setdefault(x["payload"], {})[x["scheme"]] = x
+    rows = []
+    for label, d in by.items():
+        s = d.get("shmsync")
+        row = [label]
+        for kind in ("shmsync", "SharedMem", "MultiProcess"):
+            x = d.get(kind)
+            row.append(f"{fmt_t(p50(x['update']))} / {fmt_t(p95(x['update']))}" if x else "-")
+        for kind in ("SharedMem", "MultiProcess"):
+            x = d.get(kind)
+            row.append(f"{p50(x['update']) / p50(s['update']):.1f}x" if x and s else "-")
+        rows.append(row)
+    for label, d in by.items():
+        s = d.get("shmsync")
+        row = [f"{label}, explicit"]
+        for kind in ("shmsync", "SharedMem", "MultiProcess"):
+            x = d.get(kind)
+            row.append(f"{fmt_t(p50(x['update_explicit']))} / {fmt_t(p95(x['update_explicit']))}" if x else "-")
+        for kind in ("SharedMem", "MultiProcess"):
+            x = d.get(kind)
+            row.append(f"{p50(x['update_explicit']) / p50(s['update_explicit']):.1f}x" if x and s else "-")
+        rows.append(row)
+    parts.append(
+        table(
+            "Trainer side with 2 workers: collector.update_policy_weights_() p50 / p95 "
+            "(plain: the collector's own policy; explicit: a TensorDict of the trainer's separate copy)",
+            ["payload", "shmsync", "SharedMem", "MultiProcess", "SharedMem/shmsync", "MultiProcess/shmsync"],
+            rows,
+        )
+    )
+    rows = []
+    for x in r["update"]:
+        rows.append(
+            [
+                x["payload"],
+                x["scheme"],
+                fmt_b(x["shm_bytes"]),
+                fmt_b(x["uss_bytes"]),
+                fmt_b(x["shm_left_after_shutdown"]),
+            ]
+        )
+    parts.append(
+        table(
+            "Memory with 2 workers (shared memory in use, summed USS of main + workers, both as growth; "
+            "shared memory left after shutdown)",
+            ["payload", "scheme", "shared memory", "USS", "left after shutdown"],
+            rows,
+        )
+    )
+    rows = [
+        [
+            x["collector"],
+            x["payload"],
+            x["scheme"],
+            f"{x['fps_never']:.0f}",
+            f"{x['fps_every_batch']:.0f}",
+            f"{100 * x['loss']:.1f}%",
+        ]
+        for x in r["throughput"]
+    ]
+    parts.append(
+        table(
+            "Collection throughput with 2 workers (frames/s): never publishing against publishing after every batch",
+            ["collector", "payload", "scheme", "never", "every batch", "lost"],
+            rows,
+        )
+    )
+    if r.get("scaling"):
+        rows = []
+        for x in r["scaling"]:
+            rows.append([x["workers"], x["scheme"], f"{fmt_t(p50(x['update']))} / {fmt_t(p95(x['update']))}"])
+        parts.append(
+            table("Scaling at 16 MB: update_policy_weights_() p50 / p95", ["workers", "scheme", "update"], rows)
+        )
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
