@@ -95,6 +95,16 @@ class Segment:
             raise FileExistsError(f"a store named {name!r} already exists ({path})") from None
         try:
             os.ftruncate(fd, size)
+            try:
+                # Reserve the pages now: a full /dev/shm then fails here with a clear error,
+                # not later with SIGBUS in the middle of a publish, and no publish pays page faults.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                raise OSError(
+                    e.errno,
+                    f"cannot reserve {size} bytes in {SHM_DIR} for store {name!r} ({e.strerror}); "
+                    "free shared memory (`shmsync gc`) or enlarge /dev/shm",
+                ) from None
             return cls(name, fd, size, created=True)
         except BaseException:
             os.close(fd)

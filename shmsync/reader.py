@@ -77,7 +77,8 @@ class WeightReader:
         self._hdr = store._hdr
         self._parts = _parts(store, module, destination)
         self._targets: list[torch.Tensor] | None = None
-        self._indices: list[int] = []
+        self._sources: list[list[torch.Tensor]] = []
+        self._all_cpu = True
         self._row = store._claim_reader_row()  # for `shmsync ls` and store.readers()
         self._finalizer = weakref.finalize(self, store._release_reader_row, self._row)
         # Check the module against the store now (clear error at construction time).
@@ -103,8 +104,7 @@ class WeightReader:
         """Load the newest complete version now, even if it is already loaded."""
         if self._targets is None:
             self._bind()
-        targets, indices = self._targets, self._indices
-        version = self.store._read(lambda views: _copy_all(targets, [views[i] for i in indices]), timeout=self.timeout)
+        version = self.store._read(self._copy, timeout=self.timeout)
         changed = version != self._version
         self._version = version
         self.reloads += 1
@@ -149,7 +149,19 @@ class WeightReader:
             )
             targets += layout.match(module_weights(module), where, prefix=prefix)
             indices += layout.subset(prefix)
-        self._targets, self._indices = targets, indices
+        if any(t.is_cuda for t in targets):
+            self.store._ensure_pinned()  # host-to-device copies become asynchronous DMA
+        self._targets = targets
+        # Per slot, the views this reader copies from, so a reload is one batched copy.
+        self._sources = [[views[i] for i in indices] for views in self.store._slots]
+        self._all_cpu = all(t.device.type == "cpu" for t in targets)
+
+    def _copy(self, slot: int) -> None:
+        if self._all_cpu:
+            with torch.no_grad():
+                torch._foreach_copy_(self._targets, self._sources[slot])
+        else:
+            _copy_all(self._targets, self._sources[slot])
 
     def __repr__(self) -> str:
         return f"WeightReader(store={self.store.name!r}, version={self._version}, reloads={self.reloads})"

@@ -36,7 +36,10 @@ a slot that is neither latest nor pinned, so the writer still never waits, and t
 pinned reader's copy cannot be invalidated: it completes in one copy. A writer that
 is idle grants nothing, but then an optimistic copy succeeds, so the reader keeps
 trying those while it waits. A reader that dies while pinned only costs the writer
-one slot until the next ticket replaces its pin.
+one slot until the next ticket replaces its pin. A reader that is stopped (SIGSTOP)
+while holding the token cannot block the others either: after a short wait they issue
+a ticket without the token, which moves the pin; the stopped reader's copy, if it ever
+resumes, fails validation and is retried.
 
 Ordering: on x86-64 stores become visible in program order and loads are not
 reordered with other loads, which is all this protocol needs between its word
@@ -112,7 +115,7 @@ else:  # weakly ordered CPUs: a lock round trip is a full barrier
             pass
 
 
-CopyFn = Callable[[list[torch.Tensor]], None]
+CopyFn = Callable[[int], None]  # copies out of the slot with that index
 
 
 class Snapshot(NamedTuple):
@@ -130,7 +133,13 @@ def process_start_ns(pid: int) -> int:
         return 0
 
 
-def _release(segment: Segment, slots: list, creator_pid: int, unlink: bool) -> None:
+def _release(segment: Segment, slots: list, creator_pid: int, unlink: bool, pinned: list) -> None:
+    if pinned:
+        from ._cuda import unregister_host
+
+        for ptr, _view in pinned:
+            unregister_host(ptr)  # before the memory is unmapped
+        pinned.clear()
     slots.clear()
     if unlink and os.getpid() == creator_pid:
         segment.unlink()
@@ -176,8 +185,10 @@ class WeightStore:
         self.retries = 0  # optimistic copies that failed validation in this process
         self.pinned_reads = 0  # reads that needed the pinned fallback in this process
         self.publish_seconds = 0.0  # time spent in publish() by this process
+        self._pinned: list = []  # (pointer, view) of page-locked memory, for CUDA copies
+        self._cuda_publisher = None
         self._finalizer = weakref.finalize(
-            self, _release, segment, self._slots, h[W_CREATOR_PID], owner and unlink_at_exit
+            self, _release, segment, self._slots, h[W_CREATOR_PID], owner and unlink_at_exit, self._pinned
         )
 
     # -- construction ---------------------------------------------------------------------------
@@ -355,9 +366,47 @@ class WeightStore:
         tensors = self._layout.match(td, f"weights published to store {self.name!r}")
         if not self._segment.held(WRITER_LOCK):
             self._acquire_writer()
-        version = self._write(tensors)
+        if any(t.is_cuda for t in tensors):
+            version = self._publish_from_cuda(tensors)
+        else:
+            version = self._write(tensors)
         self.publish_seconds += time.perf_counter() - start
         return version
+
+    def _publish_from_cuda(self, tensors: list[torch.Tensor]) -> int:
+        # Returns once the copy is queued; the version turns visible when it has landed.
+        from ._cuda import AsyncPublisher
+
+        device = next(t.device for t in tensors if t.is_cuda)
+        publisher = self._cuda_publisher
+        if publisher is None or publisher.device != device:
+            if publisher is not None:
+                publisher.wait()
+            self._ensure_pinned()
+            publisher = self._cuda_publisher = AsyncPublisher(self, device)
+        return publisher.publish(tensors)
+
+    def flush(self, timeout: float | None = None) -> int:
+        """Wait until everything published from this process is visible to readers.
+
+        Publishing from CUDA tensors returns before the device-to-host copy has finished;
+        this waits for it. Returns the version readers now see.
+        """
+        if self._cuda_publisher is not None:
+            self._cuda_publisher.wait(timeout)
+        return self.version
+
+    def _ensure_pinned(self) -> None:
+        """Page-lock the slots in this process (once), so CUDA copies are asynchronous DMA."""
+        if self._pinned or not torch.cuda.is_available():
+            return
+        from ._cuda import register_host
+
+        h = self._hdr
+        region = torch.frombuffer(
+            self._segment.buf, dtype=torch.uint8, count=h[W_SLOT_BYTES] * self._num_slots, offset=h[W_DATA_OFFSET]
+        )
+        self._pinned.append((register_host(region), region))
 
     def release_writer(self) -> None:
         """Give up the writer role so another process may publish."""
@@ -440,7 +489,7 @@ class WeightStore:
     ) -> int:
         """Run ``copy(slot_views)`` on the newest complete slot until one copy validates.
 
-        ``copy`` must have finished reading the slot when it returns. Returns the version
+        ``copy(slot)`` must have finished reading that slot when it returns. Returns the version
         copied. Optimistic copies are tried ``max_attempts`` times, then the pinned
         fallback (see the module docstring) bounds the wait.
         """
@@ -459,23 +508,30 @@ class WeightStore:
             return None  # `latest` moved on and that slot is already being rewritten
         version = h[W_SLOT_VERSION + slot]
         _fence()
-        copy(self._slots[slot])
+        copy(slot)
         _fence()
         if h[W_SEQ + slot] != seq:
             self.retries += 1
             return None
         return version
 
-    def _read_pinned(self, copy: CopyFn, deadline: float) -> int:
+    def _read_pinned(self, copy: CopyFn, deadline: float, steal_after: float = 0.25) -> int:
         h, segment = self._hdr, self._segment
         self.pinned_reads += 1
-        while not segment.lock(TOKEN_LOCK, exclusive=True, wait=False):
-            # Another reader is pinned; it finishes in one copy. Keep trying meanwhile.
+        waited_since = time.monotonic()
+        token = segment.lock(TOKEN_LOCK, exclusive=True, wait=False)
+        while not token:
+            # Another reader holds the token; it finishes in one copy. Keep trying meanwhile.
             version = self._try_read(copy)
             if version is not None:
                 return version
             self._check_deadline(deadline, "waiting for the reader token")
+            if time.monotonic() - waited_since > steal_after:
+                # Its holder is stopped or very slow: take over the pin without the token.
+                # A stolen pin only makes that holder's copy fail validation and retry.
+                break
             time.sleep(0.0005)
+            token = segment.lock(TOKEN_LOCK, exclusive=True, wait=False)
         try:
             while True:
                 ticket = h[W_PIN_REQUEST] + 1
@@ -483,11 +539,12 @@ class WeightStore:
                 try:
                     version = self._await_pin(copy, ticket, deadline)
                 finally:
-                    h[W_PIN_RELEASE] = ticket
+                    h[W_PIN_RELEASE] = ticket  # a newer ticket's pin stays active: GRANT != this
                 if version is not None:
                     return version
         finally:
-            segment.unlock(TOKEN_LOCK)
+            if token:
+                segment.unlock(TOKEN_LOCK)
 
     def _await_pin(self, copy: CopyFn, ticket: int, deadline: float) -> int | None:
         h = self._hdr
@@ -499,7 +556,7 @@ class WeightStore:
                 slot = h[W_PIN_SLOT]
                 seq = h[W_SEQ + slot]
                 version = h[W_SLOT_VERSION + slot]
-                copy(self._slots[slot])
+                copy(slot)
                 _fence()
                 return version if h[W_SEQ + slot] == seq else None  # None: 2 slots only
             # No grant yet. A writer that has not published since the request is idle or
@@ -524,7 +581,7 @@ class WeightStore:
             (keyed by destination for a multi-destination store).
         """
         tensors = [torch.empty(e.shape, dtype=e.dtype) for e in self._layout.entries]
-        version = self._read(lambda views: _copy_all(tensors, views))
+        version = self._read(lambda slot: _copy_all(tensors, self._slots[slot]))
         return Snapshot(version, self._layout.as_tensordict(tensors))
 
     # -- reader table -------------------------------------------------------------------------
@@ -596,6 +653,9 @@ class WeightStore:
         """Let go of the store in this process (and unlink it, if this process created it with
         ``unlink_at_exit=True``). Other processes keep their mapping."""
         if self._finalizer.alive:
+            if self._cuda_publisher is not None:
+                self._cuda_publisher.wait()
+                self._cuda_publisher = None
             # Drop this object's views first so the mapping can be unmapped now; keep a
             # private copy of the header so `version` and `info()` still tell the last state.
             mapped, self._hdr = self._hdr, memoryview(bytearray(self._hdr.tobytes())).cast("q")

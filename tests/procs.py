@@ -101,7 +101,7 @@ def writer(store_name: str, sizes, count: int, conn, every_value: bool = True) -
 def stuck_reader(store: WeightStore, how: str, conn) -> None:
     """Enter a pinned reload and stop in the middle of the copy (the parent then kills or stops us)."""
 
-    def copy(views):
+    def copy(slot):
         conn.send(("in-copy", os.getpid()))
         if how == "sigstop":
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -123,8 +123,8 @@ def slow_reader(store: WeightStore, sizes, loads: int, delay: float, conn) -> No
     start = time.monotonic()
     while done < loads:
 
-        def copy(views):
-            for t, v in zip(targets, views):
+        def copy(slot):
+            for t, v in zip(targets, store._slots[slot]):
                 t.copy_(v)
                 time.sleep(delay)
 

@@ -43,3 +43,16 @@ class _Scale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.scale
+
+
+def egreedy_policy(env: EnvBase, annealing_num_steps: int = 10_000, eps_end: float = 0.05) -> nn.Module:
+    """:func:`mlp_policy` followed by epsilon-greedy exploration (discrete actions).
+
+    Epsilon is a buffer of the module: the trainer anneals it and publishes it with the
+    weights, so every worker explores with the trainer's current epsilon.
+    """
+    from tensordict.nn import TensorDictSequential
+    from torchrl.modules import EGreedyModule
+
+    greedy = EGreedyModule(env.action_spec, annealing_num_steps=annealing_num_steps, eps_init=1.0, eps_end=eps_end)
+    return TensorDictSequential(mlp_policy(env), greedy)

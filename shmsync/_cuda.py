@@ -1,0 +1,95 @@
+"""CUDA paths of the store: pinned slots, and publishing from the GPU without stalling the trainer.
+
+Pinning: the first time a process copies between a store and a CUDA device, the store's
+slots are registered as page-locked memory (``cudaHostRegister``), so both directions are
+asynchronous DMA on the copy engines. They are unregistered before the mapping goes.
+
+Publishing from CUDA tensors (:class:`AsyncPublisher`) uses *a snapshot on the device*
+rather than stream ordering alone:
+
+1. on the trainer's current stream, copy the weights into a private device buffer
+   (device-to-device, an order of magnitude faster than the PCIe copy). The trainer's
+   next optimizer step is queued after it on the same stream, so it cannot change the
+   weights before they are captured;
+2. on a side stream that waits for (1), copy the snapshot into the target slot
+   (device-to-host, asynchronous into pinned memory) and record an event;
+3. a completion thread waits for that event, then marks the slot complete and bumps the
+   version. Readers never see the version before the bytes are in host memory.
+
+The trainer's Python thread only enqueues work and returns. The next publish first waits
+for the previous one to complete (the snapshot buffer is reused), which is back-pressure
+only when publishing faster than the copy engine can move the bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from ._header import W_VERSION
+
+if TYPE_CHECKING:
+    from .store import WeightStore
+
+
+def register_host(tensor: torch.Tensor) -> int:
+    """Page-lock the memory behind a CPU tensor; returns its pointer for :func:`unregister_host`."""
+    ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {size} bytes failed with CUDA error {int(err)}")
+    return ptr
+
+
+def unregister_host(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class AsyncPublisher:
+    """Publishes CUDA tensors into a store; see the module docstring for the protocol."""
+
+    def __init__(self, store: WeightStore, device: torch.device) -> None:
+        self.store = store
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.snapshot = [torch.empty(e.shape, dtype=e.dtype, device=device) for e in store._layout.entries]
+        self._done = threading.Event()
+        self._done.set()
+        self._error: BaseException | None = None
+
+    def publish(self, tensors: list[torch.Tensor]) -> int:
+        self.wait()
+        store = self.store
+        current = torch.cuda.current_stream(self.device)
+        with torch.no_grad():
+            torch._foreach_copy_(self.snapshot, tensors)  # (1) on the trainer's stream
+        target, odd = store._begin_write()
+        version = store._hdr[W_VERSION] + 1  # completions are serialized, so this is exact
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream), torch.no_grad():  # (2)
+            for dst, src in zip(store._slots[target], self.snapshot):
+                dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._done.clear()
+        threading.Thread(target=self._complete, args=(event, target, odd), daemon=True).start()  # (3)
+        return version
+
+    def _complete(self, event: torch.cuda.Event, target: int, odd: int) -> None:
+        try:
+            event.synchronize()
+            self.store._end_write(target, odd)
+        except BaseException as e:  # surfaced by the next wait()
+            self._error = e
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the last publish is visible to readers."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"store {self.store.name!r}: a CUDA publish did not complete in {timeout}s")
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"store {self.store.name!r}: an asynchronous CUDA publish failed") from error
