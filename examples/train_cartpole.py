@@ -49,6 +49,7 @@ class Args:
     target_return: float = 195.0  # stop when the evaluation average reaches it (0: never)
     seed: int = 0
     use_async: bool = False  # MultiAsyncCollector instead of MultiSyncCollector
+    scheme: str = "shmsync"  # or "torchrl": TorchRL's default weight sync, for comparison
     progress: bool = True
 
 
@@ -89,14 +90,16 @@ def main(args: Args) -> dict:
     policy = TensorDictSequential(actor, greedy)
 
     # Workers load `policy` from shared memory and reload only when a new version is published.
-    scheme = ShmWeightSyncScheme()
+    if args.scheme not in ("shmsync", "torchrl"):
+        raise ValueError(f"--scheme must be 'shmsync' or 'torchrl', got {args.scheme!r}")
+    scheme = ShmWeightSyncScheme() if args.scheme == "shmsync" else None
     collector_cls = MultiAsyncCollector if args.use_async else MultiSyncCollector
     collector = collector_cls(
         [make_env] * args.workers,
         policy,
         frames_per_batch=args.frames_per_batch,
         total_frames=args.total_frames,
-        weight_sync_schemes={"policy": scheme},
+        weight_sync_schemes={"policy": scheme} if scheme is not None else None,
     )
 
     loss = DQNLoss(actor, action_space=spec, delay_value=True)
@@ -120,9 +123,9 @@ def main(args: Args) -> dict:
     stats = {"staleness": [], "versions_per_worker": [set() for _ in range(args.workers)]}
 
     def record(batch):
-        tags = staleness(batch, scheme)
-        stats["staleness"].append(tags.flatten())
-        if not args.use_async:  # [workers, time]
+        if scheme is not None:
+            stats["staleness"].append(staleness(batch, scheme).flatten())
+        if scheme is not None and not args.use_async:  # [workers, time]
             for w in range(args.workers):
                 stats["versions_per_worker"][w].update(batch["policy_version"][w].unique().tolist())
         greedy.step(batch.numel())
@@ -146,7 +149,7 @@ def main(args: Args) -> dict:
         avg = evaluate(actor, args.eval_episodes)
         evals.append((trainer.collected_frames, avg, time.perf_counter() - start))
         if getattr(trainer, "_pbar", None) is not None:
-            trainer._pbar.set_postfix(eval_return=f"{avg:.0f}", version=scheme.version)
+            trainer._pbar.set_postfix(eval_return=f"{avg:.0f}")
         if args.target_return and avg >= args.target_return:
             trainer.request_stop(f"evaluation return {avg:.0f} >= {args.target_return}")
 
@@ -161,40 +164,43 @@ def main(args: Args) -> dict:
     total = time.perf_counter() - start
 
     final = evaluate(actor, 10)
-    store = scheme.store
+    store = scheme.store if scheme is not None else None
     tags = torch.cat(stats["staleness"]) if stats["staleness"] else torch.zeros(1, dtype=torch.long)
     summary = {
         "frames": trainer.collected_frames,
         "seconds": total,
         "frames_per_second": trainer.collected_frames / total,
-        "versions_published": store.version,
-        "versions_seen_per_worker": [len(v) for v in stats["versions_per_worker"]] if not args.use_async else None,
-        "staleness_mean": tags.float().mean().item(),
-        "staleness_max": int(tags.max()),
-        "publish_seconds": store.publish_seconds,
-        "publish_fraction": store.publish_seconds / total,
         "final_eval_return": final,
-        "target_reached_at": next(((f, t) for f, r, t in evals if r >= args.target_return), None),
+        "target_reached_at": next(
+            ((f, t) for f, r, t in evals if args.target_return and r >= args.target_return), None
+        ),
     }
     print("\n--- summary ---")
-    print(f"collector            {collector_cls.__name__}, {args.workers} workers")
+    print(f"collector            {collector_cls.__name__}, {args.workers} workers, {args.scheme} weight sync")
     print(f"frames               {summary['frames']} in {total:.1f}s ({summary['frames_per_second']:.0f} frames/s)")
-    print(f"versions published   {summary['versions_published']}")
-    if summary["versions_seen_per_worker"] is not None:
-        print(f"reloads per worker   {summary['versions_seen_per_worker']} (distinct versions in each worker's frames)")
-    print(f"staleness of frames  mean {summary['staleness_mean']:.2f}, max {summary['staleness_max']} versions")
-    print(
-        f"time publishing      {store.publish_seconds * 1e3:.1f} ms ({100 * summary['publish_fraction']:.3f}% of total)"
-    )
-    reached = summary["target_reached_at"]
-    print(
-        f"evaluation           final average return {final:.1f} over 10 episodes; "
-        + (
-            f"target {args.target_return:.0f} reached after {reached[0]} frames, {reached[1]:.0f}s"
-            if reached
-            else "target not reached"
+    if store is not None:
+        summary.update(
+            versions_published=store.version,
+            versions_seen_per_worker=None if args.use_async else [len(v) for v in stats["versions_per_worker"]],
+            staleness_mean=tags.float().mean().item(),
+            staleness_max=int(tags.max()),
+            publish_seconds=store.publish_seconds,
+            publish_fraction=store.publish_seconds / total,
         )
+        print(f"versions published   {summary['versions_published']}")
+        if summary["versions_seen_per_worker"] is not None:
+            seen = summary["versions_seen_per_worker"]
+            print(f"reloads per worker   {seen} (distinct versions in each worker's frames)")
+        print(f"staleness of frames  mean {summary['staleness_mean']:.2f}, max {summary['staleness_max']} versions")
+        share = 100 * summary["publish_fraction"]
+        print(f"time publishing      {store.publish_seconds * 1e3:.1f} ms ({share:.3f}% of total)")
+    reached = summary["target_reached_at"]
+    outcome = (
+        f"target {args.target_return:.0f} reached after {reached[0]} frames, {reached[1]:.0f}s"
+        if reached
+        else ("no target set" if not args.target_return else "target not reached")
     )
+    print(f"evaluation           final average return {final:.1f} over 10 episodes; {outcome}")
     return summary
 
 

@@ -151,3 +151,11 @@ def test_closed_store(store_factory):
     store.close()
     with pytest.raises(RuntimeError, match="closed"):
         store.publish(nn.Linear(1, 1))
+
+
+def test_store_and_reader_import_without_torchrl():
+    import subprocess
+    import sys
+
+    code = "import sys, shmsync; shmsync.WeightStore, shmsync.WeightReader; assert 'torchrl' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
