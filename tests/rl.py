@@ -80,3 +80,31 @@ def make_marked_env():
     return TransformedEnv(
         make_env(), ObservationNorm(loc=torch.full((4,), 100.0), scale=torch.ones(4), in_keys=["observation"])
     )
+
+
+def fork_collector_check() -> None:
+    """Run in a fresh interpreter: a MultiSyncCollector with the fork start method."""
+    import torch.multiprocessing as mp
+
+    mp.set_start_method("fork", force=True)
+    from torchrl.collectors import MultiSyncCollector
+
+    from shmsync import ShmWeightSyncScheme
+
+    policy = make_policy()
+    scheme = ShmWeightSyncScheme()
+    collector = MultiSyncCollector(
+        [make_env] * 2, policy, frames_per_batch=40, total_frames=-1, weight_sync_schemes={"policy": scheme}
+    )
+    try:
+        it = iter(collector)
+        assert (next(it)["policy_version"] == 0).all()
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.zero_()
+        collector.update_policy_weights_()
+        batch = next(it)
+        assert (batch["policy_version"] == 1).all() and (batch["action"] == 1).all()
+    finally:
+        collector.shutdown()
+    print("fork ok")

@@ -255,3 +255,18 @@ def test_cuda_worker_policies():
         assert (batch["policy_version"] == 1).all() and _is_tie(batch["action"].cpu()).all()
     finally:
         collector.shutdown()
+
+
+def test_fork_start_method():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run(
+        [sys.executable, "-c", "import rl; rl.fork_collector_check()"],
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0 and "fork ok" in proc.stdout, proc.stderr[-3000:]
