@@ -172,10 +172,12 @@ class WeightStore:
         self._segment = segment
         buf = segment.buf
         self._hdr = h = header_view(buf)
-        if h[W_MAGIC] != MAGIC:
-            raise StoreNotFoundError(f"{segment.name!r} is not a shmsync store, or it is still being created")
-        if h[W_FORMAT] != FORMAT:
-            raise ShmSyncError(f"store {segment.name!r} has format {h[W_FORMAT]}, this shmsync reads {FORMAT}")
+        magic, fmt = h[W_MAGIC], h[W_FORMAT]
+        if magic != MAGIC or fmt != FORMAT:
+            h.release()  # so the caller can unmap
+            if magic != MAGIC:
+                raise StoreNotFoundError(f"{segment.name!r} is not a shmsync store, or it is still being created")
+            raise ShmSyncError(f"store {segment.name!r} has format {fmt}, this shmsync reads {FORMAT}")
         lo, ln = h[W_LAYOUT_OFFSET], h[W_LAYOUT_BYTES]
         self._layout, self._destinations = Layout.from_json(bytes(buf[lo : lo + ln]))
         self._num_slots = h[W_NUM_SLOTS]
@@ -231,8 +233,8 @@ class WeightStore:
         doc = layout.to_json(destinations)
         layout_offset, data_offset, size = segment_bytes(doc, layout.slot_bytes, num_slots)
         segment = Segment.create(f"{os.getpid()}-{secrets.token_hex(6)}" if name is None else name, size)
+        h = header_view(segment.buf)
         try:
-            h = header_view(segment.buf)
             segment.buf[layout_offset : layout_offset + len(doc)] = doc
             pid = os.getpid()
             for word, value in (
@@ -258,6 +260,7 @@ class WeightStore:
             h.release()
             store = cls(segment, owner=True, unlink_at_exit=unlink_at_exit)
         except BaseException:
+            h.release()
             segment.unlink()
             segment.close()
             raise
@@ -348,6 +351,8 @@ class WeightStore:
 
         Never waits for readers. Only one process may publish into a store at a time;
         the first publish takes the writer role for this process until :meth:`close`.
+        From CUDA tensors it returns once the copy is queued (see :mod:`shmsync._cuda`);
+        the version becomes visible when the bytes are in host memory (:meth:`flush` waits).
 
         Args:
             source: the same kind of object the store was created from, with the same

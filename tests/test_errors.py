@@ -159,3 +159,19 @@ def test_store_and_reader_import_without_torchrl():
 
     code = "import sys, shmsync; shmsync.WeightStore, shmsync.WeightReader; assert 'torchrl' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def test_attach_half_created_store():
+    import os
+
+    from shmsync import _segment
+
+    name = f"half-created-{os.getpid()}"
+    path = _segment.path_of(name)
+    with open(path, "wb") as f:
+        f.write(bytes(8192))  # a creator that died before writing the header
+    try:
+        with pytest.raises(StoreNotFoundError, match="still being created"):
+            WeightStore.attach(name)
+    finally:
+        os.unlink(path)
