@@ -16,6 +16,7 @@ import gc
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -122,10 +123,15 @@ def reps_for(nbytes: int, quick: bool) -> int:
 
 # -- 1. trainer side, no workers: publish against the copy floor --------------------------------
 def interleaved(fns: dict, reps: int, warmup: int = 3) -> dict[str, list[float]]:
-    """Time each function once per round, round after round, so drift hits all alike."""
+    """Time each function once per round, round after round, so drift hits all alike; the
+    order within a round is shuffled, so no function always runs on the caches another left."""
     out = {k: [] for k in fns}
+    order = list(fns)
+    rng = random.Random(0)
     for r in range(warmup + reps):
-        for k, fn in fns.items():
+        rng.shuffle(order)
+        for k in order:
+            fn = fns[k]
             t = time.perf_counter()
             fn()
             if r >= warmup:
