@@ -33,7 +33,6 @@ import pytest
 
 from . import _segment
 from ._header import MAGIC, W_CREATOR_PID, W_CREATOR_PPID, W_MAGIC
-from .store import WeightStore
 
 
 def stores_created_by(pids: set[int]) -> set[str]:
@@ -66,8 +65,10 @@ def live_children() -> list[psutil.Process]:
 
 
 @pytest.fixture
-def store_factory() -> Iterator[Callable[..., WeightStore]]:
+def store_factory() -> Iterator[Callable[..., Any]]:
     """``store_factory(source, **kwargs)`` -> a new :class:`~shmsync.WeightStore`, removed after the test."""
+    from .store import WeightStore  # here, not at import: the plugin loads in every pytest run
+
     made: list[WeightStore] = []
 
     def make(source: Any, **kwargs: Any) -> WeightStore:

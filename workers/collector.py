@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import queue as queue_module
 import signal
 import threading
 import time
@@ -89,7 +90,7 @@ def run_worker(worker_id: int, config: WorkerConfig, queue: Any, parent_pid: int
                 try:
                     queue.put(("batch", worker_id, batch), timeout=0.5)
                     break
-                except Exception:
+                except queue_module.Full:
                     if stopping.is_set():
                         break
             if stopping.is_set():
