@@ -381,6 +381,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _update_row(label: str, by_scheme: dict, field: str) -> list[str]:
+    """One row of the update table: p50 / p95 per scheme, then TorchRL's schemes over shmsync."""
+    ours = by_scheme.get("shmsync")
+    row = [label if field == "update" else f"{label}, explicit"]
+    for kind in ("shmsync", "SharedMem", "MultiProcess"):
+        x = by_scheme.get(kind)
+        row.append(f"{fmt_t(p50(x[field]))} / {fmt_t(p95(x[field]))}" if x else "-")
+    for kind in ("SharedMem", "MultiProcess"):
+        x = by_scheme.get(kind)
+        row.append(f"{p50(x[field]) / p50(ours[field]):.1f}x" if x and ours else "-")
+    return row
+
+
 def render(r: dict) -> str:
     m = r["machine"]
     parts = [
@@ -440,27 +453,7 @@ def render(r: dict) -> str:
     by = {}
     for x in r["update"]:
         by.setdefault(x["payload"], {})[x["scheme"]] = x
-    rows = []
-    for label, d in by.items():
-        s = d.get("shmsync")
-        row = [label]
-        for kind in ("shmsync", "SharedMem", "MultiProcess"):
-            x = d.get(kind)
-            row.append(f"{fmt_t(p50(x['update']))} / {fmt_t(p95(x['update']))}" if x else "-")
-        for kind in ("SharedMem", "MultiProcess"):
-            x = d.get(kind)
-            row.append(f"{p50(x['update']) / p50(s['update']):.1f}x" if x and s else "-")
-        rows.append(row)
-    for label, d in by.items():
-        s = d.get("shmsync")
-        row = [f"{label}, explicit"]
-        for kind in ("shmsync", "SharedMem", "MultiProcess"):
-            x = d.get(kind)
-            row.append(f"{fmt_t(p50(x['update_explicit']))} / {fmt_t(p95(x['update_explicit']))}" if x else "-")
-        for kind in ("SharedMem", "MultiProcess"):
-            x = d.get(kind)
-            row.append(f"{p50(x['update_explicit']) / p50(s['update_explicit']):.1f}x" if x and s else "-")
-        rows.append(row)
+    rows = [_update_row(label, d, field) for field in ("update", "update_explicit") for label, d in by.items()]
     parts.append(
         table(
             "Trainer side with 2 workers: collector.update_policy_weights_() p50 / p95 "
