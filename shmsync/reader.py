@@ -78,7 +78,6 @@ class WeightReader:
         self._parts = _parts(store, module, destination)
         self._targets: list[torch.Tensor] | None = None
         self._sources: list[list[torch.Tensor]] = []
-        self._all_cpu = True
         self._row = store._claim_reader_row()  # for `shmsync ls` and store.readers()
         self._finalizer = weakref.finalize(self, store._release_reader_row, self._row)
         # Check the module against the store now (clear error at construction time).
@@ -154,14 +153,9 @@ class WeightReader:
         self._targets = targets
         # Per slot, the views this reader copies from, so a reload is one batched copy.
         self._sources = [[views[i] for i in indices] for views in self.store._slots]
-        self._all_cpu = all(t.device.type == "cpu" for t in targets)
 
     def _copy(self, slot: int) -> None:
-        if self._all_cpu:
-            with torch.no_grad():
-                torch._foreach_copy_(self._targets, self._sources[slot])
-        else:
-            _copy_all(self._targets, self._sources[slot])
+        _copy_all(self._targets, self._sources[slot])
 
     def __repr__(self) -> str:
         return f"WeightReader(store={self.store.name!r}, version={self._version}, reloads={self.reloads})"

@@ -58,7 +58,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import psutil
@@ -367,8 +367,7 @@ class WeightStore:
         """
         start = time.perf_counter()
         self._check_open()
-        td, _ = as_tensordict(source, "publish() source")
-        tensors = self._layout.match(td, f"weights published to store {self.name!r}")
+        tensors = self._match_source(source, f"weights published to store {self.name!r}")
         if not self._segment.held(WRITER_LOCK):
             self._acquire_writer()
         if any(t.is_cuda for t in tensors):
@@ -377,6 +376,20 @@ class WeightStore:
             version = self._write(tensors)
         self.publish_seconds += time.perf_counter() - start
         return version
+
+    def _match_source(self, source: Any, what: str) -> list[torch.Tensor]:
+        """The source's tensors in entry order, checked against the layout (nothing written)."""
+        dests = self._destinations
+        if dests is not None and isinstance(source, Mapping) and source.keys() == set(dests):
+            # One destination at a time, without building a nested TensorDict. Entries are
+            # sorted by key, so destinations come in sorted order.
+            tensors = []
+            for dest in sorted(dests):
+                sub, _ = as_tensordict(source[dest], f"{what}[{dest!r}]")
+                tensors += self._layout.match(sub, f"{what}, destination {dest!r}", prefix=(dest,))
+            return tensors
+        td, _ = as_tensordict(source, what)
+        return self._layout.match(td, what)
 
     def _publish_from_cuda(self, tensors: list[torch.Tensor]) -> int:
         # Returns once the copy is queued; the version turns visible when it has landed.
@@ -693,15 +706,19 @@ def _alive(pid: int) -> bool:
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """``dst[i].copy_(src[i])`` for all i, batched, without autograd."""
-    with torch.no_grad():
-        if all(t.device.type == "cpu" for t in src) and all(t.device.type == "cpu" for t in dst):
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # what no_grad() does, without its per-call overhead
+    try:
+        if not any(t.is_cuda for t in dst) and not any(t.is_cuda for t in src):
             torch._foreach_copy_(dst, src)
         else:
-            non_blocking = any(t.device.type == "cuda" for t in dst)
+            non_blocking = any(t.is_cuda for t in dst)
             for d, s in zip(dst, src):
                 d.copy_(s, non_blocking=non_blocking)
-            for dev in {t.device for t in (*dst, *src) if t.device.type == "cuda"}:
+            for dev in {t.device for t in (*dst, *src) if t.is_cuda}:
                 torch.cuda.current_stream(dev).synchronize()
+    finally:
+        torch._C._set_grad_enabled(grad)
 
 
 __all__ = ["WeightStore", "Snapshot"]
