@@ -175,3 +175,36 @@ def test_attach_half_created_store():
             WeightStore.attach(name)
     finally:
         os.unlink(path)
+
+
+def test_republishing_a_changed_module_is_still_checked(store):
+    """The fast path for a module published before must notice every kind of change."""
+    module = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    store.publish(module)
+    store.publish(module)  # now on the fast path
+    before = _state(store)
+    module[0].weight.data = torch.zeros(3, 5)  # same Parameter object, new shape
+    with pytest.raises(WeightMismatchError, match=r"'0\.weight' has shape \(3, 5\)"):
+        store.publish(module)
+    module[0].weight.data = torch.zeros(3, 4, dtype=torch.float64)
+    with pytest.raises(WeightMismatchError, match=r"'0\.weight' has dtype torch\.float64"):
+        store.publish(module)
+    module[0].weight = nn.Parameter(torch.zeros(7))  # a new Parameter object
+    with pytest.raises(WeightMismatchError, match=r"'0\.weight' has shape \(7,\)"):
+        store.publish(module)
+    module[0].weight = nn.Parameter(torch.zeros(3, 4))
+    module.add_module("extra", nn.Linear(1, 1))  # a new submodule
+    with pytest.raises(WeightMismatchError, match=r"unexpected \['extra\.bias', 'extra\.weight'\]"):
+        store.publish(module)
+    del module.extra
+    module.to("meta")
+    with pytest.raises(WeightMismatchError, match="meta device"):
+        store.publish(module)
+    _assert_unchanged(store, before)
+    fresh = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.fill_(2.0)
+    v = store.publish(fresh)
+    snap = store.snapshot()
+    assert snap.version == v and all((t == 2.0).all() for t in snap.weights.values())
