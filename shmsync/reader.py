@@ -78,6 +78,7 @@ class WeightReader:
         self._parts = _parts(store, module, destination)
         self._targets: list[torch.Tensor] | None = None
         self._sources: list[list[torch.Tensor]] = []
+        self._on_cpu = True
         self._row = store._claim_reader_row()  # for `shmsync ls` and store.readers()
         self._finalizer = weakref.finalize(self, store._release_reader_row, self._row)
         # Check the module against the store now (clear error at construction time).
@@ -148,14 +149,23 @@ class WeightReader:
             )
             targets += layout.match(module_weights(module), where, prefix=prefix)
             indices += layout.subset(prefix)
-        if any(t.is_cuda for t in targets):
+        self._on_cpu = not any(t.is_cuda for t in targets)
+        if not self._on_cpu:
             self.store._ensure_pinned()  # host-to-device copies become asynchronous DMA
         self._targets = targets
         # Per slot, the views this reader copies from, so a reload is one batched copy.
         self._sources = [[views[i] for i in indices] for views in self.store._slots]
 
     def _copy(self, slot: int) -> None:
-        _copy_all(self._targets, self._sources[slot])
+        if self._on_cpu:  # the common case, without _copy_all's device checks
+            grad = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
+                torch._foreach_copy_(self._targets, self._sources[slot])
+            finally:
+                torch._C._set_grad_enabled(grad)
+        else:
+            _copy_all(self._targets, self._sources[slot])
 
     def __repr__(self) -> str:
         return f"WeightReader(store={self.store.name!r}, version={self._version}, reloads={self.reloads})"
