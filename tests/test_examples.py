@@ -53,3 +53,19 @@ def test_train_cartpole_tiny_budget(mode):
     assert "staleness of frames" in out
     if not mode:
         assert "reloads per worker   [4, 4]" in out
+
+
+@pytest.mark.timeout(240)
+def test_train_with_workers_tiny_budget():
+    out = _run(
+        "examples/train_with_workers.py",
+        "--max-batches",
+        "4",
+        "--eval-every",
+        "2",
+        "--optim-steps-per-batch",
+        "2",
+        "--target-return",
+        "10000",
+    )
+    assert "batch    4" in out and "versions published" in out and "staleness of frames" in out
