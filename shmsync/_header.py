@@ -47,3 +47,15 @@ def header_view(buf) -> memoryview:
     load; call ``release()`` on it before unmapping.
     """
     return memoryview(buf)[:HEADER_BYTES].cast("q")
+
+
+def reader_rows(h) -> list[tuple[int, int, int, int, int]]:
+    """``(row, pid, loaded version, reloads, last reload ns)`` for every claimed row of the
+    reader table in header words ``h`` (a memoryview or an int64 array); pids may be dead."""
+    out = []
+    for row in range(MAX_READERS):
+        base = W_READERS + row * READER_WORDS
+        pid = int(h[base])
+        if pid:
+            out.append((row, pid, int(h[base + 1]), int(h[base + 2]), int(h[base + 3])))
+    return out

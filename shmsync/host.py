@@ -17,17 +17,15 @@ from . import _segment
 from ._header import (
     HEADER_BYTES,
     MAGIC,
-    MAX_READERS,
-    READER_WORDS,
     W_CREATE_NS,
     W_CREATOR_PID,
     W_CREATOR_START,
     W_MAGIC,
     W_PAYLOAD_BYTES,
     W_PUBLISH_NS,
-    W_READERS,
     W_VERSION,
     W_WRITER_PID,
+    reader_rows,
 )
 
 
@@ -52,8 +50,9 @@ class StoreStatus:
         return asdict(self)
 
 
-def _alive(pid: int, start_ns: int = 0) -> bool:
-    """Whether ``pid`` runs and, if ``start_ns`` is given, is the same process (not a reused pid)."""
+def pid_alive(pid: int, start_ns: int = 0) -> bool:
+    """Whether ``pid`` runs (a zombie does not) and, if ``start_ns`` is given, is the same
+    process (not a reused pid). A process we may not inspect counts as alive."""
     if pid <= 0:
         return False
     try:
@@ -61,8 +60,10 @@ def _alive(pid: int, start_ns: int = 0) -> bool:
         if start_ns and abs(int(proc.create_time() * 1e9) - start_ns) > 50_000_000:
             return False
         return proc.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+    except psutil.NoSuchProcess:
         return False
+    except psutil.AccessDenied:
+        return True
 
 
 def _held(name: str) -> bool:
@@ -89,11 +90,7 @@ def status(name: str) -> StoreStatus | None:
             name, False, -1, 0, st.st_size, 0, False, 0, [], _held(name), None, (now - st.st_mtime_ns) / 1e9
         )
     h = np.frombuffer(raw, dtype=np.int64)
-    readers = []
-    for row in range(MAX_READERS):
-        pid = int(h[W_READERS + row * READER_WORDS])
-        if pid and _alive(pid):
-            readers.append(pid)
+    readers = [pid for _row, pid, *_ in reader_rows(h) if pid_alive(pid)]
     published = int(h[W_PUBLISH_NS])
     return StoreStatus(
         name=name,
@@ -102,7 +99,7 @@ def status(name: str) -> StoreStatus | None:
         payload_bytes=int(h[W_PAYLOAD_BYTES]),
         shm_bytes=st.st_size,
         creator_pid=int(h[W_CREATOR_PID]),
-        creator_alive=_alive(int(h[W_CREATOR_PID]), int(h[W_CREATOR_START])),
+        creator_alive=pid_alive(int(h[W_CREATOR_PID]), int(h[W_CREATOR_START])),
         writer_pid=int(h[W_WRITER_PID]),
         readers=readers,
         held=_held(name),

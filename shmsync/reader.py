@@ -157,15 +157,7 @@ class WeightReader:
         self._sources = [[views[i] for i in indices] for views in self.store._slots]
 
     def _copy(self, slot: int) -> None:
-        if self._on_cpu:  # the common case, without _copy_all's device checks
-            grad = torch.is_grad_enabled()
-            torch._C._set_grad_enabled(False)
-            try:
-                torch._foreach_copy_(self._targets, self._sources[slot])
-            finally:
-                torch._C._set_grad_enabled(grad)
-        else:
-            _copy_all(self._targets, self._sources[slot])
+        _copy_all(self._targets, self._sources[slot], self._on_cpu)
 
     def __repr__(self) -> str:
         return f"WeightReader(store={self.store.name!r}, version={self._version}, reloads={self.reloads})"

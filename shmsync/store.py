@@ -97,11 +97,13 @@ from ._header import (
     W_VERSION,
     W_WRITER_PID,
     header_view,
+    reader_rows,
 )
 from ._layout import Layout, segment_bytes
 from ._segment import TABLE_LOCK, TOKEN_LOCK, WRITER_LOCK, Segment
 from ._source import as_tensordict, module_weights
 from .errors import ReloadTimeoutError, ShmSyncError, StoreNotFoundError, WriterBusyError
+from .host import pid_alive
 
 if platform.machine() in ("x86_64", "AMD64", "i386", "i686"):
 
@@ -375,7 +377,7 @@ class WeightStore:
         if any(t.is_cuda for t in tensors):
             version = self._publish_from_cuda(tensors)
         else:
-            version = self._write(tensors)
+            version = self._write(tensors, on_cpu=True)
         self.publish_seconds += time.perf_counter() - start
         return version
 
@@ -526,9 +528,9 @@ class WeightStore:
         h[W_PUBLISH_COUNT] += 1
         return version
 
-    def _write(self, tensors: list[torch.Tensor]) -> int:
+    def _write(self, tensors: list[torch.Tensor], on_cpu: bool | None = None) -> int:
         target, odd = self._begin_write()
-        _copy_all(self._slots[target], tensors)
+        _copy_all(self._slots[target], tensors, on_cpu)
         return self._end_write(target, odd)
 
     # -- reading --------------------------------------------------------------------------------
@@ -645,7 +647,7 @@ class WeightStore:
             for row in range(MAX_READERS):
                 base = W_READERS + row * READER_WORDS
                 pid = h[base]
-                if pid == 0 or not _alive(pid):
+                if pid == 0 or not pid_alive(pid):
                     h[base], h[base + 1], h[base + 2], h[base + 3] = os.getpid(), -1, 0, 0
                     return row
             return -1
@@ -665,20 +667,11 @@ class WeightStore:
     def readers(self) -> list[dict[str, int]]:
         """Readers attached to this store in live processes: pid, loaded version, reloads,
         and the wall-clock time of their last reload (ns)."""
-        h, out = self._hdr, []
-        for row in range(MAX_READERS):
-            base = W_READERS + row * READER_WORDS
-            pid = h[base]
-            if pid and _alive(pid):
-                out.append(
-                    {
-                        "pid": pid,
-                        "version": h[base + 1],
-                        "reloads": h[base + 2],
-                        "last_reload_ns": h[base + 3],
-                    }
-                )
-        return out
+        return [
+            {"pid": pid, "version": version, "reloads": reloads, "last_reload_ns": last}
+            for _row, pid, version, reloads, last in reader_rows(self._hdr)
+            if pid_alive(pid)
+        ]
 
     def reader(self, module: Any, device: torch.device | str | None = None, **kwargs: Any):
         """A :class:`~shmsync.WeightReader` that loads this store into ``module``."""
@@ -733,22 +726,17 @@ def _owned_tensors(module: nn.Module) -> list[torch.Tensor]:
     return [t for m in module.modules() for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor], on_cpu: bool | None = None) -> None:
+    """``dst[i].copy_(src[i])`` for all i, batched, without autograd.
 
-
-def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all i, batched, without autograd."""
+    ``on_cpu``: whether no tensor is on CUDA, when the caller already knows (hot paths).
+    """
+    if on_cpu is None:
+        on_cpu = not any(t.is_cuda for t in dst) and not any(t.is_cuda for t in src)
     grad = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)  # what no_grad() does, without its per-call overhead
     try:
-        if not any(t.is_cuda for t in dst) and not any(t.is_cuda for t in src):
+        if on_cpu:
             torch._foreach_copy_(dst, src)
         else:
             non_blocking = any(t.is_cuda for t in dst)
