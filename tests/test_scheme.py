@@ -36,6 +36,15 @@ def _is_tie(actions):
     return (actions == TIE).all(-1)
 
 
+def _batch_after_publishing_zeros(collector, policy):
+    """Collect one batch, zero the trainer's policy and publish it, then collect the next batch."""
+    it = iter(collector)
+    next(it)
+    _zero_(policy)
+    collector.update_policy_weights_()
+    return next(it)
+
+
 def _collector(cls, workers, policy, frames=40, **scheme_kwargs):
     scheme = ShmWeightSyncScheme(**scheme_kwargs)
     collector = cls(
@@ -105,12 +114,8 @@ def test_poll_inside_long_rollouts():
     policy = make_policy()
     collector, scheme = _collector(MultiSyncCollector, 1, policy, frames=400, poll_every_steps=10)
     try:
-        it = iter(collector)
-        next(it)
-        _zero_(policy)
-        collector.update_policy_weights_()
         # Already published before the next rollout: all of it is version 1.
-        batch = next(it)
+        batch = _batch_after_publishing_zeros(collector, policy)
         assert (batch["policy_version"] == 1).all()
     finally:
         collector.shutdown()
@@ -247,11 +252,7 @@ def test_cuda_worker_policies():
         weight_sync_schemes={"policy": scheme},
     )
     try:
-        it = iter(collector)
-        next(it)
-        _zero_(policy)
-        collector.update_policy_weights_()
-        batch = next(it)
+        batch = _batch_after_publishing_zeros(collector, policy)
         assert (batch["policy_version"] == 1).all() and _is_tie(batch["action"].cpu()).all()
     finally:
         collector.shutdown()
