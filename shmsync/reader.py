@@ -104,11 +104,15 @@ class WeightReader:
         """Load the newest complete version now, even if it is already loaded."""
         if self._targets is None:
             self._bind()
-        version = self.store._read(self._copy, timeout=self.timeout)
+        store = self.store
+        # The common case inline (one optimistic copy); `_read` does retries, pins and errors.
+        version = store._try_read(self._copy) if not store.closed else None
+        if version is None:
+            version = store._read(self._copy, timeout=self.timeout)
         changed = version != self._version
         self._version = version
         self.reloads += 1
-        self.store._update_reader_row(self._row, version, self.reloads)
+        store._update_reader_row(self._row, version, self.reloads)
         return changed
 
     def wait(self, min_version: int, timeout: float | None = None) -> int:
