@@ -117,14 +117,15 @@ def table(title: str, head: list[str], rows: list[list[str]]) -> str:
 
 
 def reps_for(nbytes: int, quick: bool) -> int:
-    base = 2000 if nbytes <= 4096 else 400 if nbytes <= 1 << 20 else 60 if nbytes <= 16 << 20 else 15
+    base = 2000 if nbytes <= 4096 else 400 if nbytes <= 1 << 20 else 300 if nbytes <= 16 << 20 else 30
     return max(5, base // 4) if quick else base
 
 
 # -- 1. trainer side, no workers: publish against the copy floor --------------------------------
-def interleaved(fns: dict, reps: int, warmup: int = 3) -> dict[str, list[float]]:
+def interleaved(fns: dict, reps: int, warmup: int = 3, before=None) -> dict[str, list[float]]:
     """Time each function once per round, round after round, so drift hits all alike; the
-    order within a round is shuffled, so no function always runs on the caches another left."""
+    order within a round is shuffled, so no function always runs on the caches another left.
+    ``before`` (untimed) runs ahead of each call."""
     out = {k: [] for k in fns}
     order = list(fns)
     rng = random.Random(0)
@@ -132,6 +133,8 @@ def interleaved(fns: dict, reps: int, warmup: int = 3) -> dict[str, list[float]]
         rng.shuffle(order)
         for k in order:
             fn = fns[k]
+            if before is not None:
+                before(k)
             t = time.perf_counter()
             fn()
             if r >= warmup:
@@ -139,14 +142,31 @@ def interleaved(fns: dict, reps: int, warmup: int = 3) -> dict[str, list[float]]
     return out
 
 
-def rotating_copy(dsts: list[torch.Tensor], src: torch.Tensor):
+def rotating_copy(dsts: list[list[torch.Tensor]], src: list[torch.Tensor]):
+    """A plain per-tensor ``copy_`` of ``src`` into each destination set in turn."""
     turn = [0]
 
     def copy():
         turn[0] = (turn[0] + 1) % len(dsts)
-        dsts[turn[0]].copy_(src)
+        for d, s in zip(dsts[turn[0]], src):
+            d.copy_(s)
 
     return copy
+
+
+def weights(module: nn.Module) -> list[torch.Tensor]:
+    return [t.data for t in module.parameters()]
+
+
+def slot_views(store, module: nn.Module, prefix: tuple[str, ...] = ()) -> list[list[torch.Tensor]]:
+    """Per slot of ``store``, its views of ``module``'s parameters (same order as :func:`weights`)."""
+    index = store._layout.index
+    keys = [prefix + tuple(name.split(".")) for name, _ in module.named_parameters()]
+    return [[views[index[k]] for k in keys] for views in store._slots]
+
+
+def empty_like_all(tensors: list[torch.Tensor], shared: bool = False) -> list[torch.Tensor]:
+    return [torch.empty_like(t).share_memory_() if shared else torch.empty_like(t) for t in tensors]
 
 
 def bench_publish(sizes: dict[str, int], quick: bool) -> list[dict]:
@@ -156,16 +176,18 @@ def bench_publish(sizes: dict[str, int], quick: bool) -> list[dict]:
     for label, nbytes in sizes.items():
         policy = make_policy(nbytes)
         store = WeightStore.create(policy)
-        # The floors copy from the very tensor publish() reads, so caches treat them alike.
-        src = policy.module.payload.data
-        n = src.numel()
-        private = [torch.empty(n) for _ in range(3)]
-        shared = [torch.empty(n).share_memory_() for _ in range(3)]
+        # The floors copy the very tensors publish() reads (all of them), so caches treat them alike.
+        src = weights(policy)
+        private = [empty_like_all(src) for _ in range(2)]
+        shared = [empty_like_all(src, shared=True) for _ in range(3)]
         times = interleaved(
             {
-                "copy_warm": lambda d=private[0], src=src: d.copy_(src),
-                "copy_3_rotating": rotating_copy(private, src),
+                "copy_warm": rotating_copy(private[:1], src),
+                "copy_2_alternating": rotating_copy(private, src),
                 "copy_3_rotating_shm": rotating_copy(shared, src),
+                # Separate allocations of the same size differ by up to ~20% in copy speed on this
+                # VM (physical placement), so the like-for-like floor writes publish's own pages.
+                "copy_same_slots": rotating_copy(slot_views(store, policy), src),
                 "publish": lambda store=store, policy=policy: store.publish(policy),
             },
             reps_for(nbytes, quick),
@@ -199,11 +221,9 @@ def bench_reader(sizes: dict[str, int], quick: bool) -> dict:
         store = WeightStore.create(policy)
         worker = make_policy(nbytes)
         reader = WeightReader(store, worker)
-        slot = store._slots[0][store._layout.index[("module", "payload")]]
-        dst = worker.module.payload.data
-        times = interleaved(
-            {"reload": reader.reload, "copy_floor": lambda d=dst, s=slot: d.copy_(s)}, reps_for(nbytes, quick)
-        )
+        # The floor copies the same tensors out of the same slot, one plain copy_ each.
+        copy_floor = rotating_copy([weights(worker)], slot_views(store, worker)[0])
+        times = interleaved({"reload": reader.reload, "copy_floor": copy_floor}, reps_for(nbytes, quick))
         reloads.append({"payload": label, "bytes": nbytes, **times})
         store.close()
         gc.collect()
@@ -226,13 +246,15 @@ def build_collector(kind: str, nbytes: int, workers: int, cls_name: str = "Multi
 
     cls = getattr(C, cls_name)
     policy = make_policy(nbytes)
+    scheme = make_scheme(kind)
     collector = cls(
         [make_env] * workers,
         policy,
         frames_per_batch=fpb,
         total_frames=-1,
-        weight_sync_schemes={"policy": make_scheme(kind)},
+        weight_sync_schemes={"policy": scheme},
     )
+    collector.bench_scheme = scheme
     return collector, policy
 
 
@@ -248,16 +270,28 @@ def bench_update(sizes: dict[str, int], kinds: list[str], workers: int, quick: b
                 next(iter(collector))  # workers up and weights initialized
                 reps = max(5, reps_for(nbytes, quick) // 5)
                 # The trainer's own copy of the weights (a loss module's, say), sent explicitly.
-                trainer_weights = TensorDict.from_module(make_policy(nbytes))
-                times = interleaved(
-                    {
-                        "update": collector.update_policy_weights_,
-                        "update_explicit": lambda c=collector, w=trainer_weights: c.update_policy_weights_(w),
-                    },
-                    reps,
-                    warmup=2,
-                )
+                trainer_module = make_policy(nbytes)
+                trainer_weights = TensorDict.from_module(trainer_module)
+                fns = {
+                    "update": collector.update_policy_weights_,
+                    "update_explicit": lambda c=collector, w=trainer_weights: c.update_policy_weights_(w),
+                }
+                sources = {"update": weights(policy), "update_explicit": weights(trainer_module)}
+                if kind == "shmsync":
+                    # The floor for any design that copies once: a plain copy_ of the same tensors
+                    # into the same shared-memory slots, timed here, in the same conditions.
+                    store = collector.bench_scheme.store
+                    fns["copy_floor"] = rotating_copy(slot_views(store, policy, ("policy",)), sources["update"])
+                    sources["copy_floor"] = sources["update"]
+
+                def before(key, sources=sources):
+                    # As after an optimizer step: the weights to send were just written.
+                    with torch.no_grad():
+                        torch._foreach_mul_(sources[key], 1.0)
+
+                times = interleaved(fns, reps, warmup=2, before=before)
                 lat = times["update"]
+                del fns, sources, before
                 shm1, uss1 = shm_used(), uss_tree()
             finally:
                 collector.shutdown()
@@ -272,6 +306,7 @@ def bench_update(sizes: dict[str, int], kinds: list[str], workers: int, quick: b
                     "workers": workers,
                     "update": lat,
                     "update_explicit": times["update_explicit"],
+                    "copy_floor": times.get("copy_floor"),
                     "shm_bytes": shm1 - shm0,
                     "uss_bytes": uss1 - uss0,
                     "shm_left_after_shutdown": max(0, shm_used() - shm0),
@@ -282,12 +317,18 @@ def bench_update(sizes: dict[str, int], kinds: list[str], workers: int, quick: b
 
 
 # -- 4. collection throughput, publishing after every batch against never ------------------------
-def bench_throughput(sizes: dict[str, int], kinds: list[str], classes: list[str], batches: int) -> list[dict]:
+def bench_throughput(
+    sizes: dict[str, int], kinds: list[str], classes: list[str], batches: int, explicit: tuple[str, ...] = ()
+) -> list[dict]:
+    """``explicit``: payloads also measured sending the trainer's separate copy of the weights."""
     results = []
+    cases = [(label, nbytes, False) for label, nbytes in sizes.items()]
+    cases += [(label, sizes[label], True) for label in explicit]
     for cls_name in classes:
-        for label, nbytes in sizes.items():
+        for label, nbytes, send_copy in cases:
             for kind in kinds:
                 collector, policy = build_collector(kind, nbytes, 2, cls_name)
+                trainer_weights = TensorDict.from_module(make_policy(nbytes)) if send_copy else None
                 frames = {"never": 0, "every_batch": 0}
                 cycles = {"never": [], "every_batch": []}
                 try:
@@ -302,7 +343,7 @@ def bench_throughput(sizes: dict[str, int], kinds: list[str], classes: list[str]
                         mode = "never" if (i // chunk) % 2 == 0 else "every_batch"
                         t = time.perf_counter()
                         if mode == "every_batch":
-                            collector.update_policy_weights_()
+                            collector.update_policy_weights_(trainer_weights)
                         frames[mode] += next(it).numel()
                         cycles[mode].append(time.perf_counter() - t)
                 finally:
@@ -315,7 +356,9 @@ def bench_throughput(sizes: dict[str, int], kinds: list[str], classes: list[str]
                     {
                         "collector": cls_name,
                         "payload": label,
+                        "explicit": send_copy,
                         "scheme": kind,
+                        "cycle_never_p50": p50(cycles["never"]),
                         "fps_never": fps["never"],
                         "fps_every_batch": fps["every_batch"],
                         "loss": 1 - fps["every_batch"] / fps["never"],
@@ -365,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         ["shmsync", "SharedMem"],
         ["MultiSyncCollector"] if quick else ["MultiSyncCollector", "MultiAsyncCollector"],
         batches=10 if quick else 60,
+        explicit=() if quick else ("16MB",),
     )
     if not quick:
         print("scaling ...", file=sys.stderr, flush=True)
@@ -391,6 +435,12 @@ def _update_row(label: str, by_scheme: dict, field: str) -> list[str]:
     for kind in ("SharedMem", "MultiProcess"):
         x = by_scheme.get(kind)
         row.append(f"{p50(x[field]) / p50(ours[field]):.1f}x" if x and ours else "-")
+    floor = ours.get("copy_floor") if ours else None
+    shared = by_scheme.get("SharedMem")
+    if floor and shared and field == "update_explicit":
+        row.append(f"{fmt_t(p50(floor))} (SharedMem / floor {p50(shared[field]) / p50(floor):.1f}x)")
+    else:
+        row.append(fmt_t(p50(floor)) if floor else "-")
     return row
 
 
@@ -402,36 +452,39 @@ def render(r: dict) -> str:
     ]
     rows = []
     for x in r["publish"]:
-        floor = p50(x["copy_3_rotating_shm"])
+        pub = p50(x["publish"])
         rows.append(
             [
                 x["payload"],
                 fmt_t(p50(x["copy_warm"])),
-                fmt_t(p50(x["copy_3_rotating"])),
-                fmt_t(floor),
-                f"{fmt_t(p50(x['publish']))} / {fmt_t(p95(x['publish']))}",
-                f"{p50(x['publish']) / p50(x['copy_warm']):.2f}x",
-                f"{p50(x['publish']) / floor:.2f}x",
-                fmt_t(p50(x["publish"]) - p50(x["copy_warm"])),
+                fmt_t(p50(x["copy_2_alternating"])),
+                fmt_t(p50(x["copy_3_rotating_shm"])),
+                fmt_t(p50(x["copy_same_slots"])),
+                f"{fmt_t(pub)} / {fmt_t(p95(x['publish']))}",
+                f"{pub / p50(x['copy_2_alternating']):.2f}x",
+                f"{pub / p50(x['copy_same_slots']):.2f}x",
+                fmt_t(pub - p50(x["copy_same_slots"])),
             ]
         )
     parts.append(
         table(
-            "Trainer side: publish() against a plain copy_ of the same bytes (p50; publish p50 / p95)",
+            "Trainer side: publish() against a plain copy_ of the same tensors (p50; publish p50 / p95)",
             [
                 "payload",
                 "copy_ warm dst",
-                "copy_ 3 rotating dsts",
+                "copy_ 2 alternating dsts",
                 "copy_ 3 rotating shm dsts",
+                "copy_ into publish's slots",
                 "publish p50 / p95",
-                "vs warm",
-                "vs rotating shm",
-                "publish - warm copy",
+                "vs alternating",
+                "vs same slots",
+                "publish - same-slot copy",
             ],
             rows,
         )
-        + "\npublish writes its 3 shared-memory slots in turn, so the like-for-like floor is a copy into 3 rotating"
-        "\nshared-memory destinations; at 16 MB one warm destination stays in the 32 MB L3 cache, 3 do not."
+        + "\npublish writes its 3 shared-memory slots in turn; the like-for-like floor is a plain copy_ into those"
+        "\nvery slots in turn (other allocations of the same size copy up to ~20% faster or slower here, by"
+        "\nphysical placement). At 16 MB one warm destination stays in the 32 MB L3 cache; 2 or 3 do not."
     )
     rd = r["reader"]
     rows = [
@@ -449,6 +502,7 @@ def render(r: dict) -> str:
             ["payload", "copy_ from shared memory", "reload p50", "ratio"],
             rows,
         )
+        + "\nthe floor copies the same tensors out of the same slot, one plain copy_ each."
     )
     by = {}
     for x in r["update"]:
@@ -458,9 +512,20 @@ def render(r: dict) -> str:
         table(
             "Trainer side with 2 workers: collector.update_policy_weights_() p50 / p95 "
             "(plain: the collector's own policy; explicit: a TensorDict of the trainer's separate copy)",
-            ["payload", "shmsync", "SharedMem", "MultiProcess", "SharedMem/shmsync", "MultiProcess/shmsync"],
+            [
+                "payload",
+                "shmsync",
+                "SharedMem",
+                "MultiProcess",
+                "SharedMem/shmsync",
+                "MultiProcess/shmsync",
+                "copy floor",
+            ],
             rows,
         )
+        + "\nEach timed call follows an untimed in-place write of the weights it sends, as after an optimizer step."
+        "\ncopy floor: one plain copy_ of the same tensors into the same shared-memory slots, timed in the"
+        "\nsame loop; (SharedMem explicit / copy floor) is the most any design that copies the weights once can gain."
     )
     rows = []
     for x in r["update"]:
@@ -481,24 +546,36 @@ def render(r: dict) -> str:
             rows,
         )
     )
-    rows = [
-        [
-            x["collector"],
-            x["payload"],
-            x["scheme"],
-            f"{x['fps_never']:.0f}",
-            f"{x['fps_every_batch']:.0f}",
-            f"{100 * x['loss']:.1f}%",
-            f"{100 * x['loss_median_cycle']:.1f}%",
-        ]
-        for x in r["throughput"]
-    ]
+    # What copying the weights once on the trainer and once in a worker costs, against a cycle.
+    copy_out = {x["payload"]: p50(x["copy_same_slots"]) for x in r["publish"]}
+    copy_in = {x["payload"]: p50(x["copy_floor"]) for x in rd["reload"]}
+    rows = []
+    for x in r["throughput"]:
+        label = x["payload"]
+        floor = "-"
+        if x["scheme"] == "shmsync" and label in copy_out and label in copy_in:
+            floor = f"{100 * (copy_out[label] + copy_in[label]) / x['cycle_never_p50']:.1f}%"
+        rows.append(
+            [
+                x["collector"],
+                f"{label}, explicit" if x.get("explicit") else label,
+                x["scheme"],
+                f"{x['fps_never']:.0f}",
+                f"{x['fps_every_batch']:.0f}",
+                f"{100 * x['loss']:.1f}%",
+                f"{100 * x['loss_median_cycle']:.1f}%",
+                floor,
+            ]
+        )
     parts.append(
         table(
             "Collection throughput with 2 workers (frames/s): never publishing against publishing after every batch",
-            ["collector", "payload", "scheme", "never", "every batch", "lost", "lost (median cycle)"],
+            ["collector", "payload", "scheme", "never", "every batch", "lost", "lost (median cycle)", "copy floor"],
             rows,
         )
+        + "\ncopy floor: one copy into shared memory (trainer) plus one out of it (worker), as a share of the"
+        "\nmedian cycle without publishing; SharedMem's plain update copies nothing (its workers alias the"
+        "\ntrainer's weights), so only a design that lets workers read half-written weights can beat it."
     )
     if r.get("scaling"):
         rows = []
