@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 MAGIC = 0x534D5359_4E433031  # "SMSYNC01"
-FORMAT = 1
+FORMAT = 2
 HEADER_BYTES = 4096
 HEADER_WORDS = HEADER_BYTES // 8
 MAX_SLOTS = 16
@@ -34,9 +34,11 @@ W_PUBLISH_COUNT = 19
 W_CREATOR_PPID = 20  # lets a test's leak check find stores made by its children
 W_SEQ = 32  # W_SEQ + i: slot i's sequence number, odd while it is being written
 W_SLOT_VERSION = 64  # W_SLOT_VERSION + i: the version slot i holds
-# Reader table: one row per attached reader, each row written only by its own reader.
+W_LEASES = 96  # W_LEASES + i: readers whose modules view slot i in place (see _leases.py)
+# Reader table: one row per attached reader, each row written only by its own reader
+# (and its lease word also by whoever reclaims a dead reader's row).
 W_READERS = 128
-READER_WORDS = 4  # pid, loaded version, reloads, time of the last reload (ns)
+READER_WORDS = 5  # pid, loaded version, reloads, time of the last reload (ns), leased slot + 1
 MAX_READERS = (HEADER_WORDS - W_READERS) // READER_WORDS
 
 

@@ -74,7 +74,8 @@ def validate_name(name: str) -> str:
 
 
 class Segment:
-    """One mapped segment. ``buf`` is the writable mapping."""
+    """One mapped segment. ``buf`` is the writable mapping; :meth:`readonly` maps it again,
+    read-only (for memory that a process must never write: a write there faults)."""
 
     def __init__(self, name: str, fd: int, size: int, created: bool) -> None:
         self.name = name
@@ -82,6 +83,7 @@ class Segment:
         self.size = size
         self.created = created
         self.buf = mmap.mmap(fd, size)
+        self._readonly: mmap.mmap | None = None
         self._locks: set[int] = set()
         # Every holder takes a shared lock so gc can see the segment is in use.
         self.lock(HOLDER_LOCK, exclusive=False, wait=True)
@@ -150,11 +152,19 @@ class Segment:
     def held(self, byte: int) -> bool:
         return byte in self._locks
 
+    def readonly(self) -> mmap.mmap:
+        """A second, read-only mapping of the whole segment (made on first use)."""
+        if self._readonly is None:
+            self._readonly = mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ)
+        return self._readonly
+
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Unmap and close. Raises BufferError if tensors still view the mapping."""
+        """Unmap and close. Raises BufferError if tensors still view a mapping."""
         if self.fd < 0:
             return
+        if self._readonly is not None:
+            self._readonly.close()
         self.buf.close()
         os.close(self.fd)  # also drops this description's locks
         self.fd = -1

@@ -26,6 +26,16 @@ class WeightReader:
     :meth:`poll` it is being written, like during ``load_state_dict``, so no other
     thread should run it at that moment.
 
+    With ``zero_copy=True`` (CPU modules only) a reload copies nothing: the module's
+    parameters are pointed at the store's read-only shared memory, and the slot they
+    use is leased so the writer leaves it alone (buffers are still copied, since
+    modules such as BatchNorm write theirs). A module must then never write its
+    parameters in place: such a write faults instead of reaching other processes.
+    Every reader of a slot shares its memory, which also saves a private copy per
+    process. When leasing is refused (at most ``num_slots - 2`` distinct slots may be
+    leased, so that the writer never waits; see :meth:`WeightStore.create`) or on CPUs
+    other than x86-64, the reload copies as usual.
+
     Args:
         store: the :class:`~shmsync.WeightStore` (attached or pickled from the trainer).
         module: the module to load into, or a mapping ``{destination: module}`` for a store
@@ -36,6 +46,7 @@ class WeightReader:
         destination: for a store holding several destinations, which one ``module`` takes.
             Not needed when the store holds a single destination.
         timeout: seconds a reload may take before :class:`~shmsync.errors.ReloadTimeoutError`.
+        zero_copy: point the parameters at shared memory instead of copying (see above).
 
     Examples:
         >>> import torch
@@ -65,6 +76,7 @@ class WeightReader:
         *,
         destination: str | None = None,
         timeout: float = 60.0,
+        zero_copy: bool = False,
     ) -> None:
         if not isinstance(store, WeightStore):
             raise TypeError(f"store must be a WeightStore, got {type(store).__name__}")
@@ -79,8 +91,10 @@ class WeightReader:
         self._targets: list[torch.Tensor] | None = None
         self._sources: list[list[torch.Tensor]] = []
         self._on_cpu = True
+        self.zero_copy = zero_copy
+        self._viewing: list[torch.Tensor] = []  # parameters now pointing at a leased slot
         self._row = store._claim_reader_row()  # for `shmsync ls` and store.readers()
-        self._finalizer = weakref.finalize(self, store._release_reader_row, self._row)
+        self._finalizer = weakref.finalize(self, _leave, store, self._row, self._viewing)
         # Check the module against the store now (clear error at construction time).
         if not any(_is_meta(m) for _, m in self._parts):
             self._bind()
@@ -89,6 +103,11 @@ class WeightReader:
     def version(self) -> int:
         """The version loaded in the module (-1 before the first load)."""
         return self._version
+
+    @property
+    def viewing(self) -> bool:
+        """Whether the module's parameters now point at shared memory (``zero_copy``)."""
+        return bool(self._viewing)
 
     def poll(self) -> bool:
         """Reload if a newer version was published.
@@ -105,10 +124,15 @@ class WeightReader:
         if self._targets is None:
             self._bind()
         store = self.store
-        # The common case inline (one optimistic copy); `_read` does retries, pins and errors.
-        version = store._try_read(self._copy) if not store.closed else None
+        version = self._view_latest() if self.zero_copy else None
         if version is None:
-            version = store._read(self._copy, timeout=self.timeout)
+            if self._viewing:  # leasing refused: back to private memory before copying into it
+                _make_private(self._viewing)
+                store._release_lease(self._row)
+            # The common case inline (one optimistic copy); `_read` does retries, pins and errors.
+            version = store._try_read(self._copy) if not store.closed else None
+            if version is None:
+                version = store._read(self._copy, timeout=self.timeout)
         changed = version != self._version
         self._version = version
         self.reloads += 1
@@ -154,17 +178,61 @@ class WeightReader:
             targets += layout.match(module_weights(module), where, prefix=prefix)
             indices += layout.subset(prefix)
         self._on_cpu = not any(t.is_cuda for t in targets)
+        if self.zero_copy and not self._on_cpu:
+            raise ValueError(
+                f"zero_copy=True needs a module on the CPU, got weights on "
+                f"{next(t.device for t in targets if t.is_cuda)}: reloads to a GPU always copy"
+            )
         if not self._on_cpu:
             self.store._ensure_pinned()  # host-to-device copies become asynchronous DMA
         self._targets = targets
         # Per slot, the views this reader copies from, so a reload is one batched copy.
         self._sources = [[views[i] for i in indices] for views in self.store._slots]
+        if self.zero_copy:
+            # Parameters get pointed at the slot, buffers are copied: per slot, parameter
+            # views first, then buffer views.
+            order = sorted(range(len(targets)), key=lambda i: not isinstance(targets[i], nn.Parameter))
+            self._params = [targets[i] for i in order if isinstance(targets[i], nn.Parameter)]
+            self._buffers = [targets[i] for i in order if not isinstance(targets[i], nn.Parameter)]
+            self._views = [[views[indices[i]] for i in order] for views in self.store._readonly_slots()]
+            self.store._zero_copy_readers.add(self)
 
     def _copy(self, slot: int) -> None:
         _copy_all(self._targets, self._sources[slot], self._on_cpu)
 
+    def _view_latest(self) -> int | None:
+        """Lease the latest slot and point the parameters at it; its version, or None if refused."""
+        leased = self.store._lease_latest(self._row)
+        if leased is None:
+            return None
+        slot, version = leased
+        views = self._views[slot]
+        with torch.no_grad():
+            for p, v in zip(self._params, views[: len(self._params)]):
+                p.set_(v)
+        if self._buffers:  # the slot is leased: it cannot change under this copy
+            _copy_all(self._buffers, views[len(self._params) :], on_cpu=True)
+        self._viewing[:] = self._params
+        return version
+
     def __repr__(self) -> str:
         return f"WeightReader(store={self.store.name!r}, version={self._version}, reloads={self.reloads})"
+
+
+def _make_private(params: list[torch.Tensor]) -> None:
+    """Give parameters that view shared memory private copies of their current values."""
+    with torch.no_grad():
+        for p in params:
+            p.set_(p.detach().clone())
+    params.clear()
+
+
+def _leave(store: WeightStore, row: int, viewing: list[torch.Tensor]) -> None:
+    # The module may outlive its reader: it keeps the weights it has, in private memory.
+    if viewing:
+        _make_private(viewing)
+        store._release_lease(row)
+    store._release_reader_row(row)
 
 
 def _is_meta(module: nn.Module) -> bool:

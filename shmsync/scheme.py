@@ -44,7 +44,14 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         version_key: the key under which every collected frame records the version of the
             weights that produced it (also written under ``("next", version_key)``); None
             to write nothing.
-        num_slots: copies kept in shared memory (see :meth:`WeightStore.create`).
+        num_slots: copies kept in shared memory (see :meth:`WeightStore.create`). Default:
+            3, or 4 with ``zero_copy`` (so that every worker of a ``MultiSyncCollector``
+            can lease; a ``MultiAsyncCollector`` needs ``workers + 2`` for all of them to).
+        zero_copy: CPU workers point their policy's parameters at the store's read-only
+            shared memory instead of copying on each reload (see
+            :class:`~shmsync.WeightReader`): no copy and no private copy of the weights per
+            worker. Workers on a GPU copy as always. The policy must not write its own
+            parameters in place in the worker.
         source: the trainer-side module for this key, when the collector cannot resolve it in
             the main process (say, a key such as ``"env.transform[0]"`` that names a module
             that exists only inside each worker). Default: ``collector.get_model(key)``.
@@ -65,7 +72,8 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         *,
         poll_every_steps: int | None = None,
         version_key: str | None = "policy_version",
-        num_slots: int = 3,
+        num_slots: int | None = None,
+        zero_copy: bool = False,
         source: nn.Module | None = None,
         strategy: str = "tensordict",
     ) -> None:
@@ -77,7 +85,8 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             raise ValueError(f"poll_every_steps must be >= 1 or None, got {poll_every_steps}")
         self.poll_every_steps = poll_every_steps
         self.version_key = version_key
-        self.num_slots = num_slots
+        self.zero_copy = zero_copy
+        self.num_slots = num_slots if num_slots is not None else 4 if zero_copy else 3
         self._store_name: str | None = None
         self._group: _SenderGroup | None = None
         self._receiver: _Receiver | None = None
@@ -296,7 +305,10 @@ class _Receiver:
         model = self.scheme.model
         if self.reader is None or self.reader.module is not model:
             # The collector may replace the policy (say, a copy moved to its device).
-            self.reader = WeightReader(self.store, model, destination=self.scheme.model_id)
+            on_gpu = any(t.is_cuda for t in (*model.parameters(), *model.buffers()))
+            self.reader = WeightReader(
+                self.store, model, destination=self.scheme.model_id, zero_copy=self.scheme.zero_copy and not on_gpu
+            )
             self._install_hooks(model)
         return self.reader
 

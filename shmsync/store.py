@@ -8,14 +8,15 @@ holding it), and per slot a sequence number ``seq[i]`` and the version it holds.
 
 Writer (one process at a time, enforced by a lock the kernel drops if it dies)::
 
-    target = a slot that is neither `latest` nor pinned (the least recently written)
-    seq[target] += 1            # odd: being written
+    target = a slot that is neither `latest`, nor pinned, nor leased (the least recently written)
+    seq[target] += 1            # odd: being written; then a full fence, and back off if leased
     copy the weights into target
     slot_version[target] = v; seq[target] += 1   # even: complete
     latest = target; version = v
 
-The writer never reads anything a reader writes except three pin words, and never
-waits: publishing is a copy plus a handful of word stores.
+The writer never reads anything a reader writes except three pin words and the
+per-slot lease counts, and never waits: publishing is a copy plus a handful of word
+stores. Zero-copy readers lease a slot instead of copying it (see :mod:`shmsync._leases`).
 
 Reader, optimistic path (seqlock validation)::
 
@@ -57,6 +58,7 @@ import platform
 import secrets
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -66,6 +68,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
+from . import _leases
 from ._header import (
     FORMAT,
     MAGIC,
@@ -81,6 +84,7 @@ from ._header import (
     W_LATEST,
     W_LAYOUT_BYTES,
     W_LAYOUT_OFFSET,
+    W_LEASES,
     W_MAGIC,
     W_NUM_SLOTS,
     W_PAYLOAD_BYTES,
@@ -100,6 +104,7 @@ from ._header import (
     reader_rows,
 )
 from ._layout import Layout, segment_bytes
+from ._leases import full_fence
 from ._segment import TABLE_LOCK, TOKEN_LOCK, WRITER_LOCK, Segment
 from ._source import as_tensordict, module_weights
 from .errors import ReloadTimeoutError, ShmSyncError, StoreNotFoundError, WriterBusyError
@@ -136,14 +141,15 @@ def process_start_ns(pid: int) -> int:
         return 0
 
 
-def _release(segment: Segment, slots: list, creator_pid: int, unlink: bool, pinned: list) -> None:
+def _release(segment: Segment, views: tuple[list, ...], creator_pid: int, unlink: bool, pinned: list) -> None:
     if pinned:
         from ._cuda import unregister_host
 
         for ptr, _view in pinned:
             unregister_host(ptr)  # before the memory is unmapped
         pinned.clear()
-    slots.clear()
+    for v in views:
+        v.clear()
     if unlink and os.getpid() == creator_pid:
         segment.unlink()
     try:
@@ -186,6 +192,8 @@ class WeightStore:
         self._num_slots = h[W_NUM_SLOTS]
         data, stride = h[W_DATA_OFFSET], h[W_SLOT_BYTES]
         self._slots = [self._layout.slot_views(buf, data + i * stride) for i in range(self._num_slots)]
+        self._ro_slots: list[list[torch.Tensor]] = []  # read-only twins, made on first use
+        self._zero_copy_readers: weakref.WeakSet = weakref.WeakSet()  # closed before the store
         self._owner = owner
         self.retries = 0  # optimistic copies that failed validation in this process
         self.pinned_reads = 0  # reads that needed the pinned fallback in this process
@@ -194,7 +202,13 @@ class WeightStore:
         self._cuda_publisher = None
         self._plans: dict = {}  # (id(module), prefix) -> what _match_module checked last time
         self._finalizer = weakref.finalize(
-            self, _release, segment, self._slots, h[W_CREATOR_PID], owner and unlink_at_exit, self._pinned
+            self,
+            _release,
+            segment,
+            (self._slots, self._ro_slots),
+            h[W_CREATOR_PID],
+            owner and unlink_at_exit,
+            self._pinned,
         )
 
     # -- construction ---------------------------------------------------------------------------
@@ -491,7 +505,7 @@ class WeightStore:
     def _writer_role(self, keep: bool) -> WeightStore._WriterRole:
         return WeightStore._WriterRole(self, keep)
 
-    def _choose_target(self) -> int:
+    def _choose_target(self, backed_off: tuple[int, ...] = ()) -> int:
         """Serve a pending pin request, then pick the slot to write. Never waits."""
         h = self._hdr
         request = h[W_PIN_REQUEST]
@@ -501,19 +515,25 @@ class WeightStore:
             h[W_PIN_GRANT] = request
         pinned = h[W_PIN_SLOT] if h[W_PIN_RELEASE] != h[W_PIN_GRANT] else -1
         latest = h[W_LATEST] if h[W_VERSION] >= 0 else -1
-        candidates = [s for s in range(self._num_slots) if s != latest and s != pinned]
-        if not candidates:  # two slots and a pin: the pinned reader will retry
-            candidates = [s for s in range(self._num_slots) if s != latest]
+        free = [s for s in range(self._num_slots) if s != latest and not h[W_LEASES + s] and s not in backed_off]
+        candidates = [s for s in free if s != pinned] or free  # 2 slots and a pin: the pinned reader retries
+        if not candidates:  # the lease rules (see _leases.py) make this unreachable
+            raise ShmSyncError(f"store {self.name!r}: every slot but the latest is leased by a reader")
         return min(candidates, key=lambda s: h[W_SLOT_VERSION + s])
 
     def _begin_write(self) -> tuple[int, int]:
         h = self._hdr
-        target = self._choose_target()
-        seq = h[W_SEQ + target]
-        odd = seq + 2 if seq & 1 else seq + 1  # odd already: a writer died mid-copy
-        h[W_SEQ + target] = odd
-        _fence()
-        return target, odd
+        backed_off: tuple[int, ...] = ()
+        while True:
+            target = self._choose_target(backed_off)
+            seq = h[W_SEQ + target]
+            odd = seq + 2 if seq & 1 else seq + 1  # odd already: a writer died mid-copy
+            h[W_SEQ + target] = odd
+            full_fence()  # the store above before the lease load below (see _leases.py)
+            if not h[W_LEASES + target]:
+                return target, odd
+            h[W_SEQ + target] = odd + 1  # a reader leased it meanwhile: leave it, untouched
+            backed_off += (target,)
 
     def _end_write(self, target: int, odd: int) -> int:
         h = self._hdr
@@ -648,7 +668,8 @@ class WeightStore:
                 base = W_READERS + row * READER_WORDS
                 pid = h[base]
                 if pid == 0 or not pid_alive(pid):
-                    h[base], h[base + 1], h[base + 2], h[base + 3] = os.getpid(), -1, 0, 0
+                    # A dead reader's lease stays counted until the next recount: safe.
+                    h[base], h[base + 1], h[base + 2], h[base + 3], h[base + 4] = os.getpid(), -1, 0, 0, 0
                     return row
             return -1
         finally:
@@ -664,12 +685,42 @@ class WeightStore:
         if row >= 0 and not self.closed:
             self._hdr[W_READERS + row * READER_WORDS] = 0
 
+    # -- leases (zero-copy readers, see _leases.py) ---------------------------------------------
+    def _readonly_slots(self) -> list[list[torch.Tensor]]:
+        """Per slot, read-only views of every entry (a write through them faults)."""
+        if not self._ro_slots:
+            h, buf = self._hdr, self._segment.readonly()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                self._ro_slots += [
+                    self._layout.slot_views(buf, h[W_DATA_OFFSET] + i * h[W_SLOT_BYTES]) for i in range(self._num_slots)
+                ]
+        return self._ro_slots
+
+    def _lease_latest(self, row: int) -> tuple[int, int] | None:
+        """Lease the latest slot for reader ``row`` (dropping its previous lease): ``(slot,
+        version)``, or None if refused."""
+        self._check_open()
+        return _leases.lease_latest(self._hdr, self._segment, row, self._num_slots, pid_alive)
+
+    def _release_lease(self, row: int) -> None:
+        if row >= 0 and not self.closed:
+            _leases.release(self._hdr, self._segment, row, self._num_slots, pid_alive)
+
     def readers(self) -> list[dict[str, int]]:
         """Readers attached to this store in live processes: pid, loaded version, reloads,
-        and the wall-clock time of their last reload (ns)."""
+        the wall-clock time of their last reload (ns), and whether their module views the
+        store's memory in place (``zero_copy``)."""
+        h = self._hdr
         return [
-            {"pid": pid, "version": version, "reloads": reloads, "last_reload_ns": last}
-            for _row, pid, version, reloads, last in reader_rows(self._hdr)
+            {
+                "pid": pid,
+                "version": version,
+                "reloads": reloads,
+                "last_reload_ns": last,
+                "zero_copy": bool(h[_leases.lease_word(row)]),
+            }
+            for row, pid, version, reloads, last in reader_rows(h)
             if pid_alive(pid)
         ]
 
@@ -698,6 +749,8 @@ class WeightStore:
         """Let go of the store in this process (and unlink it, if this process created it with
         ``unlink_at_exit=True``). Other processes keep their mapping."""
         if self._finalizer.alive:
+            for reader in list(self._zero_copy_readers):
+                reader.close()  # private copies, leases given back, while the header is mapped
             if self._cuda_publisher is not None:
                 self._cuda_publisher.wait()
                 self._cuda_publisher = None

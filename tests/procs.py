@@ -24,6 +24,15 @@ class Blob(nn.Module):
             self.register_buffer(k, torch.zeros(n, dtype=dtype))
 
 
+class ParamBlob(nn.Module):
+    """Like :class:`Blob`, with parameters (what a zero-copy reader points at shared memory)."""
+
+    def __init__(self, sizes: dict[str, int]):
+        super().__init__()
+        for k, n in sizes.items():
+            self.register_parameter(k, nn.Parameter(torch.zeros(n)))
+
+
 def blob_weights(sizes: dict[str, int], value: float = 0.0) -> TensorDict:
     return TensorDict({k: torch.full((n,), float(value)) for k, n in sizes.items()})
 
@@ -34,10 +43,10 @@ def set_all(td: TensorDict, value: float) -> None:
 
 
 def mixed_values(module: nn.Module) -> set[float]:
-    """Distinct values across all buffers (one value means one consistent version)."""
+    """Distinct values across all parameters and buffers (one value means one consistent version)."""
     vals = set()
-    for b in module.buffers():
-        lo, hi = torch.aminmax(b)
+    for b in (*module.parameters(), *module.buffers()):
+        lo, hi = torch.aminmax(b.detach())
         vals.update({float(lo), float(hi)})
     return vals
 
@@ -76,6 +85,53 @@ def stress_reader(store: WeightStore, sizes, min_reloads: int, conn) -> None:
                 wrong_tag += 1
     conn.send(("done", reloads, mixed, wrong_tag, store.retries, store.pinned_reads))
     store.close()
+
+
+def zero_copy_reader(store: WeightStore, sizes, min_reloads: int, hold: float, conn) -> None:
+    """Reload with ``zero_copy``; check each version is whole, then that it stays unchanged for
+    ``hold`` seconds while the writer keeps publishing (its slot is leased)."""
+    torch.set_num_threads(1)
+    module = ParamBlob(sizes)
+    reader = WeightReader(store, module, zero_copy=True)
+    reloads = mixed = wrong_tag = changed = viewed = 0
+    conn.send(("ready", os.getpid()))
+    while reloads < min_reloads:
+        if not reader.poll():
+            continue
+        reloads += 1
+        viewed += reader.viewing
+        values = mixed_values(module)
+        if len(values) != 1:
+            mixed += 1
+        elif values != {float(reader.version)}:
+            wrong_tag += 1
+        time.sleep(hold)
+        if mixed_values(module) != values:
+            changed += 1
+    conn.send(("done", reloads, mixed, wrong_tag, changed, viewed))
+    store.close()
+
+
+def lease_and_hang(store: WeightStore, sizes, conn) -> None:
+    """Load with ``zero_copy`` (leasing the latest slot), then wait to be killed."""
+    reader = WeightReader(store, ParamBlob(sizes), zero_copy=True)
+    reader.poll()
+    conn.send(("leased", reader.viewing, reader.version))
+    time.sleep(3600)
+
+
+def write_through_view(store: WeightStore, sizes, conn) -> None:
+    """Load with ``zero_copy``, then write a parameter in place: the process must fault."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    module = ParamBlob(sizes)
+    reader = WeightReader(store, module, zero_copy=True)
+    reader.poll()
+    conn.send(("viewing", reader.viewing))
+    with torch.no_grad():
+        next(module.parameters()).add_(1.0)
+    conn.send(("wrote",))
 
 
 def writer(store_name: str, sizes, count: int, conn, every_value: bool = True) -> None:

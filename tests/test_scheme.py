@@ -57,11 +57,20 @@ def _collector(cls, workers, policy, frames=40, **scheme_kwargs):
     return collector, scheme
 
 
-@pytest.mark.parametrize("cls", [MultiSyncCollector, MultiAsyncCollector])
-@pytest.mark.parametrize("workers", [1, 2])
-def test_published_weights_reach_every_worker_and_edits_do_not(cls, workers):
+@pytest.mark.parametrize(
+    "cls, workers, zero_copy",
+    [
+        (MultiSyncCollector, 1, False),
+        (MultiSyncCollector, 2, False),
+        (MultiAsyncCollector, 1, False),
+        (MultiAsyncCollector, 2, False),
+        (MultiSyncCollector, 2, True),
+        (MultiAsyncCollector, 2, True),
+    ],
+)
+def test_published_weights_reach_every_worker_and_edits_do_not(cls, workers, zero_copy):
     policy = make_policy()
-    collector, scheme = _collector(cls, workers, policy)
+    collector, scheme = _collector(cls, workers, policy, zero_copy=zero_copy)
     try:
         it = iter(collector)
         batch = next(it)
@@ -89,6 +98,9 @@ def test_published_weights_reach_every_worker_and_edits_do_not(cls, workers):
             for w in range(workers):
                 new_frames_per_worker[w] += int((new & (worker == w)).sum())
         assert all(n > 0 for n in new_frames_per_worker), f"a worker kept the old weights: {new_frames_per_worker}"
+        if zero_copy and cls is MultiSyncCollector:
+            # 4 slots: every worker's policy views the store's memory.
+            assert [r["zero_copy"] for r in scheme.store.readers()] == [True] * workers
     finally:
         collector.shutdown()
 

@@ -1,0 +1,128 @@
+"""Slot leases: readers whose modules use a slot's memory in place, without copying it.
+
+A reader in zero-copy mode points its module's parameters at the read-only views of
+one slot and holds a *lease* on it; the writer never writes a leased slot. Leases are
+recorded in the reader table (each row's lease word, ``slot + 1``) and summed per slot
+into ``W_LEASES + i``, which is all the writer reads.
+
+Rules that keep the writer from ever waiting:
+
+* a reader leases only the ``latest`` slot, and gives up its previous lease in the same
+  step (its module is not in use while it reloads);
+* a lease is refused if afterwards more than ``num_slots - 2`` distinct slots would be
+  leased: the writer then always has a slot that is neither latest nor leased. A refused
+  reader copies instead, like a reader without zero-copy;
+* lease changes happen under the table lock (readers only: the writer never takes it),
+  and the per-slot counts are recomputed from the rows of live processes each time, so
+  a reader that died holding a lease frees it at the next lease change of anyone.
+
+Handshake with the writer (the store's ``_begin_write``): the writer marks its target
+odd, issues a full fence, then reads the target's lease count, and backs off to another
+slot if it is leased. A reader records its lease, issues a full fence (releasing the
+kernel lock is a system call), then checks that the slot's sequence number did not
+move. Of two such racing parties at least one sees the other, so a slot is never both
+written and leased.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+import time
+
+from ._header import MAX_READERS, READER_WORDS, W_LATEST, W_LEASES, W_READERS, W_SEQ, W_SLOT_VERSION
+from ._segment import TABLE_LOCK, Segment
+
+# full_fence() relies on a locked instruction being a full barrier, as on x86-64;
+# elsewhere leases are refused and zero-copy readers copy.
+SUPPORTED = platform.machine() in ("x86_64", "AMD64")
+_FENCE = threading.Lock()
+_LOCAL = threading.Lock()  # OFD locks do not exclude threads sharing one file description
+
+
+def full_fence() -> None:
+    """Order the stores above before the loads below (a locked instruction on x86-64)."""
+    with _FENCE:
+        pass
+
+
+def lease_word(row: int) -> int:
+    return W_READERS + row * READER_WORDS + 4
+
+
+def _recount(h, num_slots: int, alive) -> set[int]:
+    """Recompute the per-slot lease counts from the rows of live readers; the leased slots."""
+    counts = [0] * num_slots
+    for row in range(MAX_READERS):
+        base = W_READERS + row * READER_WORDS
+        pid, lease = h[base], h[base + 4]
+        if lease and pid and alive(pid):
+            counts[lease - 1] += 1
+        elif lease:
+            h[base + 4] = 0  # a dead reader's lease
+    for slot, n in enumerate(counts):
+        h[W_LEASES + slot] = n
+    return {slot for slot, n in enumerate(counts) if n}
+
+
+class _TableLock:
+    """The table lock, given up after ``patience`` seconds (a stopped holder must not
+    stall a reload: the caller then copies instead)."""
+
+    def __init__(self, segment: Segment, patience: float = 0.01) -> None:
+        self.segment, self.patience = segment, patience
+
+    def __enter__(self) -> bool:
+        _LOCAL.acquire()
+        deadline = time.monotonic() + self.patience
+        while not self.segment.lock(TABLE_LOCK, exclusive=True, wait=False):
+            if time.monotonic() > deadline:
+                _LOCAL.release()
+                return False
+            time.sleep(0.0001)
+        return True
+
+    def __exit__(self, *exc) -> None:
+        if self.segment.held(TABLE_LOCK):
+            self.segment.unlock(TABLE_LOCK)  # a system call: also the reader's full fence
+            _LOCAL.release()
+
+
+def lease_latest(h, segment: Segment, row: int, num_slots: int, alive) -> tuple[int, int] | None:
+    """Move ``row``'s lease to the latest slot. Returns ``(slot, version)``, or None if the
+    lease is refused (the row then keeps its previous lease, if any)."""
+    if not SUPPORTED:
+        return None
+    word = lease_word(row)
+    with _TableLock(segment) as locked:
+        if not locked:
+            return None
+        slot = h[W_LATEST]
+        seq = h[W_SEQ + slot]
+        version = h[W_SLOT_VERSION + slot]
+        if seq & 1 or version < 0:
+            return None  # `latest` moved on and that slot is already being rewritten
+        previous = h[word]
+        h[word] = slot + 1
+        if len(_recount(h, num_slots, alive)) > num_slots - 2:
+            h[word] = previous
+            _recount(h, num_slots, alive)
+            return None
+    # The table lock is released (a full fence): a writer that starts on `slot` from
+    # now on sees the lease. One that started before has already moved its sequence.
+    if h[W_SEQ + slot] != seq:
+        release(h, segment, row, num_slots, alive)
+        return None
+    return slot, version
+
+
+def release(h, segment: Segment, row: int, num_slots: int, alive) -> None:
+    """Give up ``row``'s lease. If the table stays busy, the counts are left for the next
+    lease change to recompute: the writer avoids that slot a little longer, which is safe."""
+    word = lease_word(row)
+    if not h[word]:
+        return
+    with _TableLock(segment) as locked:
+        h[word] = 0
+        if locked:
+            _recount(h, num_slots, alive)

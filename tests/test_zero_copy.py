@@ -1,0 +1,165 @@
+"""Zero-copy readers: parameters that point at leased, read-only slots of the store."""
+
+import os
+import signal
+
+import pytest
+import torch
+from torch import nn
+
+from shmsync import WeightReader, _segment
+from shmsync._leases import SUPPORTED
+
+from procs import (
+    STRESS_SIZES,
+    ParamBlob,
+    blob_weights,
+    lease_and_hang,
+    mixed_values,
+    write_through_view,
+    writer,
+    zero_copy_reader,
+)
+
+pytestmark = pytest.mark.skipif(not SUPPORTED, reason="leases need x86-64")
+
+SMALL = {"a": 1000, "b": 24}
+
+
+def _publish(store, value, sizes=SMALL):
+    return store.publish(blob_weights(sizes, value))
+
+
+def _inside(tensor, store):
+    """Whether ``tensor`` lies in the store's read-only mapping."""
+    views = [v for slot in store._readonly_slots() for v in slot]
+    lo = min(v.data_ptr() for v in views)
+    hi = max(v.data_ptr() + v.nbytes for v in views)
+    return lo <= tensor.data_ptr() < hi
+
+
+def test_parameters_view_the_store_and_buffers_are_copied(store_factory):
+    trainer = nn.Sequential(nn.Linear(4, 64), nn.BatchNorm1d(64))
+    store = store_factory(trainer, num_slots=4)
+    worker = nn.Sequential(nn.Linear(4, 64), nn.BatchNorm1d(64))
+    reader = WeightReader(store, worker, zero_copy=True)
+    assert reader.poll() and reader.viewing
+    assert all(_inside(p, store) for p in worker.parameters())
+    assert not any(_inside(b, store) for b in worker.buffers())
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.fill_(2.0)
+        trainer[1].running_mean.fill_(5.0)
+    store.publish(trainer)
+    assert reader.poll() and reader.version == 1
+    assert float(worker[0].weight.detach().sum()) == 2.0 * 4 * 64
+    assert float(worker[1].running_mean.mean()) == 5.0
+    worker(torch.randn(8, 4))  # train mode: BatchNorm writes its (private) running stats
+    assert [r["zero_copy"] for r in store.readers()] == [True]
+
+
+def test_a_leased_slot_is_never_rewritten_and_the_rule_falls_back_to_copying(store_factory):
+    store = store_factory(blob_weights(SMALL, 0.0))  # 3 slots: at most one leased slot
+    first, second = ParamBlob(SMALL), ParamBlob(SMALL)
+    r1 = WeightReader(store, first, zero_copy=True)
+    r2 = WeightReader(store, second, zero_copy=True)
+    assert r1.poll() and r1.viewing
+    _publish(store, 1.0)
+    # A second distinct leased slot would leave the writer no free slot after its next publish.
+    assert r2.poll() and not r2.viewing and mixed_values(second) == {1.0}
+    for v in range(2, 40):
+        _publish(store, float(v))  # never waits, never touches r1's slot
+        assert mixed_values(first) == {0.0}
+    assert r1.poll() and r1.viewing and mixed_values(first) == {39.0}
+    assert r2.poll() and r2.viewing  # both on the latest slot now: one distinct leased slot
+    assert mixed_values(second) == {39.0}
+
+
+def test_a_viewing_reader_that_cannot_lease_copies_into_private_memory(store_factory):
+    """A viewing reader is never refused by the rule (it gives its own slot back in the same
+    step), but a busy table (a stopped reader holding it, say) makes it copy instead."""
+    store = store_factory(blob_weights(SMALL, 0.0))
+    module = ParamBlob(SMALL)
+    reader = WeightReader(store, module, zero_copy=True)
+    assert reader.poll() and reader.viewing
+    _publish(store, 1.0)
+    other = _segment.Segment.open(store.name)  # another open file description: its lock conflicts
+    try:
+        assert other.lock(_segment.TABLE_LOCK, exclusive=True, wait=False)
+        assert reader.poll() and not reader.viewing
+    finally:
+        other.close()
+    assert not any(_inside(p, store) for p in module.parameters())
+    assert mixed_values(module) == {1.0}
+    with torch.no_grad():
+        next(module.parameters()).add_(1.0)  # private again: writable
+    _publish(store, 2.0)
+    assert reader.poll() and reader.viewing and mixed_values(module) == {2.0}
+
+
+def test_close_leaves_the_module_its_weights_in_private_memory(store_factory):
+    store = store_factory(blob_weights(SMALL, 3.0))
+    module = ParamBlob(SMALL)
+    reader = WeightReader(store, module, zero_copy=True)
+    reader.poll()
+    reader.close()
+    assert not any(_inside(p, store) for p in module.parameters())
+    for v in range(4, 10):
+        _publish(store, float(v))
+    assert mixed_values(module) == {3.0}
+    assert store.readers() == []
+
+    survivor = ParamBlob(SMALL)
+    WeightReader(store, survivor, zero_copy=True).poll()
+    store.close()  # closes its zero-copy readers first: the module keeps its weights
+    assert mixed_values(survivor) == {9.0}
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_readers_lease_is_reclaimed(store_factory, start):
+    store = store_factory(blob_weights(SMALL, 0.0))
+    child = start(lease_and_hang, store, SMALL)
+    assert child.expect("leased") == (True, 0)
+    _publish(store, 1.0)
+    module = ParamBlob(SMALL)
+    reader = WeightReader(store, module, zero_copy=True)
+    assert reader.poll() and not reader.viewing  # the live child holds another slot
+    os.kill(child.pid, signal.SIGKILL)
+    child.proc.join(10)
+    _publish(store, 2.0)
+    assert reader.poll() and reader.viewing and mixed_values(module) == {2.0}
+
+
+@pytest.mark.timeout(60)
+def test_writing_through_a_view_faults_instead_of_corrupting(store_factory, start):
+    store = store_factory(blob_weights(SMALL, 7.0))
+    child = start(write_through_view, store, SMALL)
+    assert child.expect("viewing") == (True,)
+    child.proc.join(30)
+    assert child.proc.exitcode == -signal.SIGSEGV
+    with pytest.raises(EOFError):  # it never reported "wrote"
+        child.conn.recv()
+    version, weights = store.snapshot()
+    assert version == 0 and all((t == 7.0).all() for t in weights.values())
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("num_slots", [3, 4])
+def test_zero_copy_stress(store_factory, start, num_slots):
+    """A writer publishes 16 MB flat out; two zero-copy readers check that every version they
+    load is whole and stays unchanged while they hold it."""
+    store = store_factory(blob_weights(STRESS_SIZES, 0.0), num_slots=num_slots)
+    store.release_writer()
+    readers = [start(zero_copy_reader, store, STRESS_SIZES, 300, 0.002) for _ in range(2)]
+    for r in readers:
+        r.expect("ready")
+    w = start(writer, store.name, STRESS_SIZES, 10**9)
+    w.expect("ready")
+    results = [r.expect("done", timeout=220) for r in readers]
+    w.conn.send("stop")
+    w.expect("done")
+    reloads, mixed, wrong_tag, changed, viewed = (sum(col) for col in zip(*results))
+    assert reloads == 600
+    assert mixed == 0 and wrong_tag == 0, results
+    assert changed == 0, f"a leased slot was rewritten: {results}"
+    assert viewed > 0, "no reload was zero-copy: the test did not exercise leases"
