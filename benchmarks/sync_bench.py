@@ -223,7 +223,11 @@ def bench_reader(sizes: dict[str, int], quick: bool) -> dict:
         reader = WeightReader(store, worker)
         # The floor copies the same tensors out of the same slot, one plain copy_ each.
         copy_floor = rotating_copy([weights(worker)], slot_views(store, worker)[0])
-        times = interleaved({"reload": reader.reload, "copy_floor": copy_floor}, reps_for(nbytes, quick))
+        viewer = WeightReader(store, make_policy(nbytes), zero_copy=True)
+        times = interleaved(
+            {"reload": reader.reload, "copy_floor": copy_floor, "zero_copy_reload": viewer.reload},
+            reps_for(nbytes, quick),
+        )
         reloads.append({"payload": label, "bytes": nbytes, **times})
         store.close()
         gc.collect()
@@ -231,11 +235,14 @@ def bench_reader(sizes: dict[str, int], quick: bool) -> dict:
 
 
 # -- 3. trainer side with 2 workers: update_policy_weights_() per scheme -------------------------
+ZERO_COPY = "shmsync zero-copy"
+
+
 def make_scheme(kind: str):
-    if kind == "shmsync":
+    if kind.startswith("shmsync"):
         from shmsync import ShmWeightSyncScheme
 
-        return ShmWeightSyncScheme()
+        return ShmWeightSyncScheme(zero_copy=kind == ZERO_COPY)
     from torchrl.weight_update import MultiProcessWeightSyncScheme, SharedMemWeightSyncScheme
 
     return {"SharedMem": SharedMemWeightSyncScheme, "MultiProcess": MultiProcessWeightSyncScheme}[kind]()
@@ -378,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     quick = args.quick
     all_sizes = SIZES
     upd_sizes = {k: SIZES[k] for k in (["1MB", "16MB"] if quick else SIZES)}
-    kinds = ["shmsync", "SharedMem"] if quick else ["shmsync", "SharedMem", "MultiProcess"]
+    kinds = ["shmsync", "SharedMem"] if quick else ["shmsync", ZERO_COPY, "SharedMem", "MultiProcess"]
     started = time.perf_counter()
     report: dict = {
         "machine": {
@@ -413,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     print("throughput ...", file=sys.stderr, flush=True)
     report["throughput"] = bench_throughput(
         {"1MB": SIZES["1MB"]} if quick else {"1MB": SIZES["1MB"], "16MB": SIZES["16MB"]},
-        ["shmsync", "SharedMem"],
+        ["shmsync", ZERO_COPY, "SharedMem"],
         ["MultiSyncCollector"] if quick else ["MultiSyncCollector", "MultiAsyncCollector"],
         batches=10 if quick else 60,
         explicit=() if quick else ("16MB",),
@@ -501,16 +508,18 @@ def render(r: dict) -> str:
             fmt_t(p50(x["copy_floor"])),
             fmt_t(p50(x["reload"])),
             f"{p50(x['reload']) / p50(x['copy_floor']):.2f}x",
+            fmt_t(p50(x["zero_copy_reload"])),
         ]
         for x in rd["reload"]
     ]
     parts.append(
         table(
             f"Worker side: version check with nothing new {rd['version_check_s'] * 1e9:.0f} ns; reload against copy_",
-            ["payload", "copy_ from shared memory", "reload p50", "ratio"],
+            ["payload", "copy_ from shared memory", "reload p50", "ratio", "zero-copy reload p50"],
             rows,
         )
-        + "\nthe floor copies the same tensors out of the same slot, one plain copy_ each."
+        + "\nthe floor copies the same tensors out of the same slot, one plain copy_ each; a zero-copy reload"
+        "\nleases the slot and points the parameters at it (ShmWeightSyncScheme(zero_copy=True), CPU workers)."
     )
     by = {}
     for x in r["update"]:
@@ -561,8 +570,9 @@ def render(r: dict) -> str:
     for x in r["throughput"]:
         label = x["payload"]
         floor = "-"
-        if x["scheme"] == "shmsync" and label in copy_out and label in copy_in:
-            floor = f"{100 * (copy_out[label] + copy_in[label]) / x['cycle_never_p50']:.1f}%"
+        if x["scheme"].startswith("shmsync") and label in copy_out and label in copy_in:
+            copies = copy_out[label] + (0 if x["scheme"] == ZERO_COPY else copy_in[label])
+            floor = f"{100 * copies / x['cycle_never_p50']:.1f}%"
         rows.append(
             [
                 x["collector"],
@@ -581,9 +591,10 @@ def render(r: dict) -> str:
             ["collector", "payload", "scheme", "never", "every batch", "lost", "lost (median cycle)", "copy floor"],
             rows,
         )
-        + "\ncopy floor: one copy into shared memory (trainer) plus one out of it (worker), as a share of the"
-        "\nmedian cycle without publishing; SharedMem's plain update copies nothing (its workers alias the"
-        "\ntrainer's weights), so only a design that lets workers read half-written weights can beat it."
+        + "\ncopy floor: one copy into shared memory (trainer) plus one out of it (worker; none with zero-copy),"
+        "\nas a share of the median cycle without publishing. SharedMem's plain update copies nothing (its"
+        "\nworkers alias the trainer's weights): a design that never lets workers see half-written weights"
+        "\nmust copy at least once per publish."
     )
     if r.get("scaling"):
         rows = []

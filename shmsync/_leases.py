@@ -12,9 +12,12 @@ Rules that keep the writer from ever waiting:
 * a lease is refused if afterwards more than ``num_slots - 2`` distinct slots would be
   leased: the writer then always has a slot that is neither latest nor leased. A refused
   reader copies instead, like a reader without zero-copy;
-* lease changes happen under the table lock (readers only: the writer never takes it),
-  and the per-slot counts are recomputed from the rows of live processes each time, so
-  a reader that died holding a lease frees it at the next lease change of anyone.
+* lease changes happen under the table lock (readers only: the writer never takes it)
+  and update the per-slot counts. A count may only be too high (a reader that died
+  holding a lease, a lease given up without the lock); the rows are the truth. So a
+  reader about to be refused first recomputes the counts from the rows of live
+  processes, and the writer, when a count says a slot is leased, asks the rows
+  (:func:`row_leased`) before believing it.
 
 Handshake with the writer (the store's ``_begin_write``): the writer marks its target
 odd, issues a full fence, then reads the target's lease count, and backs off to another
@@ -48,6 +51,12 @@ def full_fence() -> None:
 
 def lease_word(row: int) -> int:
     return W_READERS + row * READER_WORDS + 4
+
+
+def row_leased(h, slot: int) -> bool:
+    """Whether any row of the reader table leases ``slot`` (dead readers' rows included)."""
+    want = slot + 1
+    return any(h[W_READERS + row * READER_WORDS + 4] == want for row in range(MAX_READERS))
 
 
 def _recount(h, num_slots: int, alive) -> set[int]:
@@ -103,8 +112,15 @@ def lease_latest(h, segment: Segment, row: int, num_slots: int, alive) -> tuple[
         if seq & 1 or version < 0:
             return None  # `latest` moved on and that slot is already being rewritten
         previous = h[word]
+        counts = [h[W_LEASES + s] for s in range(num_slots)]
+        if previous:
+            counts[previous - 1] -= 1
+        counts[slot] += 1
         h[word] = slot + 1
-        if len(_recount(h, num_slots, alive)) > num_slots - 2:
+        if sum(1 for n in counts if n > 0) <= num_slots - 2:
+            for s in {slot, previous - 1} - {-1}:
+                h[W_LEASES + s] = counts[s]
+        elif len(_recount(h, num_slots, alive)) > num_slots - 2:  # dead readers' leases dropped
             h[word] = previous
             _recount(h, num_slots, alive)
             return None
@@ -123,6 +139,7 @@ def release(h, segment: Segment, row: int, num_slots: int, alive) -> None:
     if not h[word]:
         return
     with _TableLock(segment) as locked:
+        slot = h[word] - 1
         h[word] = 0
         if locked:
-            _recount(h, num_slots, alive)
+            h[W_LEASES + slot] = max(0, h[W_LEASES + slot] - 1)

@@ -515,25 +515,35 @@ class WeightStore:
             h[W_PIN_GRANT] = request
         pinned = h[W_PIN_SLOT] if h[W_PIN_RELEASE] != h[W_PIN_GRANT] else -1
         latest = h[W_LATEST] if h[W_VERSION] >= 0 else -1
-        free = [s for s in range(self._num_slots) if s != latest and not h[W_LEASES + s] and s not in backed_off]
+        others = [s for s in range(self._num_slots) if s != latest and s not in backed_off]
+        free = [s for s in others if not h[W_LEASES + s]]
+        if not free:  # a count may be too high: the rows tell (see _leases.py)
+            free = [s for s in others if not _leases.row_leased(h, s)]
         candidates = [s for s in free if s != pinned] or free  # 2 slots and a pin: the pinned reader retries
-        if not candidates:  # the lease rules (see _leases.py) make this unreachable
+        if not candidates:
             raise ShmSyncError(f"store {self.name!r}: every slot but the latest is leased by a reader")
         return min(candidates, key=lambda s: h[W_SLOT_VERSION + s])
 
     def _begin_write(self) -> tuple[int, int]:
         h = self._hdr
         backed_off: tuple[int, ...] = ()
-        while True:
-            target = self._choose_target(backed_off)
+        for _ in range(1000):
+            try:
+                target = self._choose_target(backed_off)
+            except ShmSyncError:
+                if not backed_off:  # at most num_slots - 2 slots are leased: unreachable
+                    raise
+                backed_off = ()  # those leases may have been brief: look again
+                continue
             seq = h[W_SEQ + target]
             odd = seq + 2 if seq & 1 else seq + 1  # odd already: a writer died mid-copy
             h[W_SEQ + target] = odd
-            full_fence()  # the store above before the lease load below (see _leases.py)
-            if not h[W_LEASES + target]:
+            full_fence()  # the store above before the lease loads below (see _leases.py)
+            if not h[W_LEASES + target] or not _leases.row_leased(h, target):
                 return target, odd
             h[W_SEQ + target] = odd + 1  # a reader leased it meanwhile: leave it, untouched
             backed_off += (target,)
+        raise ShmSyncError(f"store {self.name!r}: readers kept leasing every free slot")
 
     def _end_write(self, target: int, odd: int) -> int:
         h = self._hdr
