@@ -232,7 +232,9 @@ class WeightStore:
                 processes never collide.
             num_slots: copies kept. 3 (the default) guarantees that no reader starves
                 however fast the writer publishes; 2 saves memory but readers may have to
-                wait for a pause in publishing.
+                wait for a pause in publishing. Zero-copy readers (see
+                :class:`~shmsync.WeightReader`) may lease at most ``num_slots - 2``
+                distinct slots at once; those that cannot lease copy.
             unlink_at_exit: remove the shared memory when this process exits or the
                 store is garbage collected. Existing readers keep their mapping.
 
