@@ -25,11 +25,11 @@ def _zero_(module):
             p.zero_()
 
 
-@pytest.mark.parametrize("env", ["CartPole-v1", "Pendulum-v1"])
-def test_workers_reload_lazily_and_tag_frames(store_factory, env):
+@pytest.mark.parametrize("env, zero_copy", [("CartPole-v1", False), ("Pendulum-v1", False), ("CartPole-v1", True)])
+def test_workers_reload_lazily_and_tag_frames(store_factory, env, zero_copy):
     policy = mlp_policy(make_env(env))
-    store = store_factory(policy)
-    with launch(store.name, 2, env, frames_per_batch=50) as pool:
+    store = store_factory(policy, num_slots=4 if zero_copy else 3)
+    with launch(store.name, 2, env, frames_per_batch=50, zero_copy=zero_copy) as pool:
         seen = {0: set(), 1: set()}
         published = False
         for worker_id, batch in pool.batches(max_batches=40):
@@ -49,6 +49,7 @@ def test_workers_reload_lazily_and_tag_frames(store_factory, env):
                 break
         assert all(1 in s for s in seen.values()), f"a worker never loaded version 1: {seen}"
         assert {r["pid"] for r in store.readers()} == set(pool.pids)
+        assert all(r["zero_copy"] == zero_copy for r in store.readers())
         codes = pool.stop()
     assert codes == {0: 0, 1: 0}, "SIGTERM should end each worker cleanly after its rollout"
     assert pool.reloads == {0: 2, 1: 2}

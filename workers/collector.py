@@ -28,6 +28,7 @@ class WorkerConfig:
     destination: str | None = None  # for a store holding several destinations
     seed: int = 0
     version_key: str = "policy_version"
+    zero_copy: bool = False  # CPU policies: parameters view the store (see WeightReader)
 
 
 def load_object(path: str) -> Any:
@@ -69,7 +70,13 @@ def run_worker(worker_id: int, config: WorkerConfig, queue: Any, parent_pid: int
     with torch.device("meta"):
         policy = factory(env)  # no memory for weights until the first load
     env.close()
-    reader = WeightReader(store, policy, device=config.device, destination=config.destination)
+    reader = WeightReader(
+        store,
+        policy,
+        device=config.device,
+        destination=config.destination,
+        zero_copy=config.zero_copy and torch.device(config.device).type == "cpu",
+    )
     reader.poll()
     tag_versions(policy, lambda: reader.version, config.version_key)
     collector = Collector(

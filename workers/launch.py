@@ -130,7 +130,7 @@ def launch(
     """Start ``num_workers`` collector processes that attach to ``store`` by name.
 
     Keyword arguments go to :class:`~workers.collector.WorkerConfig` (``frames_per_batch``,
-    ``policy``, ``destination``, ``seed``...).
+    ``policy``, ``destination``, ``seed``, ``zero_copy``...).
     """
     return WorkerPool(WorkerConfig(store=store, env=env, device=device, **config), num_workers, devices)
 
@@ -146,9 +146,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--batches", type=int, default=None, help="stop after this many batches (default: run until Ctrl-C)"
     )
+    parser.add_argument(
+        "--zero-copy", action="store_true", help="CPU workers point their parameters at the store instead of copying"
+    )
     args = parser.parse_args(argv)
     pool = launch(
-        args.store, args.num_workers, args.env, args.device, frames_per_batch=args.frames_per_batch, policy=args.policy
+        args.store,
+        args.num_workers,
+        args.env,
+        args.device,
+        frames_per_batch=args.frames_per_batch,
+        policy=args.policy,
+        zero_copy=args.zero_copy,
     )
     try:
         for worker_id, batch in pool.batches(args.batches):
