@@ -65,6 +65,9 @@ class WeightReader:
         1
         >>> reader.poll(), float(worker_policy.weight.detach().sum())
         (True, 3.0)
+        >>> viewer = WeightReader(store, torch.nn.Linear(3, 1), zero_copy=True)
+        >>> viewer.poll(), viewer.viewing  # parameters now view the store: nothing copied
+        (True, True)
         >>> store.close()
     """
 
