@@ -15,11 +15,13 @@ import psutil
 
 from . import _segment
 from ._header import (
+    FORMAT,
     HEADER_BYTES,
     MAGIC,
     W_CREATE_NS,
     W_CREATOR_PID,
     W_CREATOR_START,
+    W_FORMAT,
     W_MAGIC,
     W_PAYLOAD_BYTES,
     W_PUBLISH_NS,
@@ -90,7 +92,8 @@ def status(name: str) -> StoreStatus | None:
             name, False, -1, 0, st.st_size, 0, False, 0, [], _held(name), None, (now - st.st_mtime_ns) / 1e9
         )
     h = np.frombuffer(raw, dtype=np.int64)
-    readers = [pid for _row, pid, *_ in reader_rows(h) if pid_alive(pid)]
+    # Another format lays its reader table out differently: its readers are not listed.
+    readers = [pid for _row, pid, *_ in reader_rows(h) if pid_alive(pid)] if h[W_FORMAT] == FORMAT else []
     published = int(h[W_PUBLISH_NS])
     return StoreStatus(
         name=name,
