@@ -51,8 +51,8 @@ def test_workers_reload_lazily_and_tag_frames(store_factory, env, zero_copy):
         assert {r["pid"] for r in store.readers()} == set(pool.pids)
         assert all(r["zero_copy"] == zero_copy for r in store.readers())
         codes = pool.stop()
-    assert codes == {0: 0, 1: 0}, "SIGTERM should end each worker cleanly after its rollout"
-    assert pool.reloads == {0: 2, 1: 2}
+    assert codes == {0: 0, 1: 0}, f"SIGTERM should end each worker cleanly after its rollout: {codes}"
+    assert pool.reloads == {0: 2, 1: 2}, f"each worker loads version 0 at start, then version 1 once: {pool.reloads}"
 
 
 def test_workers_exit_when_their_parent_dies(start):
