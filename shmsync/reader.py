@@ -127,7 +127,7 @@ class WeightReader:
         if self._targets is None:
             self._bind()
         store = self.store
-        version = self._view_latest() if self.zero_copy else None
+        version = self._view_latest() if self.zero_copy and self._finalizer.alive else None  # closed: copy
         if version is None:
             if self._viewing:  # leasing refused: back to private memory before copying into it
                 _make_private(self._viewing)

@@ -108,6 +108,7 @@ def test_close_leaves_the_module_its_weights_in_private_memory(store_factory):
         _publish(store, float(v))
     assert mixed_values(module) == {3.0}
     assert store.readers() == []
+    assert reader.poll() and not reader.viewing and mixed_values(module) == {9.0}  # closed: copies
 
     survivor = ParamBlob(SMALL)
     WeightReader(store, survivor, zero_copy=True).poll()
