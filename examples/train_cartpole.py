@@ -50,6 +50,7 @@ class Args:
     seed: int = 0
     use_async: bool = False  # MultiAsyncCollector instead of MultiSyncCollector
     scheme: str = "shmsync"  # or "torchrl": TorchRL's default weight sync, for comparison
+    zero_copy: bool = False  # workers' parameters view the store instead of copying (README)
     progress: bool = True
 
 
@@ -92,7 +93,7 @@ def main(args: Args) -> dict:
     # Workers load `policy` from shared memory and reload only when a new version is published.
     if args.scheme not in ("shmsync", "torchrl"):
         raise ValueError(f"--scheme must be 'shmsync' or 'torchrl', got {args.scheme!r}")
-    scheme = ShmWeightSyncScheme() if args.scheme == "shmsync" else None
+    scheme = ShmWeightSyncScheme(zero_copy=args.zero_copy) if args.scheme == "shmsync" else None
     collector_cls = MultiAsyncCollector if args.use_async else MultiSyncCollector
     collector = collector_cls(
         [make_env] * args.workers,
@@ -176,7 +177,8 @@ def main(args: Args) -> dict:
         ),
     }
     print("\n--- summary ---")
-    print(f"collector            {collector_cls.__name__}, {args.workers} workers, {args.scheme} weight sync")
+    sync = f"{args.scheme} weight sync" + (", zero-copy" if args.zero_copy and args.scheme == "shmsync" else "")
+    print(f"collector            {collector_cls.__name__}, {args.workers} workers, {sync}")
     print(f"frames               {summary['frames']} in {total:.1f}s ({summary['frames_per_second']:.0f} frames/s)")
     if store is not None:
         summary.update(

@@ -26,7 +26,7 @@ def test_quickstart():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", [[], ["--async"], ["--scheme", "torchrl"]])
+@pytest.mark.parametrize("mode", [[], ["--async"], ["--scheme", "torchrl"], ["--zero-copy"]])
 def test_train_cartpole_tiny_budget(mode):
     out = _run(
         "examples/train_cartpole.py",
@@ -51,7 +51,7 @@ def test_train_cartpole_tiny_budget(mode):
         return
     assert "versions published   4" in out
     assert "staleness of frames" in out
-    if not mode:
+    if mode in ([], ["--zero-copy"]):
         assert "reloads per worker   [4, 4]" in out
 
 
