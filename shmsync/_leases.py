@@ -21,10 +21,9 @@ Rules that keep the writer from ever waiting:
 
 Handshake with the writer (the store's ``_begin_write``): the writer marks its target
 odd, issues a full fence, then reads the target's lease count, and backs off to another
-slot if it is leased. A reader records its lease, issues a full fence (releasing the
-kernel lock is a system call), then checks that the slot's sequence number did not
-move. Of two such racing parties at least one sees the other, so a slot is never both
-written and leased.
+slot if it is leased. A reader records its lease, issues a full fence, then checks that
+the slot's sequence number did not move. Of two such racing parties at least one sees
+the other, so a slot is never both written and leased.
 """
 
 from __future__ import annotations
@@ -93,7 +92,7 @@ class _TableLock:
 
     def __exit__(self, *exc) -> None:
         if self.segment.held(TABLE_LOCK):
-            self.segment.unlock(TABLE_LOCK)  # a system call: also the reader's full fence
+            self.segment.unlock(TABLE_LOCK)
             _LOCAL.release()
 
 
@@ -124,8 +123,9 @@ def lease_latest(h, segment: Segment, row: int, num_slots: int, alive) -> tuple[
             h[word] = previous
             _recount(h, num_slots, alive)
             return None
-    # The table lock is released (a full fence): a writer that starts on `slot` from
-    # now on sees the lease. One that started before has already moved its sequence.
+    full_fence()  # the lease stores above before the sequence load below
+    # A writer that starts on `slot` from now on sees the lease; one that started before
+    # has already moved its sequence.
     if h[W_SEQ + slot] != seq:
         release(h, segment, row, num_slots, alive)
         return None
