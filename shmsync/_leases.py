@@ -10,8 +10,10 @@ Rules that keep the writer from ever waiting:
 * a reader leases only the ``latest`` slot, and gives up its previous lease in the same
   step (its module is not in use while it reloads);
 * a lease is refused if afterwards more than ``num_slots - 2`` distinct slots would be
-  leased: the writer then always has a slot that is neither latest nor leased. A refused
-  reader copies instead, like a reader without zero-copy;
+  leased or pinned (for a starving copying reader, see the store): the writer then always
+  has a slot that is neither latest, nor leased, nor pinned. A refused reader copies
+  instead, like a reader without zero-copy. The writer pins a leased slot when there is
+  one besides the latest, so a pin costs no slot of its own;
 * lease changes happen under the table lock (readers only: the writer never takes it)
   and update the per-slot counts. A count may only be too high (a reader that died
   holding a lease, a lease given up without the lock); the rows are the truth. So a
@@ -32,7 +34,18 @@ import platform
 import threading
 import time
 
-from ._header import MAX_READERS, READER_WORDS, W_LATEST, W_LEASES, W_READERS, W_SEQ, W_SLOT_VERSION
+from ._header import (
+    MAX_READERS,
+    READER_WORDS,
+    W_LATEST,
+    W_LEASES,
+    W_PIN_GRANT,
+    W_PIN_RELEASE,
+    W_PIN_SLOT,
+    W_READERS,
+    W_SEQ,
+    W_SLOT_VERSION,
+)
 from ._segment import TABLE_LOCK, Segment
 
 # full_fence() relies on a locked instruction being a full barrier, as on x86-64;
@@ -116,10 +129,11 @@ def lease_latest(h, segment: Segment, row: int, num_slots: int, alive) -> tuple[
             counts[previous - 1] -= 1
         counts[slot] += 1
         h[word] = slot + 1
-        if sum(1 for n in counts if n > 0) <= num_slots - 2:
+        pinned = {h[W_PIN_SLOT]} if h[W_PIN_RELEASE] != h[W_PIN_GRANT] else set()
+        if len({s for s, n in enumerate(counts) if n > 0} | pinned) <= num_slots - 2:
             for s in {slot, previous - 1} - {-1}:
                 h[W_LEASES + s] = counts[s]
-        elif len(_recount(h, num_slots, alive)) > num_slots - 2:  # dead readers' leases dropped
+        elif len(_recount(h, num_slots, alive) | pinned) > num_slots - 2:  # dead readers' leases dropped
             h[word] = previous
             _recount(h, num_slots, alive)
             return None

@@ -31,7 +31,8 @@ Reader, bounded fallback (slot pinning): after ``max_attempts`` failed optimisti
 copies a reader takes the store's single reader token (a kernel lock, released if
 the reader dies) and asks the writer to pin a slot by writing a fresh ticket into
 ``pin_request``. At the start of its next publish the writer sets
-``pin_slot = latest`` and ``pin_grant = ticket``, and from then on never writes
+``pin_slot = latest`` (or a slot leased by a zero-copy reader, already safe from it)
+and ``pin_grant = ticket``, and from then on never writes
 into ``pin_slot`` until ``pin_release == pin_grant``. With 3 slots there is always
 a slot that is neither latest nor pinned, so the writer still never waits, and the
 pinned reader's copy cannot be invalidated: it completes in one copy. A writer that
@@ -512,7 +513,7 @@ class WeightStore:
         h = self._hdr
         request = h[W_PIN_REQUEST]
         if request != h[W_PIN_GRANT]:
-            h[W_PIN_SLOT] = h[W_LATEST]
+            h[W_PIN_SLOT] = self._pin_candidate()
             _fence()
             h[W_PIN_GRANT] = request
         pinned = h[W_PIN_SLOT] if h[W_PIN_RELEASE] != h[W_PIN_GRANT] else -1
@@ -525,6 +526,17 @@ class WeightStore:
         if not candidates:
             raise ShmSyncError(f"store {self.name!r}: every slot but the latest is leased by a reader")
         return min(candidates, key=lambda s: h[W_SLOT_VERSION + s])
+
+    def _pin_candidate(self) -> int:
+        """The slot to pin for a starving reader: a slot leased by a zero-copy reader if there
+        is one besides the latest (it is already safe from the writer, so the pin costs no
+        slot; its version is older but complete), else the latest."""
+        h = self._hdr
+        latest = h[W_LATEST]
+        for s in range(self._num_slots):
+            if s != latest and h[W_LEASES + s] and not h[W_SEQ + s] & 1 and _leases.row_leased(h, s):
+                return s
+        return latest
 
     def _begin_write(self) -> tuple[int, int]:
         h = self._hdr
@@ -642,6 +654,8 @@ class WeightStore:
                 slot = h[W_PIN_SLOT]
                 seq = h[W_SEQ + slot]
                 version = h[W_SLOT_VERSION + slot]
+                if seq & 1:
+                    return None
                 copy(slot)
                 _fence()
                 return version if h[W_SEQ + slot] == seq else None  # None: 2 slots only
