@@ -68,33 +68,37 @@ def lease_word(row: int) -> int:
 def row_leased(h, slot: int) -> bool:
     """Whether any row of the reader table leases ``slot`` (dead readers' rows included)."""
     want = slot + 1
-    return any(h[W_READERS + row * READER_WORDS + 4] == want for row in range(MAX_READERS))
+    return any(h[lease_word(row)] == want for row in range(MAX_READERS))
 
 
 def _recount(h, num_slots: int, alive) -> set[int]:
     """Recompute the per-slot lease counts from the rows of live readers; the leased slots."""
     counts = [0] * num_slots
     for row in range(MAX_READERS):
-        base = W_READERS + row * READER_WORDS
-        pid, lease = h[base], h[base + 4]
+        word = lease_word(row)
+        pid, lease = h[W_READERS + row * READER_WORDS], h[word]
         if lease and pid and alive(pid):
             counts[lease - 1] += 1
         elif lease:
-            h[base + 4] = 0  # a dead reader's lease
+            h[word] = 0  # a dead reader's lease
     for slot, n in enumerate(counts):
         h[W_LEASES + slot] = n
     return {slot for slot, n in enumerate(counts) if n}
 
 
-class _TableLock:
-    """The table lock, given up after ``patience`` seconds (a stopped holder must not
-    stall a reload: the caller then copies instead)."""
+class TableLock:
+    """The reader table's lock, for this process's threads too. With ``patience`` (seconds)
+    it is given up after that long (a stopped holder must not stall a reload: the caller
+    then copies instead) and ``with`` yields whether it was taken; None waits for it."""
 
-    def __init__(self, segment: Segment, patience: float = 0.01) -> None:
+    def __init__(self, segment: Segment, patience: float | None = 0.01) -> None:
         self.segment, self.patience = segment, patience
 
     def __enter__(self) -> bool:
         _LOCAL.acquire()
+        if self.patience is None:
+            self.segment.lock(TABLE_LOCK, exclusive=True, wait=True)
+            return True
         deadline = time.monotonic() + self.patience
         while not self.segment.lock(TABLE_LOCK, exclusive=True, wait=False):
             if time.monotonic() > deadline:
@@ -115,7 +119,7 @@ def lease_latest(h, segment: Segment, row: int, num_slots: int, alive) -> tuple[
     if not SUPPORTED:
         return None
     word = lease_word(row)
-    with _TableLock(segment) as locked:
+    with TableLock(segment) as locked:
         if not locked:
             return None
         slot = h[W_LATEST]
@@ -152,7 +156,7 @@ def release(h, segment: Segment, row: int, num_slots: int, alive) -> None:
     word = lease_word(row)
     if not h[word]:
         return
-    with _TableLock(segment) as locked:
+    with TableLock(segment) as locked:
         slot = h[word] - 1
         h[word] = 0
         if locked:

@@ -12,7 +12,7 @@ released by the kernel when the holder dies, however it dies):
   whether any live process still holds a store;
 * byte 1, exclusive: the writer role;
 * byte 2, exclusive: the reader's starvation token (see :mod:`shmsync.store`);
-* byte 3, exclusive, held for microseconds: claiming a row of the reader table.
+* byte 3, exclusive, held for microseconds: changing the reader table (rows, leases).
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ from ._header import (
 )
 from ._layout import Layout, segment_bytes
 from ._leases import full_fence
-from ._segment import TABLE_LOCK, TOKEN_LOCK, WRITER_LOCK, Segment
+from ._segment import TOKEN_LOCK, WRITER_LOCK, Segment
 from ._source import as_tensordict, module_weights
 from .errors import ReloadTimeoutError, ShmSyncError, StoreNotFoundError, WriterBusyError
 from .host import pid_alive
@@ -508,8 +508,9 @@ class WeightStore:
     def _writer_role(self, keep: bool) -> WeightStore._WriterRole:
         return WeightStore._WriterRole(self, keep)
 
-    def _choose_target(self, backed_off: tuple[int, ...] = ()) -> int:
-        """Serve a pending pin request, then pick the slot to write. Never waits."""
+    def _choose_target(self, backed_off: tuple[int, ...] = ()) -> int | None:
+        """Serve a pending pin request, then pick the slot to write (None if every slot but
+        the latest is leased or backed off from). Never waits."""
         h = self._hdr
         request = h[W_PIN_REQUEST]
         if request != h[W_PIN_GRANT]:
@@ -523,9 +524,7 @@ class WeightStore:
         if not free:  # a count may be too high: the rows tell (see _leases.py)
             free = [s for s in others if not _leases.row_leased(h, s)]
         candidates = [s for s in free if s != pinned] or free  # 2 slots and a pin: the pinned reader retries
-        if not candidates:
-            raise ShmSyncError(f"store {self.name!r}: every slot but the latest is leased by a reader")
-        return min(candidates, key=lambda s: h[W_SLOT_VERSION + s])
+        return min(candidates, key=lambda s: h[W_SLOT_VERSION + s]) if candidates else None
 
     def _pin_candidate(self) -> int:
         """The slot to pin for a starving reader: a slot leased by a zero-copy reader if there
@@ -542,11 +541,10 @@ class WeightStore:
         h = self._hdr
         backed_off: tuple[int, ...] = ()
         for _ in range(1000):
-            try:
-                target = self._choose_target(backed_off)
-            except ShmSyncError:
+            target = self._choose_target(backed_off)
+            if target is None:
                 if not backed_off:  # at most num_slots - 2 slots are leased: unreachable
-                    raise
+                    raise ShmSyncError(f"store {self.name!r}: every slot but the latest is leased by a reader")
                 backed_off = ()  # those leases may have been brief: look again
                 continue
             seq = h[W_SEQ + target]
@@ -688,8 +686,7 @@ class WeightStore:
     def _claim_reader_row(self) -> int:
         """A free row of the reader table for this process (-1 if the table is full)."""
         h = self._hdr
-        self._segment.lock(TABLE_LOCK, exclusive=True, wait=True)
-        try:
+        with _leases.TableLock(self._segment, patience=None):
             for row in range(MAX_READERS):
                 base = W_READERS + row * READER_WORDS
                 pid = h[base]
@@ -698,8 +695,6 @@ class WeightStore:
                     h[base], h[base + 1], h[base + 2], h[base + 3], h[base + 4] = os.getpid(), -1, 0, 0, 0
                     return row
             return -1
-        finally:
-            self._segment.unlock(TABLE_LOCK)
 
     def _update_reader_row(self, row: int, version: int, reloads: int) -> None:
         if row >= 0 and not self.closed:
