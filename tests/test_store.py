@@ -10,12 +10,14 @@ import torch
 from torch import nn
 
 from shmsync import StoreNotFoundError, WeightReader, WeightStore, WriterBusyError
+from shmsync._leases import SUPPORTED as LEASES_SUPPORTED
 
 from procs import (
     STRESS_SIZES,
     Blob,
     attach_and_follow,
     blob_weights,
+    lease_and_hang,
     set_all,
     slow_reader,
     stress_reader,
@@ -226,12 +228,21 @@ def test_stuck_or_killed_reader_never_blocks_writer(store_factory, start, how):
 
 
 @pytest.mark.timeout(120)
-def test_no_starvation_under_back_to_back_publishing(store_factory, start):
+@pytest.mark.parametrize("beside_a_lease", [False, True])
+def test_no_starvation_under_back_to_back_publishing(store_factory, start, beside_a_lease):
     """A reader whose copy takes longer than several publishes still completes its loads, through
-    the pinned fallback, while the writer republishes a large store back to back."""
+    the pinned fallback, while the writer republishes a large store back to back.
+
+    Beside a lease: one of the 3 slots is leased by a zero-copy reader that never reloads; the
+    slow reader's pin then goes to the leased slot, which costs the writer nothing."""
+    if beside_a_lease and not LEASES_SUPPORTED:
+        pytest.skip("leases need x86-64")
     big = {"a": 4_000_000, "b": 4_000_000}  # 32 MB
     store = store_factory(blob_weights(big, 0.0))
     store.release_writer()
+    if beside_a_lease:
+        holder = start(lease_and_hang, store, big)
+        assert holder.expect("leased") == (True, 0)
     w = start(writer, store.name, big, 10**9)
     w.expect("ready")
     slow = start(slow_reader, store, big, 8, 0.05)
