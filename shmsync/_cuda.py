@@ -58,15 +58,17 @@ class AsyncPublisher:
         self._done = threading.Event()
         self._done.set()
         self._error: BaseException | None = None
+        self.pending_version: int | None = None  # queued, not yet visible
 
-    def publish(self, tensors: list[torch.Tensor]) -> int:
+    def publish(self, tensors: list[torch.Tensor], version: int | None = None) -> int:
         self.wait()
         store = self.store
         current = torch.cuda.current_stream(self.device)
         with torch.no_grad():
             torch._foreach_copy_(self.snapshot, tensors)  # (1) on the trainer's stream
         target, odd = store._begin_write()
-        version = store._hdr[W_VERSION] + 1  # completions are serialized, so this is exact
+        if version is None:
+            version = store._hdr[W_VERSION] + 1  # completions are serialized, so this is exact
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream), torch.no_grad():  # (2)
             for dst, src in zip(store._slots[target], self.snapshot):
@@ -74,16 +76,18 @@ class AsyncPublisher:
             event = torch.cuda.Event()
             event.record(self.stream)
         self._done.clear()
-        threading.Thread(target=self._complete, args=(event, target, odd), daemon=True).start()  # (3)
+        self.pending_version = version
+        threading.Thread(target=self._complete, args=(event, target, odd, version), daemon=True).start()  # (3)
         return version
 
-    def _complete(self, event: torch.cuda.Event, target: int, odd: int) -> None:
+    def _complete(self, event: torch.cuda.Event, target: int, odd: int, version: int) -> None:
         try:
             event.synchronize()
-            self.store._end_write(target, odd)
+            self.store._end_write(target, odd, version)
         except BaseException as e:  # surfaced by the next wait()
             self._error = e
         finally:
+            self.pending_version = None
             self._done.set()
 
     def wait(self, timeout: float | None = None) -> None:

@@ -367,7 +367,7 @@ class WeightStore:
         return f"WeightStore(name={self.name!r}, {state}, nbytes={self.nbytes})"
 
     # -- writing --------------------------------------------------------------------------------
-    def publish(self, source: Any) -> int:
+    def publish(self, source: Any, *, version: int | None = None) -> int:
         """Copy ``source``'s weights in and make them visible as one new version.
 
         Never waits for readers. Only one process may publish into a store at a time;
@@ -378,23 +378,38 @@ class WeightStore:
         Args:
             source: the same kind of object the store was created from, with the same
                 keys, shapes and dtypes (on any device).
+            version: publish under this version number instead of the next one (say, the
+                trainer's optimizer-step count, or a restored checkpoint's version). It must
+                be higher than every version published before; versions may skip, never go
+                back.
 
         Returns:
             The new version.
 
         Raises:
             WeightMismatchError: a key, shape or dtype differs; nothing is written.
+            ValueError: ``version`` is not higher than the last one; nothing is written.
             WriterBusyError: another live process holds the writer role.
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightStore
+            >>> policy = torch.nn.Linear(4, 2)
+            >>> with WeightStore.create(policy) as store:
+            ...     store.publish(policy), store.publish(policy, version=10), store.version
+            (1, 10, 10)
         """
         start = time.perf_counter()
         self._check_open()
         tensors = self._match_source(source, f"weights published to store {self.name!r}")
+        if version is not None:
+            self._check_next_version(version)
         if not self._segment.held(WRITER_LOCK):
             self._acquire_writer()
         if any(t.is_cuda for t in tensors):
-            version = self._publish_from_cuda(tensors)
+            version = self._publish_from_cuda(tensors, version)
         else:
-            version = self._write(tensors, on_cpu=True)
+            version = self._write(tensors, on_cpu=True, version=version)
         self.publish_seconds += time.perf_counter() - start
         return version
 
@@ -444,7 +459,43 @@ class WeightStore:
             self._plans[(id(module), prefix)] = (weakref.ref(module), owned, order, entries)
         return tensors
 
-    def _publish_from_cuda(self, tensors: list[torch.Tensor]) -> int:
+    def check(self, source: Any) -> None:
+        """Raise what :meth:`publish` would raise for ``source``'s keys, shapes and dtypes,
+        writing nothing; for checking a whole set of stores before publishing into any.
+
+        Raises:
+            WeightMismatchError: a key, shape or dtype differs.
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightStore
+            >>> with WeightStore.create(torch.nn.Linear(4, 2)) as store:
+            ...     store.check(torch.nn.Linear(4, 2))  # fine: returns None
+            ...     store.check(torch.nn.Linear(3, 2))
+            Traceback (most recent call last):
+            ...
+            shmsync.errors.WeightMismatchError: ...
+        """
+        self._check_open()
+        self._match_source(source, f"weights for store {self.name!r}")
+
+    def _check_next_version(self, version: int) -> None:
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"store {self.name!r}: version must be an int, got {type(version).__name__}")
+        last = self._last_version()
+        if version <= last:
+            raise ValueError(
+                f"store {self.name!r}: version {version} is not higher than the last published version {last}; "
+                "versions only go up"
+            )
+
+    def _last_version(self) -> int:
+        """The newest version published by this process, including a CUDA publish still in flight."""
+        publisher = self._cuda_publisher
+        pending = publisher.pending_version if publisher is not None else None
+        return max(self._hdr[W_VERSION], pending if pending is not None else -1)
+
+    def _publish_from_cuda(self, tensors: list[torch.Tensor], version: int | None = None) -> int:
         # Returns once the copy is queued; the version turns visible when it has landed.
         from ._cuda import AsyncPublisher
 
@@ -455,7 +506,7 @@ class WeightStore:
                 publisher.wait()
             self._ensure_pinned()
             publisher = self._cuda_publisher = AsyncPublisher(self, device)
-        return publisher.publish(tensors)
+        return publisher.publish(tensors, version)
 
     def flush(self, timeout: float | None = None) -> int:
         """Wait until everything published from this process is visible to readers.
@@ -557,9 +608,10 @@ class WeightStore:
             backed_off += (target,)
         raise ShmSyncError(f"store {self.name!r}: readers kept leasing every free slot")
 
-    def _end_write(self, target: int, odd: int) -> int:
+    def _end_write(self, target: int, odd: int, version: int | None = None) -> int:
         h = self._hdr
-        version = h[W_VERSION] + 1
+        if version is None:
+            version = h[W_VERSION] + 1
         h[W_SLOT_VERSION + target] = version
         _fence()
         h[W_SEQ + target] = odd + 1
@@ -570,10 +622,10 @@ class WeightStore:
         h[W_PUBLISH_COUNT] += 1
         return version
 
-    def _write(self, tensors: list[torch.Tensor], on_cpu: bool | None = None) -> int:
+    def _write(self, tensors: list[torch.Tensor], on_cpu: bool | None = None, version: int | None = None) -> int:
         target, odd = self._begin_write()
         _copy_all(self._slots[target], tensors, on_cpu)
-        return self._end_write(target, odd)
+        return self._end_write(target, odd, version)
 
     # -- reading --------------------------------------------------------------------------------
     def _read(

@@ -208,3 +208,25 @@ def test_republishing_a_changed_module_is_still_checked(store):
     v = store.publish(fresh)
     snap = store.snapshot()
     assert snap.version == v and all((t == 2.0).all() for t in snap.weights.values())
+
+
+def test_publish_under_a_version_that_does_not_go_up(store):
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    assert store.publish(model, version=5) == 5
+    before = _state(store)
+    with pytest.raises(ValueError, match="version 5 is not higher than the last published version 5"):
+        store.publish(model, version=5)
+    with pytest.raises(ValueError, match="version 3 is not higher than the last published version 5"):
+        store.publish(model, version=3)
+    with pytest.raises(TypeError, match="version must be an int, got float"):
+        store.publish(model, version=6.0)
+    _assert_unchanged(store, before)
+    assert store.publish(model) == 6  # without a version: the next one
+
+
+def test_check_raises_what_publish_would_and_writes_nothing(store):
+    before = _state(store)
+    store.check(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
+    with pytest.raises(WeightMismatchError, match=r"'1\.bias' has shape \(5,\), the store holds \(2,\)"):
+        store.check(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 5)))
+    _assert_unchanged(store, before)

@@ -47,6 +47,20 @@ def test_create_publish_read_in_process(store_factory):
     torch.testing.assert_close(worker[2].bias, policy[2].bias)
 
 
+def test_explicit_versions_reach_readers(store_factory):
+    policy = nn.Linear(3, 2)
+    store = store_factory(policy)
+    reader = WeightReader(store, nn.Linear(3, 2))
+    reader.poll()
+    with torch.no_grad():
+        policy.weight.fill_(7.0)
+    assert store.publish(policy, version=1000) == 1000 == store.version
+    assert reader.poll() and reader.version == 1000
+    torch.testing.assert_close(reader.module.weight, policy.weight)
+    assert not reader.poll()
+    assert store.publish(policy) == 1001 and reader.poll() and reader.version == 1001
+
+
 def test_worker_copy_is_private(store_factory):
     policy = nn.Linear(3, 3)
     store = store_factory(policy)
