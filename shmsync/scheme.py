@@ -1,34 +1,29 @@
-"""``ShmWeightSyncScheme``: TorchRL's multi-process collectors on a shmsync store.
+"""``ShmWeightSyncScheme``: TorchRL's multi-process collectors on shmsync stores.
 
 Sender (main process): the collector's models for every key that uses this scheme go
-into one :class:`~shmsync.WeightStore`; ``update_policy_weights_()`` publishes into it
-and returns, with no message to and no acknowledgement from any worker. All keys sent
-by one ``update_policy_weights_`` call are published together as one version.
+into one :class:`~shmsync.WeightStore` (one per worker with ``per_worker_weights``);
+``update_policy_weights_()`` publishes into it and returns, with no message to and no
+acknowledgement from any worker. All keys sent by one ``update_policy_weights_`` call are
+published together as one version.
 
 Receiver (each worker): attaches, loads the first weights into the (meta-device) policy,
 then checks the version at the start of every rollout (and, optionally, every N policy
 calls) and reloads only when it changed. Each frame is tagged with the version of the
-weights that produced it.
+weights that produced it, and TorchRL's ``track_policy_version`` reports that version.
 """
 
 from __future__ import annotations
 
-import functools
-import secrets
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 
-from .reader import WeightReader
+from ._scheme_sender import SenderGroup, find_collector
+from ._scheme_worker import Receiver
 from .store import WeightStore
-from .tagging import tag_versions
-
-# Worker process: store name -> receivers polled before each rollout.
-_RECEIVERS: dict[str, list[_Receiver]] = {}
 
 
 class ShmWeightSyncScheme(WeightSyncScheme):
@@ -37,6 +32,12 @@ class ShmWeightSyncScheme(WeightSyncScheme):
     Workers never see half-written weights (each reload is one complete version), the
     trainer never waits for workers, and each worker's weights are a private copy: an
     in-place edit of the trainer's parameters reaches no worker until it is published.
+
+    Every way TorchRL initializes a scheme works: by the collector (the usual way), or
+    before any collector exists with ``init_on_sender(model=..., devices=...)``,
+    ``init_on_sender(weights=..., devices=...)`` or ``init_on_sender(params_map={worker:
+    weights})``. A collector built from ``policy_factory`` alone takes the weights' layout
+    from the factory's model, built once in the main process.
 
     Args:
         poll_every_steps: also check for new weights every this many policy calls inside a
@@ -54,7 +55,16 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             parameters in place in the worker.
         source: the trainer-side module for this key, when the collector cannot resolve it in
             the main process (say, a key such as ``"env.transform[0]"`` that names a module
-            that exists only inside each worker). Default: ``collector.get_model(key)``.
+            that exists only inside each worker). Default: ``collector.get_model(key)``, or
+            for ``"policy"`` without a policy, a model from the collector's ``policy_factory``.
+        per_worker_weights: give each worker its own weights and versions (one store per
+            worker), as TorchRL's argument of that name does:
+            ``update_policy_weights_({worker: weights})`` and ``worker_ids=`` then publish to
+            those workers only. Turned on by itself when a collector's ``policy_factory`` is a
+            list of distinct factories and it has no policy. Without it, an update aimed at some
+            workers only raises: all workers load one set of weights.
+        strategy: TorchRL's weight-extraction strategy name (kept for compatibility; weights
+            always travel as tensors in shared memory).
 
     Examples:
         >>> from torchrl.collectors import MultiSyncCollector  # doctest: +SKIP
@@ -65,6 +75,14 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         >>> for batch in collector:  # doctest: +SKIP
         ...     train_on(batch)
         ...     collector.update_policy_weights_()  # publish: returns at once
+
+        Before any collector exists, as with TorchRL's schemes:
+
+        >>> scheme = ShmWeightSyncScheme()
+        >>> scheme.init_on_sender(model=nn.Linear(3, 1), devices=["cpu"] * 2, model_id="policy")
+        >>> scheme.store.version
+        0
+        >>> scheme.shutdown()
     """
 
     def __init__(
@@ -75,6 +93,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         num_slots: int | None = None,
         zero_copy: bool = False,
         source: nn.Module | None = None,
+        per_worker_weights: bool = False,
         strategy: str = "tensordict",
     ) -> None:
         super().__init__(strategy)
@@ -87,53 +106,169 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         self.version_key = version_key
         self.zero_copy = zero_copy
         self.num_slots = num_slots if num_slots is not None else 4 if zero_copy else 3
-        self._store_name: str | None = None
-        self._group: _SenderGroup | None = None
-        self._receiver: _Receiver | None = None
+        self.per_worker_weights = per_worker_weights
+        self._store_names: list[str] = []
+        self._group: SenderGroup | None = None
+        self._receiver: Receiver | None = None
 
     # -- sender ---------------------------------------------------------------------------------
     def _init_on_sender_impl(
-        self, model_id: str, context: Any = None, ctx: Any = None, model: Any = None, **kwargs: Any
+        self,
+        *,
+        model_id: str | None = None,
+        context: Any = None,
+        ctx: Any = None,
+        model: nn.Module | None = None,
+        weights: TensorDictBase | None = None,
+        params_map: dict[int, Any] | None = None,
+        devices: Sequence[Any] | None = None,
+        device_map_fn: Callable[[int, TensorDictBase], TensorDictBase] | None = None,
+        num_workers: int | None = None,
     ) -> None:
-        self.model_id = model_id
         if context is not None:
+            given = {"model": model, "weights": weights, "params_map": params_map, "devices": devices}
+            given["device_map_fn"] = device_map_fn
+            extra = [k for k, v in given.items() if v is not None]
+            if extra:
+                raise ValueError(f"init_on_sender(context=...) takes model_id only, not {extra}")
+            if model_id is None:
+                raise ValueError("init_on_sender(context=...) needs model_id")
+            self.model_id = model_id
             self.context = context
-        if model is not None:
-            self.model = model
-        self._group = _SenderGroup.join(self, context)
-        self._store_name = self._group.store.name
+            self._group = self._join(context)
+        else:
+            self.model_id = model_id if model_id is not None else "policy"
+            models, workers = self._models_without_collector(
+                model, weights, params_map, devices, device_map_fn, num_workers
+            )
+            self._group = SenderGroup(
+                [{self.model_id: m} for m in models], num_slots=self.num_slots, num_workers=workers, devices=devices
+            )
+        self._store_names = self._group.store_names
+
+    def _models_without_collector(self, model, weights, params_map, devices, device_map_fn, num_workers):
+        """``init_on_sender`` before any collector exists: the initial weights of each store, and
+        the number of workers when it is known."""
+        if params_map is not None:
+            if any(v is not None for v in (model, weights, devices, device_map_fn, num_workers)):
+                raise ValueError("init_on_sender(params_map=...) takes no model, weights, devices or num_workers")
+        else:
+            if (model is None) == (weights is None):
+                raise ValueError(
+                    "ShmWeightSyncScheme.init_on_sender() needs the collector (context=, model_id=), "
+                    "model= or weights= (with devices= or num_workers= for the worker count), "
+                    "or params_map={worker: weights}"
+                )
+            if model is not None and not isinstance(model, nn.Module):
+                raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+            source = model if model is not None else weights
+            if device_map_fn is not None:
+                if num_workers is None:
+                    raise ValueError("init_on_sender(device_map_fn=...) needs num_workers")
+                td = TensorDict.from_module(model) if model is not None else weights
+                params_map = {i: device_map_fn(i, td) for i in range(num_workers)}
+            else:
+                n = len(devices) if devices is not None else num_workers
+                if not self.per_worker_weights:
+                    return [source], n
+                if n is None:
+                    raise ValueError("per_worker_weights: pass devices= or num_workers= to init_on_sender()")
+                return [source] * n, n
+        if not isinstance(params_map, dict) or sorted(params_map) != list(range(len(params_map))):
+            raise ValueError(f"params_map must map worker indices 0..n-1 to weights, got keys {list(params_map)}")
+        values = [params_map[i] for i in range(len(params_map))]
+        if not self.per_worker_weights and all(v is values[0] for v in values):
+            return values[:1], len(values)
+        self.per_worker_weights = True
+        return values, len(values)
+
+    def _join(self, collector: Any) -> SenderGroup:
+        """The group of ``collector`` that holds this key; made for all its shmsync keys at once."""
+        for group in collector.__dict__.get("_shmsync_groups", ()):
+            if self.model_id in group.keys:
+                return group
+        schemes = {
+            k: s
+            for k, s in (collector._weight_sync_schemes or {}).items()
+            if isinstance(s, ShmWeightSyncScheme) and s._group is None
+        }
+        schemes[self.model_id] = self
+        workers = collector.num_workers
+        per_key = {key: _models_of(collector, key, scheme, workers) for key, scheme in schemes.items()}
+        per_worker = any(s.per_worker_weights for s in schemes.values()) or any(len(m) > 1 for m in per_key.values())
+        for scheme in schemes.values():
+            scheme.per_worker_weights = per_worker
+        stores = workers if per_worker else 1
+        models = [{key: m[w] if len(m) > 1 else m[0] for key, m in per_key.items()} for w in range(stores)]
+        group = SenderGroup(
+            models,
+            num_slots=self.num_slots,
+            num_workers=workers,
+            devices=getattr(collector, "policy_device", None),
+        )
+        try:
+            group.attach(collector)
+        except BaseException:
+            group.close()
+            raise
+        return group
 
     def _setup_connection_and_weights_on_sender_impl(self, *, worker_idx: int | None = None, weights: Any = None):
+        # Initialized before the collector existed: the collector calling connect() is ours.
+        if self._group._collector is None:
+            collector = find_collector(self)
+            if collector is not None:
+                self._group.attach(collector)
         # The store already holds the initial weights: workers load them on their own.
         if weights is not None:
             self.send(weights)
 
     def send(self, weights: Any = None, worker_ids: Any = None) -> None:
-        """Publish ``weights`` (default: the collector's model) for this key.
+        """Publish ``weights`` for this key (default: the model the scheme was built from).
 
-        Returns as soon as the store holds the new version; ``worker_ids`` is accepted for
-        compatibility and ignored: every worker loads the newest version.
+        Returns as soon as the store holds the new version. ``weights`` may be a module, a
+        TensorDict, a state dict, or ``{worker index: weights}`` with ``per_worker_weights``;
+        ``worker_ids`` (ints or devices) limits the update to those workers, which needs
+        ``per_worker_weights`` unless it names them all.
         """
         if self._group is None:
             raise RuntimeError("ShmWeightSyncScheme.send() needs init_on_sender() first (pass it to a collector)")
-        self._group.stage(self.model_id, weights)
+        self._group.stage(self.model_id, weights, worker_ids)
+
+    @property
+    def stores(self) -> tuple[WeightStore, ...]:
+        """Sender: every store (one, or one per worker). Receiver: this worker's store."""
+        if self._group is not None:
+            return tuple(self._group.stores)
+        if self._receiver is not None:
+            return (self._receiver.store,)
+        return ()
 
     @property
     def store(self) -> WeightStore | None:
-        """The store (sender side or worker side), or None before initialization."""
-        if self._group is not None:
-            return self._group.store
-        if self._receiver is not None:
-            return self._receiver.store
-        return None
+        """The store (sender side or worker side), or None before initialization.
+
+        Raises:
+            ValueError: with ``per_worker_weights`` on the sender side (see :attr:`stores`).
+        """
+        stores = self.stores
+        if len(stores) > 1:
+            raise ValueError("per_worker_weights: one store per worker, see ShmWeightSyncScheme.stores")
+        return stores[0] if stores else None
 
     @property
     def version(self) -> int:
-        """Sender: the last published version. Receiver: the version loaded in this worker."""
+        """Sender: the last published version (the newest of any worker's). Receiver: the version
+        loaded in this worker. -1 before initialization."""
         if self._receiver is not None:
-            return self._receiver.reader_version
-        store = self.store
-        return store.version if store is not None else -1
+            return self._receiver.version
+        return max((s.version for s in self.stores), default=-1)
+
+    @property
+    def versions(self) -> list[int]:
+        """Sender: the last published version of each store (one per worker with
+        ``per_worker_weights``)."""
+        return [s.version for s in self.stores]
 
     def create_transport(self, **kwargs: Any):
         raise NotImplementedError("ShmWeightSyncScheme moves weights through a WeightStore, not a transport")
@@ -142,16 +277,31 @@ class ShmWeightSyncScheme(WeightSyncScheme):
     def _init_on_receiver_impl(
         self, model_id: str, context: Any = None, model: Any = None, worker_idx: int | None = None, **kwargs: Any
     ) -> None:
-        if self._store_name is None:
+        if not self._store_names:
             raise RuntimeError("this ShmWeightSyncScheme was never initialized on a sender (no store to attach to)")
+        if len(self._store_names) > 1 and worker_idx is None:
+            raise RuntimeError("per_worker_weights: the receiver needs its worker_idx to pick its store")
         self.model_id = model_id
         self.worker_idx = worker_idx
-        if context is not None:
-            self.context = context
         if model is not None:
             self.model = model
-        self._receiver = _Receiver(self)
-        _RECEIVERS.setdefault(self._store_name, []).append(self._receiver)
+        name = self._store_names[worker_idx if len(self._store_names) > 1 else 0]
+        self._receiver = Receiver(self, name)
+        if context is not None:
+            self.context = context
+
+    @property
+    def context(self) -> Any | None:
+        """The collector: the main one on the sender side, the worker's own on the receiver side."""
+        return WeightSyncScheme.context.fget(self)
+
+    @context.setter
+    def context(self, context: Any) -> None:
+        WeightSyncScheme.context.fset(self, context)
+        # TorchRL hands the worker's collector over after building it: poll before its rollouts.
+        receiver = getattr(self, "_receiver", None)
+        if receiver is not None and context is not None and callable(getattr(context, "rollout", None)):
+            receiver.bind(context)
 
     def _setup_connection_and_weights_on_receiver_impl(self, *, worker_idx: int | None = None) -> None:
         self._receiver.poll()  # first load (the policy may still be on the meta device)
@@ -184,223 +334,29 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             group.close()
 
 
-class _SenderGroup:
-    """Main process: one store for all the keys of a collector that use this scheme."""
-
-    def __init__(self, collector: Any, schemes: dict[str, ShmWeightSyncScheme]) -> None:
-        self.keys = list(schemes)
-        first = next(iter(schemes.values()))
-        models = {key: _model_of(collector, key, scheme) for key, scheme in schemes.items()}
-        self.store = WeightStore.create(models, name=f"torchrl-{secrets.token_hex(6)}", num_slots=first.num_slots)
-        self._models = {
-            key: weakref.ref(m) if isinstance(m, nn.Module) else (lambda m=m: m) for key, m in models.items()
-        }
-        self._pending: dict[str, Any] = {}
-        self._depth = 0
-        self._patch(collector, first)
-
-    @classmethod
-    def join(cls, scheme: ShmWeightSyncScheme, collector: Any) -> _SenderGroup:
-        if collector is None:
-            raise ValueError("ShmWeightSyncScheme must be initialized with the collector as context")
-        group = collector.__dict__.get("_shmsync_group")
-        if group is None:
-            schemes = {
-                k: s for k, s in (collector._weight_sync_schemes or {}).items() if isinstance(s, ShmWeightSyncScheme)
-            }
-            if scheme.model_id not in schemes:
-                schemes[scheme.model_id] = scheme
-            group = cls(collector, schemes)
-            collector.__dict__["_shmsync_group"] = group
-        return group
-
-    def _patch(self, collector: Any, scheme: ShmWeightSyncScheme) -> None:
-        """Wrap the collector so that one update call is one version, and shutdown frees memory."""
-        update, shutdown = collector.update_policy_weights_, collector.shutdown
-        group_ref = weakref.ref(self)
-
-        @functools.wraps(update)
-        def update_policy_weights_(*args: Any, **kwargs: Any) -> Any:
-            group = group_ref()
-            if group is None:
-                return update(*args, **kwargs)
-            with group.transaction():
-                return update(*args, **kwargs)
-
-        @functools.wraps(shutdown)
-        def shutdown_and_release(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return shutdown(*args, **kwargs)
-            finally:
-                group = group_ref()
-                if group is not None:
-                    group.close()
-
-        collector.update_policy_weights_ = update_policy_weights_
-        collector.shutdown = shutdown_and_release
-        # Workers poll at the start of every rollout, before the user's own hook.
-        collector._worker_pre_collect_hook = _PollBeforeRollout(
-            self.store.name, getattr(collector, "_worker_pre_collect_hook", None)
-        )
-        if scheme.version_key is not None and hasattr(collector, "_worker_post_collect_hook"):
-            collector._worker_post_collect_hook = _TagNext(scheme.version_key, collector._worker_post_collect_hook)
-
-    class _Transaction:
-        def __init__(self, group: _SenderGroup) -> None:
-            self.group = group
-
-        def __enter__(self) -> None:
-            self.group._depth += 1
-
-        def __exit__(self, exc_type, *exc) -> None:
-            group = self.group
-            group._depth -= 1
-            if group._depth == 0:
-                if exc_type is None and group._pending:
-                    group.flush()
-                group._pending.clear()
-
-    def transaction(self) -> _SenderGroup._Transaction:
-        return _SenderGroup._Transaction(self)
-
-    def stage(self, key: str, weights: Any) -> None:
-        self._pending[key] = weights
-        if self._depth == 0:
-            try:
-                self.flush()
-            finally:
-                self._pending.clear()
-
-    def flush(self) -> int:
-        source = {}
-        for key in self.keys:
-            weights = self._pending.get(key)
-            if weights is None:
-                weights = self._models[key]()
-                if weights is None:
-                    raise RuntimeError(f"the collector's model for {key!r} no longer exists")
-            source[key] = _as_weights(weights)
-        return self.store.publish(source)
-
-    def close(self) -> None:
-        if not self.store.closed:
-            self.store.close()
-
-
-class _Receiver:
-    """Worker process: the reader for one key, bound to whatever model the scheme points at."""
-
-    def __init__(self, scheme: ShmWeightSyncScheme) -> None:
-        self.scheme = scheme
-        self.store = WeightStore.attach(scheme._store_name)
-        self.reader: WeightReader | None = None
-        self.token = secrets.token_hex(4)
-        self.calls = 0
-
-    @property
-    def reader_version(self) -> int:
-        return self.reader.version if self.reader is not None else -1
-
-    def current(self) -> WeightReader:
-        model = self.scheme.model
-        if self.reader is None or self.reader.module is not model:
-            # The collector may replace the policy (say, a copy moved to its device).
-            on_gpu = any(t.is_cuda for t in (*model.parameters(), *model.buffers()))
-            self.reader = WeightReader(
-                self.store, model, destination=self.scheme.model_id, zero_copy=self.scheme.zero_copy and not on_gpu
-            )
-            self._install_hooks(model)
-        return self.reader
-
-    def poll(self) -> bool:
-        return self.current().poll()
-
-    def _install_hooks(self, model: nn.Module) -> None:
-        if getattr(model, "_shmsync_hooks", None) == self.token:
-            return  # copied along with the module: the closures already point here
-        model.__dict__["_shmsync_hooks"] = self.token
-        # state_dict() of the worker's policy shows the newest published weights.
-        model.register_state_dict_pre_hook(_state_dict_pre_hook(self))
-        every, key = self.scheme.poll_every_steps, self.scheme.version_key
-        if every is not None:
-            model.register_forward_pre_hook(_step_poll_hook(self, every))
-        if key is not None:
-            tag_versions(model, lambda: self.reader_version, key)
-
-    def close(self) -> None:
-        receivers = _RECEIVERS.get(self.store.name, [])
-        if self in receivers:
-            receivers.remove(self)
-        self.store.close()
-
-
-# Hooks are closures, not bound methods: deep-copying a module copies its hooks, and a
-# copied bound method would copy the receiver (and its mapping) with it.
-def _state_dict_pre_hook(receiver: _Receiver) -> Callable:
-    def hook(module, prefix, keep_vars):
-        receiver.poll()
-
-    return hook
-
-
-def _step_poll_hook(receiver: _Receiver, every: int) -> Callable:
-    def hook(module, args):
-        receiver.calls += 1
-        if receiver.calls % every == 0:
-            receiver.poll()
-
-    return hook
-
-
-class _PollBeforeRollout:
-    """Picklable ``pre_collect_hook``: poll this process's receivers, then the user's hook."""
-
-    def __init__(self, store_name: str, then: Callable[[], None] | None) -> None:
-        self.store_name, self.then = store_name, then
-
-    def __call__(self) -> None:
-        for receiver in _RECEIVERS.get(self.store_name, ()):
-            receiver.poll()
-        if self.then is not None:
-            self.then()
-
-
-class _TagNext:
-    """Picklable ``post_collect_hook``: copy the version tag to ``("next", key)``, then the user's hook."""
-
-    def __init__(self, key: str, then: Callable[[TensorDictBase], None] | None) -> None:
-        self.key, self.then = key, then
-
-    def __call__(self, batch: TensorDictBase) -> None:
-        if self.key in batch.keys():
-            root, nxt = batch.get(self.key), batch.get(("next", self.key), None)
-            if nxt is not None and nxt.shape == root.shape:
-                nxt.copy_(root)  # in place: the batch may live in buffers shared with the trainer
-            else:
-                batch.set(("next", self.key), root.clone())
-        if self.then is not None:
-            self.then(batch)
-
-
-def _model_of(collector: Any, key: str, scheme: ShmWeightSyncScheme) -> nn.Module:
+def _models_of(collector: Any, key: str, scheme: ShmWeightSyncScheme, workers: int) -> list[Any]:
+    """The trainer-side model for ``key``: one, or one per worker for distinct policy factories."""
     if scheme.source is not None:
-        return scheme.source
+        return [scheme.source]
     try:
         model = collector.get_model(key)
+        problem = None if isinstance(model, nn.Module) else f"it is a {type(model).__name__}, not a module"
     except (AttributeError, KeyError, IndexError, ValueError) as e:
-        raise ValueError(
-            f"weight sync key {key!r} does not resolve on the collector in the main process ({e}); "
-            f"pass ShmWeightSyncScheme(source=the trainer's module for {key!r})"
-        ) from None
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"weight sync key {key!r}: the collector's model is a {type(model).__name__}, not a module")
-    return model
-
-
-def _as_weights(weights: Any) -> Any:
-    """What ``update_policy_weights_`` may pass, as something ``WeightStore.publish`` takes."""
-    if isinstance(weights, (nn.Module, TensorDictBase)):
-        return weights
-    if isinstance(weights, dict):
-        return TensorDict(weights).unflatten_keys(".") if all(isinstance(k, str) for k in weights) else weights
-    raise TypeError(f"cannot publish weights of type {type(weights).__name__}")
+        model, problem = None, str(e)
+    if problem is None:
+        return [model]
+    factories = list(getattr(collector, "policy_factory", None) or [])
+    if key == "policy" and any(factories):
+        if any(f is None for f in factories):
+            raise ValueError("weight sync key 'policy': some workers have a policy_factory and some do not")
+        distinct = [factories[0]] if all(f is factories[0] for f in factories) else factories
+        models = [f() for f in distinct[:workers]]
+        bad = [type(m).__name__ for m in models if not isinstance(m, nn.Module)]
+        if bad:
+            raise ValueError(f"weight sync key 'policy': the policy_factory made a {bad[0]}, which has no weights")
+        return models
+    raise ValueError(
+        f"weight sync key {key!r} does not resolve to a module on the collector in the main process ({problem}); "
+        f"pass ShmWeightSyncScheme(source=the trainer's module for {key!r}), or call "
+        f"scheme.init_on_sender(model=..., devices=..., model_id={key!r}) before building the collector"
+    )
