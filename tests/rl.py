@@ -108,3 +108,56 @@ def fork_collector_check() -> None:
     finally:
         collector.shutdown()
     print("fork ok")
+
+
+def make_linear_policy(bias: float = 0.0):
+    """A Pendulum policy whose action is ``bias`` while its weight is zero: actions name the weights."""
+    from tensordict.nn import TensorDictModule
+
+    module = torch.nn.Linear(3, 1)
+    with torch.no_grad():
+        module.weight.zero_()
+        module.bias.fill_(bias)
+    return TensorDictModule(module, in_keys=["observation"], out_keys=["action"])
+
+
+def linear_weights(bias: float):
+    """Weights for ``make_linear_policy`` that make every action ``bias``."""
+    from tensordict import TensorDict
+
+    return TensorDict({"module": {"weight": torch.zeros(1, 3), "bias": torch.full((1,), float(bias))}})
+
+
+class ScaledLinear(torch.nn.Module):
+    """A Pendulum policy with a buffer: action = bias * scale (weight zero), so buffers show in actions."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 1)
+        self.register_buffer("scale", torch.ones(1))
+        with torch.no_grad():
+            self.linear.weight.zero_()
+            self.linear.bias.fill_(0.5)
+
+    def forward(self, observation):
+        return self.linear(observation) * self.scale
+
+
+def make_scaled_policy():
+    from tensordict.nn import TensorDictModule
+
+    return TensorDictModule(ScaledLinear(), in_keys=["observation"], out_keys=["action"])
+
+
+# Hooks a user assigns after construction: the pre-collect hook counts rollouts in the worker,
+# the post-collect hook writes that count into the batch's rewards (in place: new keys added
+# after the first batch do not reach the trainer through the collector's shared buffers).
+_ROLLOUTS = [0]
+
+
+def count_rollouts():
+    _ROLLOUTS[0] += 1
+
+
+def write_rollout_count(batch):
+    batch["next", "reward"].fill_(float(_ROLLOUTS[0]))
