@@ -2,7 +2,7 @@
 
     python examples/train_with_workers.py
 
-No TorchRL multi-process collector here: `workers.launch` starts the processes, each runs a
+No TorchRL multi-process collector here: `shmsync.workers.launch` starts the processes, each runs a
 single-process collector, reloads the policy lazily from shared memory and sends its
 batches (tagged with the exact policy version) back through a queue.
 """
@@ -20,8 +20,8 @@ from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl.objectives import DQNLoss, SoftUpdate
 
 from shmsync import WeightStore, staleness
-from workers.launch import launch
-from workers.policies import egreedy_policy, make_env
+from shmsync.workers.launch import launch
+from shmsync.workers.policies import egreedy_policy, make_env
 
 
 @dataclass
@@ -75,7 +75,7 @@ def main(args: Args) -> None:
         args.workers,
         args.env,
         frames_per_batch=args.frames_per_batch,
-        policy="workers.policies:egreedy_policy",
+        policy="shmsync.workers.policies:egreedy_policy",
     )
     with pool:
         for i, (_worker, batch) in enumerate(pool.batches(args.max_batches)):

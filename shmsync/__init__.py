@@ -24,6 +24,7 @@ _LAZY = {
     "ShmWeightSyncScheme": "shmsync.scheme",
     "staleness": "shmsync.versions",
     "tag_versions": "shmsync.tagging",
+    "exit_with_parent": "shmsync.lifetime",
     "ShmSyncError": "shmsync.errors",
     "StoreNotFoundError": "shmsync.errors",
     "WeightMismatchError": "shmsync.errors",
@@ -34,6 +35,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from .errors import ReloadTimeoutError, ShmSyncError, StoreNotFoundError, WeightMismatchError, WriterBusyError
     from .hook import UpdateWeights
+    from .lifetime import exit_with_parent
     from .reader import WeightReader
     from .scheme import ShmWeightSyncScheme
     from .sender import WeightSender
@@ -66,6 +68,7 @@ __all__ = [
     "WeightSender",
     "WeightStore",
     "WriterBusyError",
+    "exit_with_parent",
     "staleness",
     "tag_versions",
 ]

@@ -202,8 +202,8 @@ def create_and_hang(sizes, conn) -> None:
 
 def pool_parent(conn) -> None:
     """A trainer that launches two workers, then waits to be killed (its workers must follow)."""
-    from workers.launch import launch
-    from workers.policies import make_env, mlp_policy
+    from shmsync.workers.launch import launch
+    from shmsync.workers.policies import make_env, mlp_policy
 
     store = WeightStore.create(mlp_policy(make_env("CartPole-v1")))
     pool = launch(store.name, 2, "CartPole-v1", frames_per_batch=50)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from shmsync import _segment
-from workers.launch import launch
-from workers.policies import make_env, mlp_policy
+from shmsync.workers.launch import launch
+from shmsync.workers.policies import make_env, mlp_policy
 
 from procs import pool_parent
 
@@ -55,6 +55,42 @@ def test_workers_reload_lazily_and_tag_frames(store_factory, env, zero_copy):
     assert pool.reloads == {0: 2, 1: 2}, f"each worker loads version 0 at start, then version 1 once: {pool.reloads}"
 
 
+@pytest.mark.parametrize(
+    "problem, config, error, message",
+    [
+        ("missing store", {"store": "no-such-store"}, "StoreNotFoundError", "no-such-store"),
+        ("unknown env", {"env": "NoSuchEnv-v9"}, None, "NoSuchEnv"),
+        ("mismatched policy", {"env": "Pendulum-v1"}, "WeightMismatchError", "do not have the store's keys"),
+        ("unimportable policy", {"policy": "no_such_module:make"}, "ModuleNotFoundError", "no_such_module"),
+    ],
+)
+def test_a_worker_that_cannot_start_fails_the_pool_fast(store_factory, problem, config, error, message):
+    store = store_factory(mlp_policy(make_env("CartPole-v1")))
+    config = {"store": store.name, **config}
+    start = time.monotonic()
+    with launch(config.pop("store"), 1, **config) as pool, pytest.raises(Exception) as info:
+        next(pool.batches())
+    took = time.monotonic() - start
+    if error is not None:
+        assert type(info.value).__name__ == error, f"{problem}: got {info.value!r}"
+    assert message in str(info.value), f"{problem}: {info.value}"
+    assert any("in the worker process" in note for note in getattr(info.value, "__notes__", [])), problem
+    assert took < 60, f"{problem}: the pool took {took:.0f}s to say so"
+
+
+def test_a_worker_that_dies_mid_run_is_reported_at_once(store_factory):
+    store = store_factory(mlp_policy(make_env("CartPole-v1")))
+    with launch(store.name, 2, frames_per_batch=50) as pool:
+        batches = pool.batches()
+        next(batches)
+        os.kill(pool.pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"worker 1 \(pid \d+\) died with signal SIGKILL"):
+            for _ in range(10_000):  # worker 0 still produces batches
+                next(batches)
+        assert time.monotonic() - start < 10
+
+
 def test_workers_exit_when_their_parent_dies(start):
     parent = start(pool_parent, daemon=False)  # it starts processes of its own
     name, pids = parent.expect("running", timeout=120)
@@ -77,7 +113,7 @@ def test_launcher_command_line(store_factory):
         [
             sys.executable,
             "-m",
-            "workers.launch",
+            "shmsync.workers.launch",
             "--store",
             store.name,
             "--num-workers",
@@ -103,3 +139,14 @@ def test_launch_errors(store_factory):
         launch("x", 0)
     with pytest.raises(ValueError, match="got 1 devices for 2 workers"):
         launch("x", 2, devices=["cpu"])
+
+
+def test_installed_workers_live_under_shmsync(tmp_path):
+    # Run outside the repository: only what is installed is importable there.
+    code = (
+        "import importlib.util, shmsync.workers.launch as launch; "
+        "print(importlib.util.find_spec('workers'), launch.WorkerPool.__name__)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["None", "WorkerPool"], "a bare `workers` package is on the import path"

@@ -7,11 +7,11 @@ rollout it is in and exits cleanly.
 from __future__ import annotations
 
 import importlib
-import os
+import pickle
 import queue as queue_module
 import signal
 import threading
-import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ class WorkerConfig:
     env: str = "CartPole-v1"
     device: str = "cpu"  # where the policy runs: "cpu" or "cuda:N"
     frames_per_batch: int = 200
-    policy: str = "workers.policies:mlp_policy"  # "module:function(env) -> module"
+    policy: str = "shmsync.workers.policies:mlp_policy"  # "module:function(env) -> module"
     destination: str | None = None  # for a store holding several destinations
     seed: int = 0
     version_key: str = "policy_version"
@@ -39,44 +39,50 @@ def load_object(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _exit_with_parent(parent: int, period: float = 0.2) -> None:
-    """Daemon thread: leave as soon as the parent process is gone (we were re-parented)."""
-    while True:
-        if os.getppid() != parent:
-            os._exit(3)
-        time.sleep(period)
-
-
 def run_worker(worker_id: int, config: WorkerConfig, queue: Any, parent_pid: int) -> None:
-    """Entry point of a worker process (see :func:`workers.launch.launch`).
+    """Entry point of a worker process (see :func:`shmsync.workers.launch.launch`).
 
     Puts ``("batch", worker_id, batch)`` on ``queue`` for every rollout, then
-    ``("exit", worker_id, reloads)`` when it stops.
+    ``("exit", worker_id, reloads)`` when it stops; if it fails, ``("error", worker_id,
+    exception)`` first, so the pool can raise the worker's own error at once.
     """
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    from shmsync import exit_with_parent
+
+    exit_with_parent(parent_pid)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     torch.set_num_threads(1)
+    try:
+        _collect(worker_id, config, queue, stopping)
+    except BaseException as e:
+        queue.put(("error", worker_id, _portable(e)))
+        raise
 
+
+def _collect(worker_id: int, config: WorkerConfig, queue: Any, stopping: threading.Event) -> None:
     from torchrl.collectors import Collector
 
     from shmsync import WeightReader, WeightStore
     from shmsync.tagging import tag_versions
 
     store = WeightStore.attach(config.store)
-    factory = load_object(config.policy)
-    env_fn = _EnvFactory(config.env)
-    env = env_fn()
-    with torch.device("meta"):
-        policy = factory(env)  # no memory for weights until the first load
-    env.close()
-    reader = WeightReader(
-        store,
-        policy,
-        device=config.device,
-        destination=config.destination,
-        zero_copy=config.zero_copy and torch.device(config.device).type == "cpu",
-    )
+    try:
+        factory = load_object(config.policy)
+        env_fn = _EnvFactory(config.env)
+        env = env_fn()
+        with torch.device("meta"):
+            policy = factory(env)  # no memory for weights until the first load
+        env.close()
+        reader = WeightReader(
+            store,
+            policy,
+            device=config.device,
+            destination=config.destination,
+            zero_copy=config.zero_copy and torch.device(config.device).type == "cpu",
+        )
+    except BaseException:
+        store.close()
+        raise
     reader.poll()
     tag_versions(policy, lambda: reader.version, config.version_key)
     collector = Collector(
@@ -109,11 +115,24 @@ def run_worker(worker_id: int, config: WorkerConfig, queue: Any, parent_pid: int
         store.close()
 
 
+def _portable(error: BaseException) -> BaseException:
+    """``error`` as it can cross to the parent: itself if it pickles, else a RuntimeError saying
+    what it was; with the worker's traceback attached as a note."""
+    text = "".join(traceback.format_exception(error)).rstrip()
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        error = RuntimeError(f"{type(error).__name__}: {error}")
+    if hasattr(error, "add_note"):
+        error.add_note(f"in the worker process:\n{text}")
+    return error
+
+
 class _EnvFactory:
     def __init__(self, name: str) -> None:
         self.name = name
 
     def __call__(self):
-        from workers.policies import make_env
+        from shmsync.workers.policies import make_env
 
         return make_env(self.name)

@@ -1,6 +1,6 @@
 """Start and stop a pool of rollout worker processes attached to a store.
 
-    python -m workers.launch --store NAME --num-workers 2 --env CartPole-v1 --device cpu --batches 10
+    python -m shmsync.workers.launch --store NAME --num-workers 2 --env CartPole-v1 --device cpu --batches 10
 
 As a library::
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import queue as queue_module
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -48,6 +49,10 @@ class WorkerPool:
         self.config = config
         self.queue = ctx.Queue(maxsize=2 * num_workers)
         self.reloads: dict[int, int] = {}
+        self._exited: set[int] = set()  # said goodbye: stopped cleanly
+        self._failed: set[int] = set()  # reported an error
+        self._backlog: list[tuple[str, int, Any]] = []  # batches read while looking for an error
+        self._checked = 0.0  # when the workers' liveness was last checked
         self.procs = []
         for i in range(num_workers):
             cfg = replace(config, device=devices[i]) if devices else config
@@ -63,23 +68,79 @@ class WorkerPool:
         """Yield ``(worker_id, batch)`` as workers produce them.
 
         Raises:
-            TimeoutError: no batch arrived for ``timeout`` seconds.
-            RuntimeError: a worker died.
+            Exception: a worker failed (say, it could not attach to the store, make its env or
+                build a policy that matches the store): that worker's own exception, raised as
+                soon as it arrives, with the worker's traceback in its notes.
+            RuntimeError: a worker died without a word (killed, crashed): its exit code or signal.
+            TimeoutError: no batch arrived for ``timeout`` seconds while every worker was alive.
         """
         n = 0
+        quiet_since = time.monotonic()
         while max_batches is None or n < max_batches:
-            try:
-                kind, worker_id, payload = self.queue.get(timeout=timeout)
-            except queue_module.Empty:
-                dead = [(i, p.exitcode) for i, p in enumerate(self.procs) if not p.is_alive()]
-                if dead:
-                    raise RuntimeError(f"workers exited: {dead} (worker, exit code)") from None
-                raise TimeoutError(f"no batch from any worker for {timeout}s") from None
-            if kind == "exit":
-                self.reloads[worker_id] = payload
+            message = self._next_message()
+            if message is None:
+                if time.monotonic() - quiet_since >= timeout:
+                    raise TimeoutError(f"no batch from any worker for {timeout}s")
                 continue
+            quiet_since = time.monotonic()
+            kind, worker_id, payload = message
             n += 1
             yield worker_id, payload
+
+    def _next_message(self, poll: float = 0.25) -> tuple[str, int, Any] | None:
+        """The next batch message, or None after ``poll`` seconds; raises a worker's failure."""
+        if self._backlog:
+            return self._backlog.pop(0)
+        try:
+            message = self._handle(self.queue.get(timeout=poll))
+        except queue_module.Empty:
+            message = None
+        # Also while other workers keep the queue busy, at most every `poll` seconds.
+        if message is None or time.monotonic() - self._checked >= poll:
+            self._checked = time.monotonic()
+            dead = self._silently_dead()
+            if dead is not None:
+                if message is not None:
+                    self._backlog.append(message)
+                self._blame(dead)
+        return message
+
+    def _blame(self, dead: int) -> None:
+        # Its last words may still be in flight: read what is there before blaming it.
+        self._read_remaining(grace=1.0)
+        if dead not in self._failed:
+            p = self.procs[dead]
+            code = p.exitcode
+            how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+            raise RuntimeError(f"worker {dead} (pid {p.pid}) died with {how}")
+
+    def _handle(self, message: tuple[str, int, Any]) -> tuple[str, int, Any] | None:
+        kind, worker_id, payload = message
+        if kind == "error":
+            self._failed.add(worker_id)
+            raise payload
+        if kind == "exit":
+            self.reloads[worker_id] = payload
+            self._exited.add(worker_id)
+            return None
+        return message
+
+    def _silently_dead(self) -> int | None:
+        for i, p in enumerate(self.procs):
+            if i not in self._exited and i not in self._failed and not p.is_alive():
+                return i
+        return None
+
+    def _read_remaining(self, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                message = self.queue.get(timeout=0.05)
+            except queue_module.Empty:
+                continue
+            message = self._handle(message)
+            if message is not None:
+                self._backlog.append(message)
 
     def stop(self, timeout: float = 30.0) -> dict[int, int | None]:
         """SIGTERM every worker (each finishes its rollout), then kill stragglers.
@@ -110,6 +171,7 @@ class WorkerPool:
                 return
             if kind == "exit":
                 self.reloads[worker_id] = payload
+                self._exited.add(worker_id)
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -129,20 +191,22 @@ def launch(
 ) -> WorkerPool:
     """Start ``num_workers`` collector processes that attach to ``store`` by name.
 
-    Keyword arguments go to :class:`~workers.collector.WorkerConfig` (``frames_per_batch``,
+    Keyword arguments go to :class:`~shmsync.workers.collector.WorkerConfig` (``frames_per_batch``,
     ``policy``, ``destination``, ``seed``, ``zero_copy``...).
     """
     return WorkerPool(WorkerConfig(store=store, env=env, device=device, **config), num_workers, devices)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workers.launch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m shmsync.workers.launch", description=__doc__.splitlines()[0])
     parser.add_argument("--store", required=True, help="name of the trainer's store")
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--env", default="CartPole-v1")
     parser.add_argument("--device", default="cpu", help="cpu, cuda:0, ...")
     parser.add_argument("--frames-per-batch", type=int, default=200)
-    parser.add_argument("--policy", default="workers.policies:mlp_policy", help="module:function(env) -> module")
+    parser.add_argument(
+        "--policy", default="shmsync.workers.policies:mlp_policy", help="module:function(env) -> module"
+    )
     parser.add_argument(
         "--batches", type=int, default=None, help="stop after this many batches (default: run until Ctrl-C)"
     )
