@@ -30,10 +30,18 @@ _LAZY = {
     "WeightMismatchError": "shmsync.errors",
     "WriterBusyError": "shmsync.errors",
     "ReloadTimeoutError": "shmsync.errors",
+    "WriterGoneError": "shmsync.errors",
 }
 
 if TYPE_CHECKING:
-    from .errors import ReloadTimeoutError, ShmSyncError, StoreNotFoundError, WeightMismatchError, WriterBusyError
+    from .errors import (
+        ReloadTimeoutError,
+        ShmSyncError,
+        StoreNotFoundError,
+        WeightMismatchError,
+        WriterBusyError,
+        WriterGoneError,
+    )
     from .hook import UpdateWeights
     from .lifetime import exit_with_parent
     from .reader import WeightReader
@@ -68,6 +76,7 @@ __all__ = [
     "WeightSender",
     "WeightStore",
     "WriterBusyError",
+    "WriterGoneError",
     "exit_with_parent",
     "staleness",
     "tag_versions",

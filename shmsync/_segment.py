@@ -51,8 +51,13 @@ def list_names() -> list[str]:
         entries = [e for e in os.scandir(SHM_DIR) if e.name.startswith(PREFIX)]
     except FileNotFoundError:
         return []
-    entries.sort(key=lambda e: e.stat().st_mtime_ns if e.is_file() else 0)
-    return [e.name[len(PREFIX) :] for e in entries]
+    dated = []
+    for e in entries:
+        try:
+            dated.append((e.stat().st_mtime_ns, e.name[len(PREFIX) :]))
+        except FileNotFoundError:
+            continue  # unlinked since the directory was read
+    return [name for _, name in sorted(dated)]
 
 
 def peek(name: str, nbytes: int = 4096) -> bytes | None:
@@ -174,7 +179,7 @@ class Segment:
         unlink(self.name)
 
 
-def conflicting_lock(fd: int, byte: int, *, exclusive: bool) -> bool:
+def conflicting_lock(fd: int, byte: int, *, exclusive: bool = True) -> bool:
     """Whether another open file description holds a lock on ``byte`` that conflicts with ``exclusive``."""
     kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
     out = fcntl.fcntl(fd, _F_OFD_GETLK, struct.pack(_FLOCK, kind, 0, byte, 1, 0))

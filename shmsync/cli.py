@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .host import collect_garbage, is_garbage, list_stores
+from .host import collect_garbage, is_garbage, is_orphaned, list_stores
 
 
 def _bytes(n: int) -> str:
@@ -31,7 +31,12 @@ def _table(stores) -> str:
     head = ["NAME", "VERSION", "PAYLOAD", "SHM", "CREATOR", "READERS", "LAST PUBLISH", "STATE"]
     rows = [head]
     for s in stores:
-        state = "garbage" if is_garbage(s) else ("in use" if s.held else "idle")
+        if is_garbage(s):
+            state = "garbage"
+        elif is_orphaned(s):
+            state = "orphaned"  # readers outlived the trainer: `shmsync gc --orphaned`
+        else:
+            state = "in use" if s.held else "idle"
         if not s.valid:
             state = "incomplete " + state
         rows.append(
@@ -57,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     gc = sub.add_parser("gc", help="remove stores whose creator is dead and that no live process holds")
     gc.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    gc.add_argument(
+        "--orphaned",
+        action="store_true",
+        help="also remove stores whose creator is dead but that readers still hold (they keep their weights)",
+    )
     gc.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
 
@@ -70,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             print("no shmsync stores on this host")
         return 0
 
-    removed = collect_garbage(dry_run=args.dry_run)
+    removed = collect_garbage(dry_run=args.dry_run, orphaned=args.orphaned)
     if args.json:
         print(json.dumps({"dry_run": args.dry_run, "removed": [s.as_dict() for s in removed]}, indent=2))
     else:

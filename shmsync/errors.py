@@ -24,3 +24,10 @@ class WriterBusyError(ShmSyncError):
 
 class ReloadTimeoutError(ShmSyncError, TimeoutError):
     """A reader could not load a complete version (or the version it waits for) in time."""
+
+
+class WriterGoneError(ShmSyncError):
+    """No live process can publish into this store any more: the version waited for will never come.
+
+    Its creator is dead and no live process holds the writer role (the trainer was killed).
+    """

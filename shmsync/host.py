@@ -128,11 +128,18 @@ def is_garbage(s: StoreStatus, min_age_s: float = 5.0) -> bool:
     return not s.creator_alive
 
 
-def collect_garbage(dry_run: bool = False) -> list[StoreStatus]:
-    """Remove (or, with ``dry_run``, only list) every store :func:`is_garbage` says is garbage."""
+def is_orphaned(s: StoreStatus) -> bool:
+    """Its creator is dead, yet live processes (readers that outlived the trainer) hold it."""
+    return s.valid and s.held and not s.creator_alive
+
+
+def collect_garbage(dry_run: bool = False, orphaned: bool = False) -> list[StoreStatus]:
+    """Remove (or, with ``dry_run``, only list) every store :func:`is_garbage` says is garbage,
+    and with ``orphaned`` also the :func:`is_orphaned` ones (their readers keep their mapping
+    and the weights they loaded; nothing new can reach them)."""
     removed = []
     for s in list_stores():
-        if is_garbage(s):
+        if is_garbage(s) or (orphaned and is_orphaned(s)):
             if not dry_run:
                 _segment.unlink(s.name)
             removed.append(s)

@@ -106,7 +106,7 @@ from ._header import (
 )
 from ._layout import Layout, segment_bytes
 from ._leases import full_fence
-from ._segment import TOKEN_LOCK, WRITER_LOCK, Segment
+from ._segment import TOKEN_LOCK, WRITER_LOCK, Segment, conflicting_lock
 from ._source import as_tensordict, module_weights
 from .errors import ReloadTimeoutError, ShmSyncError, StoreNotFoundError, WriterBusyError
 from .host import pid_alive
@@ -796,6 +796,24 @@ class WeightStore:
             for row, pid, version, reloads, last in reader_rows(h)
             if pid_alive(pid)
         ]
+
+    def publisher_alive(self) -> bool:
+        """Whether a live process can still publish: this one holds the writer role, another
+        live process does, or the creator lives. False once the trainer is gone for good.
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightStore
+            >>> with WeightStore.create(torch.nn.Linear(4, 2)) as store:
+            ...     store.publisher_alive()
+            True
+        """
+        if self.closed:
+            return False
+        if self._segment.held(WRITER_LOCK) or conflicting_lock(self._segment.fd, WRITER_LOCK):
+            return True
+        h = self._hdr
+        return pid_alive(h[W_CREATOR_PID], h[W_CREATOR_START])
 
     def reader(self, module: Any, device: torch.device | str | None = None, **kwargs: Any):
         """A :class:`~shmsync.WeightReader` that loads this store into ``module``."""

@@ -210,3 +210,20 @@ def pool_parent(conn) -> None:
     next(pool.batches(1))
     conn.send(("running", store.name, pool.pids))
     time.sleep(3600)
+
+
+def _watching_child(parent: int) -> None:
+    from shmsync import exit_with_parent
+
+    exit_with_parent(parent)  # explicit: the parent may be gone before this line runs
+    time.sleep(3600)
+
+
+def parent_of_a_watching_child(conn) -> None:
+    """Starts a child that calls exit_with_parent(), then waits to be killed (the child must follow)."""
+    import multiprocessing as mp
+
+    child = mp.get_context("spawn").Process(target=_watching_child, args=(os.getpid(),), daemon=False)
+    child.start()
+    conn.send(("started", child.pid))
+    time.sleep(3600)

@@ -7,12 +7,13 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
-from shmsync import WeightStore, _segment
+from shmsync import WeightReader, WeightStore, WriterGoneError, _segment
 from shmsync._header import W_SEQ
 
-from procs import STRESS_SIZES, blob_weights, create_and_hang, stress_reader, writer
+from procs import STRESS_SIZES, Blob, blob_weights, create_and_hang, parent_of_a_watching_child, stress_reader, writer
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -88,6 +89,45 @@ def test_gc_keeps_stores_in_use(store_factory, start):
     # and a store whose creator lives is never garbage
     mine = store_factory(blob_weights({"a": 10}))
     assert mine.name not in [r["name"] for r in json.loads(_cli("gc", "--dry-run", "--json"))["removed"]]
+
+
+def test_orphaned_reader_learns_the_writer_is_gone(start):
+    child = start(create_and_hang, {"a": 10})
+    (name,) = child.expect("created")
+    store = WeightStore.attach(name)
+    try:
+        reader = WeightReader(store, Blob({"a": 10}))
+        assert reader.wait(0, timeout=10) == 0 and store.publisher_alive()
+        os.kill(child.pid, signal.SIGKILL)
+        child.proc.join(10)
+        began = time.monotonic()
+        with pytest.raises(WriterGoneError, match=rf"store '{name}': version 5 will never be published"):
+            reader.wait(5, timeout=None)
+        assert time.monotonic() - began < 3
+        assert not store.publisher_alive()
+        row = next(r for r in json.loads(_cli("ls", "--json")) if r["name"] == name)
+        assert row["held"] and not row["creator_alive"]
+        line = next(line for line in _cli("ls").splitlines() if line.startswith(name))
+        assert line.endswith("orphaned")
+        assert name not in [r["name"] for r in json.loads(_cli("gc", "--json"))["removed"]]
+        assert name in [r["name"] for r in json.loads(_cli("gc", "--orphaned", "--json"))["removed"]]
+        assert name not in _segment.list_names()
+        assert reader.version == 0  # the reader keeps its mapping and its weights
+    finally:
+        store.close()
+
+
+def test_exit_with_parent(start):
+    parent = start(parent_of_a_watching_child, daemon=False)
+    (pid,) = parent.expect("started", timeout=60)
+    time.sleep(1.0)  # the child is up and watching
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.proc.join(10)
+    try:
+        _, alive = psutil.wait_procs([psutil.Process(pid)], timeout=5)
+    except psutil.NoSuchProcess:
+        alive = []
+    assert not alive, "the child outlived its parent"
 
 
 def test_ls_table(store_factory):
