@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _viewing
 from ._header import W_VERSION
 from ._source import module_weights
 from .errors import ReloadTimeoutError, WeightMismatchError, WriterGoneError
@@ -212,6 +213,9 @@ class WeightReader:
             # views first, then buffer views.
             order = sorted(range(len(targets)), key=lambda i: not isinstance(targets[i], nn.Parameter))
             self._params = [targets[i] for i in order if isinstance(targets[i], nn.Parameter)]
+            self._param_names = [
+                ".".join(layout.entries[indices[i]].key) for i in order if isinstance(targets[i], nn.Parameter)
+            ]
             self._buffers = [targets[i] for i in order if not isinstance(targets[i], nn.Parameter)]
             self._views = [[views[indices[i]] for i in order] for views in self.store._readonly_slots()]
             self.store._zero_copy_readers.add(self)
@@ -231,6 +235,8 @@ class WeightReader:
                 p.set_(v)
         if self._buffers:  # the slot is leased: it cannot change under this copy
             _copy_all(self._buffers, views[len(self._params) :], on_cpu=True)
+        if not self._viewing:
+            _viewing.mark(self._params, self._param_names, self.store.name)
         self._viewing[:] = self._params
         return version
 
@@ -243,6 +249,7 @@ def _make_private(params: list[torch.Tensor]) -> None:
     with torch.no_grad():
         for p in params:
             p.set_(p.detach().clone())
+    _viewing.unmark(params)
     params.clear()
 
 

@@ -131,6 +131,27 @@ def test_a_dead_readers_lease_is_reclaimed(store_factory, start):
     assert reader.poll() and reader.viewing and mixed_values(module) == {2.0}
 
 
+def test_an_optimizer_step_on_viewing_parameters_raises_before_writing(store_factory):
+    store = store_factory(blob_weights(SMALL, 7.0))
+    module = ParamBlob(SMALL)
+    assert all(p.requires_grad for p in module.parameters())
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    reader = WeightReader(store, module, zero_copy=True)
+    assert reader.poll() and reader.viewing
+    assert not any(p.requires_grad for p in module.parameters()), "viewing parameters must not want gradients"
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=rf"parameter 'a' views the read-only shared memory of store '{store.name}'"):
+        optimizer.step()
+    version, weights = store.snapshot()
+    assert version == 0 and all((t == 7.0).all() for t in weights.values())
+    reader.close()  # private memory again: training it is fine
+    assert not reader.viewing and all(p.requires_grad for p in module.parameters())
+    optimizer.step()
+    assert (module.a == 7.0 - 0.1).all()
+    assert all((t == 7.0).all() for t in store.snapshot().weights.values())
+
+
 @pytest.mark.timeout(60)
 def test_writing_through_a_view_faults_instead_of_corrupting(store_factory, start):
     store = store_factory(blob_weights(SMALL, 7.0))
