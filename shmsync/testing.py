@@ -48,6 +48,10 @@ def stores_created_by(pids: set[int]) -> set[str]:
     return out
 
 
+# Stores that a live store_factory will remove at its own teardown, which may come after the
+# leak check's (fixtures tear down in reverse order of request).
+_MANAGED: set[str] = set()
+
 # Long-lived helpers that multiprocessing starts once per process on purpose.
 _HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
@@ -74,12 +78,14 @@ def store_factory() -> Iterator[Callable[..., Any]]:
     def make(source: Any, **kwargs: Any) -> WeightStore:
         store = WeightStore.create(source, **kwargs)
         made.append(store)
+        _MANAGED.add(store.name)
         return store
 
     yield make
     for store in made:
         store.unlink()
         store.close()
+        _MANAGED.discard(store.name)
 
 
 @pytest.fixture
@@ -87,6 +93,7 @@ def shm_leak_check() -> Iterator[None]:
     """Fails the test if it leaves a store of its own process tree, or a child process, behind.
 
     Children get up to 10 seconds to exit; any left are killed so the next test starts clean.
+    Stores made by ``store_factory`` are its to remove, whatever order the fixtures come in.
     """
     me = os.getpid()
     before_children = {p.pid for p in live_children()}
@@ -103,7 +110,7 @@ def shm_leak_check() -> Iterator[None]:
     for p in extra:
         p.kill()
     # Stores whose creator died are only found through the creator's parent (us) or pid set.
-    leaked = stores_created_by(tree | {p.pid for p in extra}) - before
+    leaked = stores_created_by(tree | {p.pid for p in extra}) - before - _MANAGED
     for name in leaked:
         _segment.unlink(name)
     problems = []
