@@ -77,6 +77,13 @@ class UpdateWeights(_TorchRLUpdateWeights):
         )
         if weight_update_map is not None:
             self._resolve_all()
+            schemes = getattr(collector, "_weight_sync_schemes", None)
+            unknown = [d for d in weight_update_map if schemes and d not in schemes]
+            if unknown:
+                raise ValueError(
+                    f"weight_update_map destination {unknown[0]!r} has no weight sync scheme on the collector "
+                    f"(it has {sorted(schemes)})"
+                )
 
     def _resolve_all(self) -> dict[str, Any]:
         return {dest: resolve_path(self.trainer, path) for dest, path in self.weight_update_map.items()}

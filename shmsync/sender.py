@@ -38,10 +38,10 @@ class WeightSender:
         self.source = source
         self.root = root
         self._paths = isinstance(source, Mapping) and any(isinstance(v, str) for v in source.values())
-        if self._paths:
-            if root is None:
-                raise ValueError("a source given as paths needs root= (the object the paths are resolved on)")
-            self._resolve()  # fail now, not at the first interval
+        if self._paths and root is None:
+            raise ValueError("a source given as paths needs root= (the object the paths are resolved on)")
+        # Fail now, not at the first interval: every path resolves and matches the store.
+        store.check(self._resolve())
 
     def _resolve(self) -> Any:
         if not self._paths:

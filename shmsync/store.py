@@ -108,7 +108,7 @@ from ._layout import Layout, segment_bytes
 from ._leases import full_fence
 from ._segment import TOKEN_LOCK, WRITER_LOCK, Segment, conflicting_lock
 from ._source import as_tensordict, module_weights
-from .errors import ReloadTimeoutError, ShmSyncError, StoreNotFoundError, WriterBusyError
+from .errors import ReloadTimeoutError, ShmSyncError, StoreNotFoundError, WeightMismatchError, WriterBusyError
 from .host import pid_alive
 
 if platform.machine() in ("x86_64", "AMD64", "i386", "i686"):
@@ -418,6 +418,19 @@ class WeightStore:
         dests = self._destinations
         if dests is None and isinstance(source, nn.Module):
             return self._match_module(source, (), what)
+        if isinstance(source, Mapping) and not all(isinstance(v, torch.Tensor) for v in source.values()):
+            # A mapping of destinations (not a state dict): name the mismatch plainly.
+            if dests is None:
+                raise WeightMismatchError(
+                    f"{what}: the store was created from a single module, without destinations, but got "
+                    f"destinations {sorted(map(str, source))}; create the store from that mapping "
+                    f"(WeightStore.create({{{', '.join(repr(str(k)) + ': ...' for k in source)}}})) or publish the "
+                    "module itself"
+                )
+            if set(source) != set(dests):
+                raise WeightMismatchError(
+                    f"{what}: the store holds destinations {sorted(dests)}, got {sorted(map(str, source))}"
+                )
         if dests is not None and isinstance(source, Mapping) and source.keys() == set(dests):
             # One destination at a time, without building a nested TensorDict. Entries are
             # sorted by key, so destinations come in sorted order.

@@ -5,7 +5,7 @@ import torch
 import torchrl.trainers
 from torchrl.collectors import Collector
 
-from shmsync import UpdateWeights, WeightReader
+from shmsync import UpdateWeights, WeightMismatchError, WeightReader
 
 from rl import make_env, make_loss, make_policy, make_trainer
 
@@ -125,3 +125,34 @@ def test_bad_path_is_reported_before_anything_changes(store_factory):
     with pytest.raises(AttributeError, match=r"has no item 5"):
         store.sender({"policy": "loss_module.value_network.module[5]"}, root=trainer)
     assert store.version == 0
+
+
+def test_a_sender_that_does_not_match_its_store_fails_when_built(store_factory):
+    trainer, policy = _trainer()
+    single = store_factory(policy)  # created from the module itself: no destinations
+    with pytest.raises(WeightMismatchError, match=r"created from a single module, without destinations.*\['policy'\]"):
+        single.sender({"policy": "loss_module.value_network"}, root=trainer)
+    mapped = store_factory({"policy": policy})
+    with pytest.raises(WeightMismatchError, match=r"holds destinations \['policy'\], got \['actor'\]"):
+        mapped.sender({"actor": "loss_module.value_network"}, root=trainer)
+    with pytest.raises(WeightMismatchError, match="do not have the store's keys"):
+        mapped.sender({"policy": "loss_module.value_network.module[0]"}, root=trainer)
+    assert single.version == mapped.version == 0
+    single.sender(policy)  # the module itself: fine
+
+
+def test_hook_destination_without_a_scheme_fails_when_built():
+    from torchrl.collectors import MultiSyncCollector
+
+    from shmsync import ShmWeightSyncScheme
+
+    policy = make_policy()
+    collector = MultiSyncCollector(
+        [make_env], policy, frames_per_batch=20, total_frames=-1, weight_sync_schemes={"policy": ShmWeightSyncScheme()}
+    )
+    try:
+        trainer = make_trainer(collector, make_loss(policy), 100)
+        with pytest.raises(ValueError, match=r"destination 'actor' has no weight sync scheme.*\['policy'\]"):
+            UpdateWeights(collector, 1, weight_update_map={"actor": "loss_module.value_network"}, trainer=trainer)
+    finally:
+        collector.shutdown()
