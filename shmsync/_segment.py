@@ -109,8 +109,9 @@ class Segment:
             except OSError as e:
                 raise OSError(
                     e.errno,
-                    f"cannot reserve {size} bytes in {SHM_DIR} for store {name!r} ({e.strerror}); "
-                    "free shared memory (`shmsync gc`) or enlarge /dev/shm",
+                    f"cannot reserve {human_bytes(size)} in {SHM_DIR} for store {name!r} ({e.strerror}; "
+                    f"{human_bytes(_free_bytes())} free there); free shared memory (`shmsync gc`), "
+                    "use fewer slots, or enlarge it",
                 ) from None
             return cls(name, fd, size, created=True)
         except BaseException:
@@ -184,6 +185,20 @@ def conflicting_lock(fd: int, byte: int, *, exclusive: bool = True) -> bool:
     kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
     out = fcntl.fcntl(fd, _F_OFD_GETLK, struct.pack(_FLOCK, kind, 0, byte, 1, 0))
     return struct.unpack(_FLOCK, out)[0] != fcntl.F_UNLCK
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _free_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
 
 
 def unlink(name: str) -> bool:

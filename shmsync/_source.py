@@ -26,13 +26,19 @@ def as_tensordict(source: Any, what: str = "source") -> tuple[TensorDictBase, tu
     if isinstance(source, nn.Module):
         return module_weights(source), None
     if isinstance(source, TensorDictBase):
-        return source, None
+        # A flat TensorDict keyed like a state dict ("0.weight") means nested keys.
+        dotted = any("." in k for k in source.keys(include_nested=True, leaves_only=True) if isinstance(k, str))
+        return (source.unflatten_keys(".") if dotted else source), None
     if isinstance(source, Mapping):
         if not source:
             raise ValueError(f"{what} is an empty mapping")
-        if all(isinstance(v, torch.Tensor) for v in source.values()):
+        tensors = [isinstance(v, torch.Tensor) for v in source.values()]
+        if all(tensors):
             # A plain state_dict: {"0.weight": tensor, ...}.
             return TensorDict({k: v for k, v in source.items()}).unflatten_keys("."), None
+        if any(tensors):  # a state dict with a stray entry: name that entry, not a valid one
+            key, value = next((k, v) for k, v in source.items() if not isinstance(v, torch.Tensor))
+            raise TypeError(f"{what}: state dict entry {key!r} is a {type(value).__name__}, not a tensor")
         td = TensorDict()
         for dest, value in source.items():
             if not isinstance(dest, str) or not dest:

@@ -6,15 +6,8 @@ import argparse
 import json
 import sys
 
+from ._segment import human_bytes
 from .host import collect_garbage, is_garbage, is_orphaned, list_stores
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _age(s: float | None) -> str:
@@ -43,8 +36,8 @@ def _table(stores) -> str:
             [
                 s.name,
                 str(s.version),
-                _bytes(s.payload_bytes),
-                _bytes(s.shm_bytes),
+                human_bytes(s.payload_bytes),
+                human_bytes(s.shm_bytes),
                 f"{s.creator_pid} ({'alive' if s.creator_alive else 'dead'})",
                 str(len(s.readers)),
                 _age(s.last_publish_age_s) + (" ago" if s.last_publish_age_s is not None else ""),
@@ -86,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         verb = "would remove" if args.dry_run else "removed"
         for s in removed:
-            print(f"{verb} {s.name} ({_bytes(s.shm_bytes)}, creator {s.creator_pid} dead)")
+            print(f"{verb} {s.name} ({human_bytes(s.shm_bytes)}, creator {s.creator_pid} dead)")
         print(f"{verb} {len(removed)} store(s)")
     return 0
 

@@ -178,7 +178,17 @@ class WeightStore:
         (True, True)
     """
 
-    def __init__(self, segment: Segment, *, owner: bool, unlink_at_exit: bool) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Not called directly: use :meth:`WeightStore.create` (trainer) or :meth:`WeightStore.attach`."""
+        raise TypeError("make a store with WeightStore.create(source) or open one with WeightStore.attach(name)")
+
+    @classmethod
+    def _open(cls, segment: Segment, *, owner: bool, unlink_at_exit: bool) -> WeightStore:
+        self = cls.__new__(cls)
+        self._setup(segment, owner=owner, unlink_at_exit=unlink_at_exit)
+        return self
+
+    def _setup(self, segment: Segment, *, owner: bool, unlink_at_exit: bool) -> None:
         self._segment = segment
         buf = segment.buf
         self._hdr = h = header_view(buf)
@@ -279,7 +289,7 @@ class WeightStore:
             _fence()
             h[W_MAGIC] = MAGIC  # last: attach() refuses a half-initialised header
             h.release()
-            store = cls(segment, owner=True, unlink_at_exit=unlink_at_exit)
+            store = cls._open(segment, owner=True, unlink_at_exit=unlink_at_exit)
         except BaseException:
             h.release()
             segment.unlink()
@@ -298,7 +308,7 @@ class WeightStore:
         """
         segment = Segment.open(name)
         try:
-            return cls(segment, owner=False, unlink_at_exit=False)
+            return cls._open(segment, owner=False, unlink_at_exit=False)
         except BaseException:
             segment.close()
             raise
@@ -418,7 +428,7 @@ class WeightStore:
         dests = self._destinations
         if dests is None and isinstance(source, nn.Module):
             return self._match_module(source, (), what)
-        if isinstance(source, Mapping) and not all(isinstance(v, torch.Tensor) for v in source.values()):
+        if isinstance(source, Mapping) and not any(isinstance(v, torch.Tensor) for v in source.values()):
             # A mapping of destinations (not a state dict): name the mismatch plainly.
             if dests is None:
                 raise WeightMismatchError(

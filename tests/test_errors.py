@@ -230,3 +230,34 @@ def test_check_raises_what_publish_would_and_writes_nothing(store):
     with pytest.raises(WeightMismatchError, match=r"'1\.bias' has shape \(5,\), the store holds \(2,\)"):
         store.check(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 5)))
     _assert_unchanged(store, before)
+
+
+def test_out_of_shared_memory_says_what_is_needed_and_free():
+    big = torch.zeros(1).expand(2**40 // 4)  # 1 TiB per slot, without the memory behind it
+    with pytest.raises(
+        OSError, match=r"cannot reserve 3072\.0 GiB in .* \(No space left on device; [\d.]+ [KMG]iB free"
+    ):
+        WeightStore.create(TensorDict({"a": big}))
+
+
+def test_a_state_dict_with_a_stray_entry_names_that_entry(store):
+    before = _state(store)
+    state = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).state_dict()
+    state["1.bias"] = 0.5
+    with pytest.raises(TypeError, match=r"state dict entry '1\.bias' is a float, not a tensor"):
+        store.publish(state)
+    _assert_unchanged(store, before)
+
+
+def test_flat_tensordicts_with_dotted_keys_publish_and_name_real_differences(store):
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    assert store.publish(TensorDict(dict(model.state_dict()))) == 1
+    before = _state(store)
+    with pytest.raises(WeightMismatchError, match=r"missing \['0\.bias', '1\.bias', '1\.weight'\], unexpected \[\]"):
+        store.publish(TensorDict({"0.weight": torch.zeros(3, 4)}))
+    _assert_unchanged(store, before)
+
+
+def test_the_constructor_points_to_create_and_attach():
+    with pytest.raises(TypeError, match=r"WeightStore\.create\(source\).*WeightStore\.attach\(name\)"):
+        WeightStore()
