@@ -2,8 +2,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU build of torch; install a CUDA build into the venv first to use a GPU.
+# The CPU build of torch; TORCH picks another build, TORCH_PIP_ARGS passes pip more arguments
+# for it (an --index-url for a CUDA build).
 TORCH ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?= -n 2
 
 .PHONY: install demo test lint bench bench-quick clean
@@ -13,7 +15,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[test,dev]"
 	touch $@
 
