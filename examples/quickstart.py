@@ -3,7 +3,8 @@
     python examples/quickstart.py
 
 The trainer "trains" a small policy (random gradient steps) and publishes every few
-steps; each worker polls between its own steps and prints every version it loads.
+steps; each worker polls between its own steps and prints every version it loads, while
+training runs: workers reload lazily, only when a new version was published.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class Args:
     steps: int = 40  # trainer optimizer steps
     publish_every: int = 5  # steps between publishes
     workers: int = 2
+    step_seconds: float = 0.05  # pace of the "training", so workers see each version
 
 
 def make_policy() -> nn.Module:
@@ -36,7 +38,7 @@ def worker(store: WeightStore, worker_id: int, last_version: int) -> None:
     reader = WeightReader(store, policy)
     obs = torch.randn(1, 8)
     while reader.version < last_version:
-        if reader.poll():  # ~1 us when nothing changed
+        if reader.poll():  # ~70 ns when nothing changed
             print(f"worker {worker_id}: loaded version {reader.version}", flush=True)
         with torch.no_grad():
             policy(obs)  # act with exactly one version of the weights
@@ -54,6 +56,9 @@ def main(args: Args) -> None:
     for p in procs:
         p.start()
     try:
+        # Wait until every worker has attached and loaded version 0 (they start in ~1-2 s).
+        while len(store.readers()) < args.workers:
+            time.sleep(0.05)
         for step in range(1, args.steps + 1):
             loss = policy(torch.randn(32, 8)).pow(2).mean()
             optimizer.zero_grad()
@@ -62,7 +67,7 @@ def main(args: Args) -> None:
             if step % args.publish_every == 0:
                 version = store.publish(policy)  # never waits for the workers
                 print(f"trainer: step {step}, published version {version}", flush=True)
-            time.sleep(0.01)
+            time.sleep(args.step_seconds)
         for p in procs:
             p.join(timeout=30)
     finally:

@@ -69,8 +69,9 @@ def make_env():
     return GymEnv("CartPole-v1")
 
 
-def evaluate(actor, episodes: int) -> float:
+def evaluate(actor, episodes: int, seed: int) -> float:
     env = make_env()
+    env.set_seed(seed)
     returns = []
     with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
         for _ in range(episodes):
@@ -102,6 +103,7 @@ def main(args: Args) -> dict:
         total_frames=args.total_frames,
         weight_sync_schemes={"policy": scheme} if scheme is not None else None,
     )
+    collector.set_seed(args.seed)  # each worker's env gets its own seed derived from it
 
     loss = DQNLoss(actor, action_space=spec, delay_value=True)
     loss.make_value_estimator(gamma=args.gamma)
@@ -147,12 +149,16 @@ def main(args: Args) -> dict:
         batches[0] += 1
         if batches[0] % args.eval_every:
             return
-        avg = evaluate(actor, args.eval_episodes)
+        avg = evaluate(actor, args.eval_episodes, args.seed + 1000 + batches[0])
         evals.append((trainer.collected_frames, avg, time.perf_counter() - start))
         if getattr(trainer, "_pbar", None) is not None:
             trainer._pbar.set_postfix(eval_return=f"{avg:.0f}")
         if args.target_return and avg >= args.target_return:
             trainer.request_stop(f"evaluation return {avg:.0f} >= {args.target_return}")
+            pbar = getattr(trainer, "_pbar", None)
+            if pbar is not None:  # end the bar at the frames actually collected, not at 46%
+                pbar.n = pbar.total = trainer.collected_frames
+                pbar.refresh()
 
     trainer.register_op("post_steps", maybe_evaluate)
 
@@ -164,7 +170,7 @@ def main(args: Args) -> dict:
         collector.shutdown()  # also on errors, or worker processes would keep the program alive
     total = time.perf_counter() - start
 
-    final = evaluate(actor, 10)
+    final = evaluate(actor, 10, args.seed + 999)
     store = scheme.store if scheme is not None else None
     tags = torch.cat(stats["staleness"]) if stats["staleness"] else torch.zeros(1, dtype=torch.long)
     summary = {
@@ -192,7 +198,7 @@ def main(args: Args) -> dict:
         print(f"versions published   {summary['versions_published']}")
         if summary["versions_seen_per_worker"] is not None:
             seen = summary["versions_seen_per_worker"]
-            print(f"reloads per worker   {seen} (distinct versions in each worker's frames)")
+            print(f"versions per worker  {seen} (distinct versions in each worker's frames)")
         print(f"staleness of frames  mean {summary['staleness_mean']:.2f}, max {summary['staleness_max']} versions")
         share = 100 * summary["publish_fraction"]
         print(f"time publishing      {store.publish_seconds * 1e3:.1f} ms ({share:.3f}% of total)")

@@ -87,6 +87,7 @@ class Segment:
         self.fd = fd
         self.size = size
         self.created = created
+        self.tracked = False  # multiprocessing's resource tracker unlinks it if we die first
         self.buf = mmap.mmap(fd, size)
         self._readonly: mmap.mmap | None = None
         self._locks: set[int] = set()
@@ -94,7 +95,9 @@ class Segment:
         self.lock(HOLDER_LOCK, exclusive=False, wait=True)
 
     @classmethod
-    def create(cls, name: str, size: int) -> Segment:
+    def create(cls, name: str, size: int, *, track: bool = False) -> Segment:
+        """Create and map a new segment; with ``track``, it is removed even if this process is
+        killed (see :func:`_track`)."""
         path = path_of(validate_name(name))
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -113,7 +116,10 @@ class Segment:
                     f"{human_bytes(_free_bytes())} free there); free shared memory (`shmsync gc`), "
                     "use fewer slots, or enlarge it",
                 ) from None
-            return cls(name, fd, size, created=True)
+            segment = cls(name, fd, size, created=True)
+            if track:
+                segment.tracked = _track(name, register=True)
+            return segment
         except BaseException:
             os.close(fd)
             os.unlink(path)
@@ -178,6 +184,9 @@ class Segment:
 
     def unlink(self) -> None:
         unlink(self.name)
+        if self.tracked:
+            self.tracked = False
+            _track(self.name, register=False)
 
 
 def conflicting_lock(fd: int, byte: int, *, exclusive: bool = True) -> bool:
@@ -185,6 +194,20 @@ def conflicting_lock(fd: int, byte: int, *, exclusive: bool = True) -> bool:
     kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
     out = fcntl.fcntl(fd, _F_OFD_GETLK, struct.pack(_FLOCK, kind, 0, byte, 1, 0))
     return struct.unpack(_FLOCK, out)[0] != fcntl.F_UNLCK
+
+
+def _track(name: str, *, register: bool) -> bool:
+    """(Un)register the segment with multiprocessing's resource tracker, a helper process that
+    outlives this one and unlinks what is still registered once every process of this tree has
+    exited: a creator killed by a signal (SIGKILL, a SIGSEGV from a write through a zero-copy
+    view) then leaves no store behind. The tracker unlinks POSIX shared memory, so only
+    segments in /dev/shm qualify. True if registered."""
+    if os.path.realpath(SHM_DIR) != "/dev/shm":
+        return False
+    from multiprocessing import resource_tracker
+
+    (resource_tracker.register if register else resource_tracker.unregister)(f"/{PREFIX}{name}", "shared_memory")
+    return True
 
 
 def human_bytes(n: float) -> str:

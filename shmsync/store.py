@@ -263,7 +263,8 @@ class WeightStore:
         tensors = layout.match(td, "weights given to WeightStore.create()")
         doc = layout.to_json(destinations)
         layout_offset, data_offset, size = segment_bytes(doc, layout.slot_bytes, num_slots)
-        segment = Segment.create(f"{os.getpid()}-{secrets.token_hex(6)}" if name is None else name, size)
+        name = f"{os.getpid()}-{secrets.token_hex(6)}" if name is None else name
+        segment = Segment.create(name, size, track=unlink_at_exit)
         h = header_view(segment.buf)
         try:
             segment.buf[layout_offset : layout_offset + len(doc)] = doc

@@ -141,3 +141,31 @@ def _cli(*args):
     proc = subprocess.run([sys.executable, "-m", "shmsync.cli", *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
+
+
+CRASH = """
+import os, signal, sys, torch
+from shmsync import WeightReader, WeightStore
+store = WeightStore.create(torch.nn.Linear(4, 2))
+print(store.name, flush=True)
+if sys.argv[1] == "sigkill":
+    os.kill(os.getpid(), signal.SIGKILL)
+module = torch.nn.Linear(4, 2)
+reader = WeightReader(store, module, zero_copy=True)
+assert reader.poll() and reader.viewing
+with torch.no_grad():
+    module.weight.add_(1.0)  # through the read-only view: SIGSEGV
+"""
+
+
+@pytest.mark.parametrize("how, code", [("sigkill", -signal.SIGKILL), ("sigsegv", -signal.SIGSEGV)])
+def test_a_creator_that_crashes_leaves_no_store(tmp_path, how, code):
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH)
+    proc = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    name = proc.stdout.strip()
+    deadline = time.monotonic() + 10
+    while name in _segment.list_names() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert name not in _segment.list_names(), f"the crashed creator's store {name} is still in {_segment.SHM_DIR}"
