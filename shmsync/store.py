@@ -66,7 +66,7 @@ from typing import Any, NamedTuple
 
 import psutil
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from . import _leases
@@ -429,7 +429,11 @@ class WeightStore:
         dests = self._destinations
         if dests is None and isinstance(source, nn.Module):
             return self._match_module(source, (), what)
-        if isinstance(source, Mapping) and not any(isinstance(v, torch.Tensor) for v in source.values()):
+        if (
+            isinstance(source, Mapping)
+            and not isinstance(source, TensorDictBase)
+            and not any(isinstance(v, torch.Tensor) for v in source.values())
+        ):
             # A mapping of destinations (not a state dict): name the mismatch plainly.
             if dests is None:
                 raise WeightMismatchError(

@@ -61,6 +61,13 @@ def test_explicit_versions_reach_readers(store_factory):
     assert store.publish(policy) == 1001 and reader.poll() and reader.version == 1001
 
 
+def test_a_snapshot_of_a_store_with_destinations_publishes_back(store_factory):
+    store = store_factory({"policy": nn.Linear(3, 2), "value": nn.Linear(3, 1)})
+    snap = store.snapshot()
+    assert store.publish(snap.weights, version=7) == 7
+    assert (store.snapshot().weights == snap.weights).all()
+
+
 def test_worker_copy_is_private(store_factory):
     policy = nn.Linear(3, 3)
     store = store_factory(policy)
