@@ -128,7 +128,9 @@ class WeightReader:
         if self._targets is None:
             self._bind()
         store = self.store
-        version = self._view_latest() if self.zero_copy and self._finalizer.alive else None  # closed: copy
+        # Closed, or no row in the reader table (a lease lives in the row): copy.
+        can_view = self.zero_copy and self._finalizer.alive and self._row >= 0
+        version = self._view_latest() if can_view else None
         if version is None:
             if self._viewing:  # leasing refused: back to private memory before copying into it
                 _make_private(self._viewing)

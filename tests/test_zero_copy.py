@@ -185,3 +185,19 @@ def test_zero_copy_stress(store_factory, start, num_slots):
     assert mixed == 0 and wrong_tag == 0, results
     assert changed == 0, f"a leased slot was rewritten: {results}"
     assert viewed > 0, "no reload was zero-copy: the test did not exercise leases"
+
+
+def test_a_reader_without_a_row_in_a_full_table_copies_instead_of_leasing(store_factory):
+    from shmsync._header import MAX_READERS
+
+    store = store_factory(blob_weights(SMALL, 3.0), num_slots=4)
+    fillers = [WeightReader(store, ParamBlob(SMALL)) for _ in range(MAX_READERS)]
+    assert len(store.readers()) == MAX_READERS
+    module = ParamBlob(SMALL)
+    reader = WeightReader(store, module, zero_copy=True)
+    assert reader.poll() and not reader.viewing, "a reader with no row must not lease: its lease is invisible"
+    assert mixed_values(module) == {3.0}
+    _publish(store, 4.0)
+    assert reader.poll() and not reader.viewing and mixed_values(module) == {4.0}
+    for f in fillers:
+        f.close()
