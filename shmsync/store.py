@@ -250,7 +250,7 @@ class WeightStore:
                 store is garbage collected. Existing readers keep their mapping.
 
         Returns:
-            The store, open in this process, at version 0.
+            The store, open in this process, at version 0; this process holds its writer role.
 
         Raises:
             FileExistsError: ``name`` is taken.
@@ -296,7 +296,9 @@ class WeightStore:
             segment.unlink()
             segment.close()
             raise
-        with store._writer_role(keep=False):
+        # The creator keeps the writer role: no other process can lock the trainer out by
+        # publishing first. It publishes from elsewhere after release_writer() here.
+        with store._writer_role(keep=True):
             store._write(tensors)
         return store
 
@@ -381,8 +383,9 @@ class WeightStore:
     def publish(self, source: Any, *, version: int | None = None) -> int:
         """Copy ``source``'s weights in and make them visible as one new version.
 
-        Never waits for readers. Only one process may publish into a store at a time;
-        the first publish takes the writer role for this process until :meth:`close`.
+        Never waits for readers. Only one process may publish into a store at a time: the
+        creator holds the writer role from :meth:`create` until :meth:`close` or
+        :meth:`release_writer`; another process takes it at its first publish once it is free.
         From CUDA tensors it returns once the copy is queued (see :mod:`shmsync._cuda`);
         the version becomes visible when the bytes are in host memory (:meth:`flush` waits).
 

@@ -146,6 +146,15 @@ def test_readers_survive_unlink(store_factory):
     assert reader.poll() and float(reader.module.a[0]) == 5.0
 
 
+def test_the_creator_holds_the_writer_role_from_the_start(store_factory, start):
+    store = store_factory(blob_weights(SMALL))  # created, never published
+    child = start(writer, store.name, SMALL, 1)
+    child.expect("ready")
+    (msg,) = child.expect("busy")
+    assert store.name in msg
+    assert store.publish(blob_weights(SMALL, 1.0)) == 1  # the trainer is not locked out
+
+
 def test_one_writer_at_a_time(store_factory, start):
     store = store_factory(blob_weights(SMALL))
     store.publish(blob_weights(SMALL, 1.0))  # this process now holds the writer role
