@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ls = sub.add_parser("ls", help="list every store on this host")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     gc = sub.add_parser("gc", help="remove stores whose creator is dead and that no live process holds")
+    gc.add_argument("names", nargs="*", metavar="NAME", help="only these stores (default: every store on this host)")
     gc.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     gc.add_argument(
         "--orphaned",
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             print("no shmsync stores on this host")
         return 0
 
-    removed = collect_garbage(dry_run=args.dry_run, orphaned=args.orphaned)
+    removed = collect_garbage(dry_run=args.dry_run, orphaned=args.orphaned, names=args.names or None)
     if args.json:
         print(json.dumps({"dry_run": args.dry_run, "removed": [s.as_dict() for s in removed]}, indent=2))
     else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -133,12 +134,17 @@ def is_orphaned(s: StoreStatus) -> bool:
     return s.valid and s.held and not s.creator_alive
 
 
-def collect_garbage(dry_run: bool = False, orphaned: bool = False) -> list[StoreStatus]:
+def collect_garbage(
+    dry_run: bool = False, orphaned: bool = False, names: Collection[str] | None = None
+) -> list[StoreStatus]:
     """Remove (or, with ``dry_run``, only list) every store :func:`is_garbage` says is garbage,
     and with ``orphaned`` also the :func:`is_orphaned` ones (their readers keep their mapping
-    and the weights they loaded; nothing new can reach them)."""
+    and the weights they loaded; nothing new can reach them). ``names`` limits it to those
+    stores."""
     removed = []
     for s in list_stores():
+        if names is not None and s.name not in names:
+            continue
         if is_garbage(s) or (orphaned and is_orphaned(s)):
             if not dry_run:
                 _segment.unlink(s.name)

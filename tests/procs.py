@@ -142,16 +142,19 @@ def writer(store_name: str, sizes, count: int, conn, every_value: bool = True) -
     weights = blob_weights(sizes)
     conn.send(("ready", os.getpid()))
     start = time.perf_counter()
+    slowest = 0.0
     try:
         for _ in range(count):
             set_all(weights, store.version + 1)
+            began = time.perf_counter()
             store.publish(weights)
+            slowest = max(slowest, time.perf_counter() - began)
             if conn.poll():
                 break  # the parent says stop
     except WriterBusyError as e:
         conn.send(("busy", str(e)))
         return
-    conn.send(("done", store.version, time.perf_counter() - start))
+    conn.send(("done", store.version, time.perf_counter() - start, slowest))
     store.close()
 
 

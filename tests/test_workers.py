@@ -103,7 +103,7 @@ def test_workers_exit_when_their_parent_dies(start):
     assert not alive, f"workers outlived their parent: {[p.pid for p in alive]}"
     # The dead trainer's store is garbage now: gc removes it.
     out = subprocess.run(
-        [sys.executable, "-m", "shmsync.cli", "gc", "--json"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "shmsync.cli", "gc", name, "--json"], capture_output=True, text=True, timeout=60
     ).stdout
     assert name in out
     assert name not in _segment.list_names()
