@@ -52,7 +52,6 @@ from ._segment import TABLE_LOCK, Segment
 # elsewhere leases are refused and zero-copy readers copy.
 SUPPORTED = platform.machine() in ("x86_64", "AMD64")
 _FENCE = threading.Lock()
-_LOCAL = threading.Lock()  # OFD locks do not exclude threads sharing one file description
 
 
 def full_fence() -> None:
@@ -87,22 +86,27 @@ def _recount(h, num_slots: int, alive) -> set[int]:
 
 
 class TableLock:
-    """The reader table's lock, for this process's threads too. With ``patience`` (seconds)
-    it is given up after that long (a stopped holder must not stall a reload: the caller
-    then copies instead) and ``with`` yields whether it was taken; None waits for it."""
+    """The reader table's lock, for this process's threads too (an OFD lock does not exclude
+    threads sharing one file description, so each segment also has a thread lock). With
+    ``patience`` (seconds) both are given up after that long in all (a stopped holder must not
+    stall a reload: the caller then copies instead) and ``with`` yields whether it was taken;
+    None waits for it."""
 
     def __init__(self, segment: Segment, patience: float | None = 0.01) -> None:
         self.segment, self.patience = segment, patience
 
     def __enter__(self) -> bool:
-        _LOCAL.acquire()
+        threads = self.segment.thread_lock
         if self.patience is None:
+            threads.acquire()
             self.segment.lock(TABLE_LOCK, exclusive=True, wait=True)
             return True
         deadline = time.monotonic() + self.patience
+        if not threads.acquire(timeout=self.patience):
+            return False
         while not self.segment.lock(TABLE_LOCK, exclusive=True, wait=False):
             if time.monotonic() > deadline:
-                _LOCAL.release()
+                threads.release()
                 return False
             time.sleep(0.0001)
         return True
@@ -110,7 +114,7 @@ class TableLock:
     def __exit__(self, *exc) -> None:
         if self.segment.held(TABLE_LOCK):
             self.segment.unlock(TABLE_LOCK)
-            _LOCAL.release()
+            self.segment.thread_lock.release()
 
 
 def lease_latest(h, segment: Segment, row: int, num_slots: int, alive) -> tuple[int, int] | None:

@@ -22,6 +22,7 @@ import fcntl
 import mmap
 import os
 import struct
+import threading
 
 from .errors import StoreNotFoundError
 
@@ -88,6 +89,7 @@ class Segment:
         self.size = size
         self.created = created
         self.tracked = False  # multiprocessing's resource tracker unlinks it if we die first
+        self.thread_lock = threading.Lock()  # this process's threads, beside the OFD locks
         self.buf = mmap.mmap(fd, size)
         self._readonly: mmap.mmap | None = None
         self._locks: set[int] = set()

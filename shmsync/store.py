@@ -767,9 +767,12 @@ class WeightStore:
 
     # -- reader table -------------------------------------------------------------------------
     def _claim_reader_row(self) -> int:
-        """A free row of the reader table for this process (-1 if the table is full)."""
+        """A free row of the reader table for this process (-1 if the table is full, or its lock
+        stayed busy for seconds: the reader then works without a row, copying, unlisted)."""
         h = self._hdr
-        with _leases.TableLock(self._segment, patience=None):
+        with _leases.TableLock(self._segment, patience=5.0) as locked:
+            if not locked:
+                return -1
             for row in range(MAX_READERS):
                 base = W_READERS + row * READER_WORDS
                 pid = h[base]

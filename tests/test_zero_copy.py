@@ -201,3 +201,35 @@ def test_a_reader_without_a_row_in_a_full_table_copies_instead_of_leasing(store_
     assert reader.poll() and not reader.viewing and mixed_values(module) == {4.0}
     for f in fillers:
         f.close()
+
+
+def test_a_thread_stuck_in_one_stores_table_lock_stalls_no_other_store(store_factory):
+    import threading
+    import time
+
+    from shmsync._leases import TableLock
+
+    a = store_factory(blob_weights(SMALL, 1.0), num_slots=4)
+    b = store_factory(blob_weights(SMALL, 2.0), num_slots=4)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_a():
+        with TableLock(a._segment, patience=None):
+            holding.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold_a)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        began = time.monotonic()
+        reader = WeightReader(b, ParamBlob(SMALL), zero_copy=True)
+        assert reader.poll() and reader.viewing, "a reload of another store waited on this store's lock"
+        assert time.monotonic() - began < 1
+        # In the busy store itself, claiming a row gives up after a bound and the reader copies.
+        stuck = WeightReader(a, module := ParamBlob(SMALL), zero_copy=True)
+        assert stuck.poll() and not stuck.viewing and mixed_values(module) == {1.0}
+        assert time.monotonic() - began < 10
+    finally:
+        release.set()
+        holder.join(10)
