@@ -39,9 +39,12 @@ pinned reader's copy cannot be invalidated: it completes in one copy. A writer t
 is idle grants nothing, but then an optimistic copy succeeds, so the reader keeps
 trying those while it waits. A reader that dies while pinned only costs the writer
 one slot until the next ticket replaces its pin. A reader that is stopped (SIGSTOP)
-while holding the token cannot block the others either: after a short wait they issue
-a ticket without the token, which moves the pin; the stopped reader's copy, if it ever
-resumes, fails validation and is retried.
+while holding the token cannot block the others either: the holder writes its pid into
+``token_pid``, and once it is seen stopped the others issue a ticket without the token,
+which moves the pin; the stopped reader's copy, if it ever resumes, fails validation and
+is retried. A holder that runs, however slowly, keeps its pin: its copy completes, so the
+next reader waits at most one copy of it for the token (two slow readers taking the pin
+off each other would never finish).
 
 Ordering: on x86-64 stores become visible in program order and loads are not
 reordered with other loads, which is all this protocol needs between its word
@@ -99,6 +102,7 @@ from ._header import (
     W_SEQ,
     W_SLOT_BYTES,
     W_SLOT_VERSION,
+    W_TOKEN_PID,
     W_VERSION,
     W_WRITER_PID,
     header_view,
@@ -125,6 +129,16 @@ else:  # weakly ordered CPUs: a lock round trip is a full barrier
 
 
 CopyFn = Callable[[int], None]  # copies out of the slot with that index
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger); False for 0 or a running one."""
+    if pid <= 0:
+        return False
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
 
 
 class Snapshot(NamedTuple):
@@ -698,6 +712,7 @@ class WeightStore:
         h, segment = self._hdr, self._segment
         self.pinned_reads += 1
         waited_since = time.monotonic()
+        looked = 0.0
         token = segment.lock(TOKEN_LOCK, exclusive=True, wait=False)
         while not token:
             # Another reader holds the token; it finishes in one copy. Keep trying meanwhile.
@@ -705,12 +720,18 @@ class WeightStore:
             if version is not None:
                 return version
             self._check_deadline(deadline, "waiting for the reader token")
-            if time.monotonic() - waited_since > steal_after:
-                # Its holder is stopped or very slow: take over the pin without the token.
-                # A stolen pin only makes that holder's copy fail validation and retry.
-                break
+            now = time.monotonic()
+            if now - waited_since > steal_after and now - looked > 0.05:
+                looked = now
+                if _stopped(h[W_TOKEN_PID]):
+                    # Its holder is stopped (a dead one has lost the token already): take over
+                    # the pin without the token. Never from a holder that runs, however slowly:
+                    # two slow readers would take the pin off each other without end.
+                    break
             time.sleep(0.0005)
             token = segment.lock(TOKEN_LOCK, exclusive=True, wait=False)
+        if token:
+            h[W_TOKEN_PID] = os.getpid()
         try:
             while True:
                 ticket = h[W_PIN_REQUEST] + 1
@@ -723,6 +744,7 @@ class WeightStore:
                     return version
         finally:
             if token:
+                h[W_TOKEN_PID] = 0
                 segment.unlock(TOKEN_LOCK)
 
     def _await_pin(self, copy: CopyFn, ticket: int, deadline: float) -> int | None:

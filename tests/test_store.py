@@ -289,3 +289,24 @@ def test_no_starvation_under_back_to_back_publishing(store_factory, start, besid
 def _state_of(pid):
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split()[2]
+
+
+@pytest.mark.timeout(120)
+def test_two_slow_readers_do_not_take_the_pin_off_each_other(store_factory, start):
+    """Each reader's copy takes longer than the token wait before a takeover (0.25 s) and than
+    many publishes: both still load, each through its own pin."""
+    big = {"a": 4_000_000, "b": 4_000_000}  # 32 MB
+    store = store_factory(blob_weights(big, 0.0))
+    store.release_writer()
+    w = start(writer, store.name, big, 10**9)
+    w.expect("ready")
+    slow = [start(slow_reader, store, big, 3, 0.2) for _ in range(2)]
+    for r in slow:
+        r.expect("ready")
+    results = [r.expect("done", timeout=100) for r in slow]
+    w.conn.send("stop")
+    w.expect("done")
+    for done, bad, _retries, pinned, seconds in results:
+        assert done == 3 and bad == 0
+        assert pinned >= 1, "no pinned load: the test did not exercise the fallback"
+        assert seconds < 30, f"3 loads of 0.4 s copies took {seconds:.0f}s: readers fought over the pin"
