@@ -187,6 +187,13 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         for group in collector.__dict__.get("_shmsync_groups", ()):
             if self.model_id in group.keys:
                 return group
+        if not hasattr(collector, "num_workers"):
+            raise TypeError(
+                f"ShmWeightSyncScheme syncs the worker processes of a multi-process collector "
+                f"(MultiSyncCollector, MultiAsyncCollector); {type(collector).__name__} runs the trainer's "
+                "policy in this process, so there is nothing to sync: drop weight_sync_schemes there "
+                "(shmsync.tag_versions(policy, ...) tags its frames if you need versions)"
+            )
         schemes = {
             k: s
             for k, s in (collector._weight_sync_schemes or {}).items()

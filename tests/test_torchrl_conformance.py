@@ -382,3 +382,16 @@ def test_update_while_collecting_in_the_background(cls):
         assert (last["next", "policy_version"] == 1).all()
     finally:
         collector.async_shutdown(timeout=10)
+
+
+def test_a_single_process_collector_says_the_scheme_has_nothing_to_do():
+    from torchrl.collectors import Collector
+
+    with pytest.raises(TypeError, match="Collector runs the trainer's policy in this process"):
+        Collector(
+            make_env,
+            make_policy(),
+            frames_per_batch=10,
+            total_frames=20,
+            weight_sync_schemes={"policy": ShmWeightSyncScheme()},
+        )
