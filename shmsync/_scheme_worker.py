@@ -92,7 +92,7 @@ class PollingRollout:
     def add(self, receiver: Receiver) -> None:
         if receiver not in self.receivers:
             self.receivers.append(receiver)
-            # The policy's receiver names the version (all keys of a collector share a store).
+            # The policy's receiver names the version: it is the one the frames are tagged with.
             self.receivers.sort(key=lambda r: r.scheme.model_id != "policy")
 
     def discard(self, receiver: Receiver) -> None:
