@@ -18,6 +18,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
+from ._scheme_worker import sync_tracker
 from .store import WeightStore
 
 
@@ -148,9 +149,7 @@ class SenderGroup:
 
     def _sync_tracker(self) -> None:
         collector = self._collector() if self._collector is not None else None
-        tracker = getattr(collector, "policy_version_tracker", None)
-        if tracker is not None and hasattr(tracker, "version"):
-            tracker.version = max(s.version for s in self.stores)
+        sync_tracker(collector, max(s.version for s in self.stores))
 
     # -- the collector --------------------------------------------------------------------------
     def attach(self, collector: Any) -> None:

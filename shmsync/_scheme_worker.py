@@ -114,7 +114,8 @@ class PollingRollout:
 
 
 def sync_tracker(collector: Any, version: int) -> None:
-    """Make TorchRL's ``track_policy_version`` tracker report the version actually loaded."""
+    """Make TorchRL's ``track_policy_version`` tracker report ``version``: in a worker the version
+    it loaded, in the trainer the last one published."""
     tracker = getattr(collector, "policy_version_tracker", None)
     if tracker is not None and getattr(tracker, "version", version) != version:
         tracker.version = version

@@ -21,9 +21,9 @@ class WeightReader:
     """Loads the newest complete version of a store into a module, only when it changed.
 
     :meth:`poll` costs well under a microsecond when nothing was published (about 70 ns
-    here: one read of a shared word; no copy, no syscall, no lock). When the version changed it copies the
-    newest complete version into the module's parameters and buffers, in place, on the
-    module's device. Between calls the module always holds exactly one version; during
+    here: one read of a shared word; no copy, no syscall, no lock). When the version
+    changed it copies the newest complete version into the module's parameters and
+    buffers, in place, on the module's device. Between calls the module always holds exactly one version; during
     :meth:`poll` it is being written, like during ``load_state_dict``, so no other
     thread should run it at that moment.
 
@@ -214,11 +214,10 @@ class WeightReader:
             # Parameters get pointed at the slot, buffers are copied: per slot, parameter
             # views first, then buffer views.
             order = sorted(range(len(targets)), key=lambda i: not isinstance(targets[i], nn.Parameter))
-            self._params = [targets[i] for i in order if isinstance(targets[i], nn.Parameter)]
-            self._param_names = [
-                ".".join(layout.entries[indices[i]].key) for i in order if isinstance(targets[i], nn.Parameter)
-            ]
-            self._buffers = [targets[i] for i in order if not isinstance(targets[i], nn.Parameter)]
+            params = [i for i in order if isinstance(targets[i], nn.Parameter)]
+            self._params = [targets[i] for i in params]
+            self._param_names = [".".join(layout.entries[indices[i]].key) for i in params]
+            self._buffers = [targets[i] for i in order[len(params) :]]
             self._views = [[views[indices[i]] for i in order] for views in self.store._readonly_slots()]
             self.store._zero_copy_readers.add(self)
 

@@ -199,10 +199,6 @@ class WeightStore:
     @classmethod
     def _open(cls, segment: Segment, *, owner: bool, unlink_at_exit: bool) -> WeightStore:
         self = cls.__new__(cls)
-        self._setup(segment, owner=owner, unlink_at_exit=unlink_at_exit)
-        return self
-
-    def _setup(self, segment: Segment, *, owner: bool, unlink_at_exit: bool) -> None:
         self._segment = segment
         buf = segment.buf
         self._hdr = h = header_view(buf)
@@ -235,6 +231,7 @@ class WeightStore:
             owner and unlink_at_exit,
             self._pinned,
         )
+        return self
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
