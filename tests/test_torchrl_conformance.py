@@ -43,6 +43,12 @@ def _zero_(module):
             p.zero_()
 
 
+def _collector(cls, envs, policy, scheme=None, frames_per_batch=40, **kwargs):
+    """An unbounded collector of ``envs`` whose workers get ``policy`` through shmsync."""
+    schemes = {"policy": scheme if scheme is not None else ShmWeightSyncScheme()}
+    return cls(envs, policy, frames_per_batch=frames_per_batch, total_frames=-1, weight_sync_schemes=schemes, **kwargs)
+
+
 def _next_batches(it, n):
     return [next(it) for _ in range(n)]
 
@@ -207,8 +213,7 @@ def test_per_worker_weights_under_async_collection():
 def test_updating_some_workers_of_shared_weights_raises_and_writes_nothing(cls):
     policy = make_policy()
     scheme = ShmWeightSyncScheme()
-    schemes = {"policy": scheme}
-    collector = cls([make_env] * 2, policy, frames_per_batch=40, total_frames=-1, weight_sync_schemes=schemes)
+    collector = _collector(cls, [make_env] * 2, policy, scheme)
     try:
         with pytest.raises(ValueError, match="per_worker_weights=True"):
             collector.update_policy_weights_(worker_ids=[0])
@@ -228,13 +233,7 @@ def test_updating_some_workers_of_shared_weights_raises_and_writes_nothing(cls):
 @pytest.mark.parametrize("cls", COLLECTORS, ids=IDS)
 def test_hook_setters_keep_the_poll_and_the_tag(cls):
     policy = make_policy()
-    collector = cls(
-        [make_env] * 2,
-        policy,
-        frames_per_batch=40,
-        total_frames=-1,
-        weight_sync_schemes={"policy": ShmWeightSyncScheme()},
-    )
+    collector = _collector(cls, [make_env] * 2, policy)
     try:
         it = iter(collector)
         next(it)
@@ -262,14 +261,7 @@ def test_hook_setters_keep_the_poll_and_the_tag(cls):
 @pytest.mark.parametrize("cls", COLLECTORS, ids=IDS)
 def test_track_policy_version_reports_the_loaded_version(cls):
     def build():
-        return cls(
-            [make_env] * 2,
-            make_policy(),
-            frames_per_batch=40,
-            total_frames=-1,
-            track_policy_version=True,
-            weight_sync_schemes={"policy": ShmWeightSyncScheme()},
-        )
+        return _collector(cls, [make_env] * 2, make_policy(), track_policy_version=True)
 
     collector = build()
     try:
@@ -309,13 +301,7 @@ def test_track_policy_version_reports_the_loaded_version(cls):
 )
 def test_every_worker_holds_the_trainers_weights_after_an_update(form):
     policy = make_scaled_policy()
-    collector = MultiSyncCollector(
-        [make_pendulum] * 2,
-        policy,
-        frames_per_batch=40,
-        total_frames=-1,
-        weight_sync_schemes={"policy": ShmWeightSyncScheme()},
-    )
+    collector = _collector(MultiSyncCollector, [make_pendulum] * 2, policy)
     try:
         it = iter(collector)
         next(it)
@@ -355,16 +341,15 @@ def test_every_worker_holds_the_trainers_weights_after_an_update(form):
 @pytest.mark.parametrize("cls", [MultiAsyncCollector, MultiSyncCollector], ids=["async", "sync"])
 def test_update_while_collecting_in_the_background(cls):
     rb = ReplayBuffer(storage=LazyTensorStorage(2000))
-    collector = cls(
+    # The buffer's schema comes from the main process, where frames have no shmsync tag;
+    # TorchRL's tracker column is in it, and reports the version each worker loaded.
+    collector = _collector(
+        cls,
         [make_pendulum] * 2,
         make_linear_policy(0.0),
         replay_buffer=rb,
         frames_per_batch=16,
-        total_frames=-1,
-        # The buffer's schema comes from the main process, where frames have no shmsync tag;
-        # TorchRL's tracker column is in it, and reports the version each worker loaded.
         track_policy_version=True,
-        weight_sync_schemes={"policy": ShmWeightSyncScheme()},
     )
     try:
         collector.start()
