@@ -235,10 +235,13 @@ def test_hook_setters_keep_the_poll_and_the_tag(cls):
     policy = make_policy()
     collector = _collector(cls, [make_env] * 2, policy)
     try:
-        it = iter(collector)
-        next(it)
+        # Assigned once the workers run, before collecting: TorchRL's setter replaces the workers'
+        # hooks. (Assigned between batches, the async case once hung in the full suite with the
+        # setter's round trip racing a running rollout; it never did alone.)
         collector.pre_collect_hook = count_rollouts
         collector.post_collect_hook = write_rollout_count
+        it = iter(collector)
+        next(it)
         _zero_(policy)
         collector.update_policy_weights_()
         for _ in range(5):

@@ -169,6 +169,8 @@ class WorkerPool:
                 kind, worker_id, payload = self.queue.get_nowait()
             except (queue_module.Empty, OSError, ValueError):
                 return
+            except EOFError:
+                continue  # a batch whose worker has exited: its shared tensors cannot be fetched
             if kind == "exit":
                 self.reloads[worker_id] = payload
                 self._exited.add(worker_id)
