@@ -81,11 +81,16 @@ def test_a_worker_that_cannot_start_fails_the_pool_fast(store_factory, problem, 
     assert took < 60, f"{problem}: the pool took {took:.0f}s to say so"
 
 
-def test_a_worker_that_dies_mid_run_is_reported_at_once(store_factory):
+@pytest.mark.parametrize("queued", [False, True], ids=["running", "with-batches-queued"])
+def test_a_worker_that_dies_mid_run_is_reported_at_once(store_factory, queued):
     store = store_factory(mlp_policy(make_env("CartPole-v1")))
     with launch(store.name, 2, frames_per_batch=50) as pool:
         batches = pool.batches()
         next(batches)
+        if queued:
+            # The queue fills while nobody reads it: the dead worker's batches, whose shared
+            # tensors only it could hand over, are then still waiting in it.
+            time.sleep(3)
         os.kill(pool.pids[1], signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=r"worker 1 \(pid \d+\) died with signal SIGKILL"):

@@ -91,10 +91,9 @@ class WorkerPool:
         """The next batch message, or None after ``poll`` seconds; raises a worker's failure."""
         if self._backlog:
             return self._backlog.pop(0)
-        try:
-            message = self._handle(self.queue.get(timeout=poll))
-        except queue_module.Empty:
-            message = None
+        message = self._get(poll)
+        if message is not None:
+            message = self._handle(message)
         # Also while other workers keep the queue busy, at most every `poll` seconds.
         if message is None or time.monotonic() - self._checked >= poll:
             self._checked = time.monotonic()
@@ -113,6 +112,18 @@ class WorkerPool:
             code = p.exitcode
             how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
             raise RuntimeError(f"worker {dead} (pid {p.pid}) died with {how}")
+
+    def _get(self, timeout: float) -> tuple[str, int, Any] | None:
+        """The next message on the queue, or None after ``timeout`` seconds."""
+        try:
+            return self.queue.get(timeout=timeout)
+        except queue_module.Empty:
+            return None
+        except (EOFError, ConnectionError, FileNotFoundError):
+            # A batch whose worker died after sending it: its shared tensors are passed as file
+            # descriptors that only the sender can hand over, so the batch is lost. Its death is
+            # reported by the liveness check.
+            return None
 
     def _handle(self, message: tuple[str, int, Any]) -> tuple[str, int, Any] | None:
         kind, worker_id, payload = message
@@ -134,9 +145,8 @@ class WorkerPool:
     def _read_remaining(self, grace: float) -> None:
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
-            try:
-                message = self.queue.get(timeout=0.05)
-            except queue_module.Empty:
+            message = self._get(0.05)
+            if message is None:
                 continue
             message = self._handle(message)
             if message is not None:
@@ -167,10 +177,12 @@ class WorkerPool:
         while True:
             try:
                 kind, worker_id, payload = self.queue.get_nowait()
-            except (queue_module.Empty, OSError, ValueError):
+            except (queue_module.Empty, ValueError):
                 return
-            except EOFError:
-                continue  # a batch whose worker has exited: its shared tensors cannot be fetched
+            except (EOFError, ConnectionError, FileNotFoundError):
+                continue  # a batch whose worker has exited: see _get
+            except OSError:
+                return
             if kind == "exit":
                 self.reloads[worker_id] = payload
                 self._exited.add(worker_id)
