@@ -160,9 +160,9 @@ def weights(module: nn.Module) -> list[torch.Tensor]:
 
 def slot_views(store, module: nn.Module, prefix: tuple[str, ...] = ()) -> list[list[torch.Tensor]]:
     """Per slot of ``store``, its views of ``module``'s parameters (same order as :func:`weights`)."""
-    index = store._layout.index
+    index = store.memory.layout.index
     keys = [prefix + tuple(name.split(".")) for name, _ in module.named_parameters()]
-    return [[views[index[k]] for k in keys] for views in store._slots]
+    return [[views[index[k]] for k in keys] for views in store.memory.slots]
 
 
 def empty_like_all(tensors: list[torch.Tensor], shared: bool = False) -> list[torch.Tensor]:
@@ -197,6 +197,28 @@ def bench_publish(sizes: dict[str, int], quick: bool) -> list[dict]:
         del src, private, shared
         gc.collect()
     return results
+
+
+def bench_reader_table(quick: bool) -> dict:
+    """publish() at 4 KB into a store with 1,000 readers listed against one with 2: the writer
+    must not pay for the size of the reader table."""
+    from shmsync import WeightReader, WeightStore
+
+    stores, readers = {}, []
+    for n in (2, 1000):
+        policy = make_policy(4 << 10)
+        stores[n] = (WeightStore.create(policy), policy)
+        readers += [WeightReader(stores[n][0], make_policy(4 << 10)) for _ in range(n)]
+    assert len(stores[1000][0].readers()) == 1000
+    times = interleaved(
+        {f"publish_{n}_readers": (lambda s=s, p=p: s.publish(p)) for n, (s, p) in stores.items()},
+        2000 if quick else 10_000,
+    )
+    for r in readers:
+        r.close()
+    for s, _ in stores.values():
+        s.close()
+    return times
 
 
 # -- 2. worker side: version check and reload against the copy floor ----------------------------
@@ -408,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("publish ...", file=sys.stderr, flush=True)
     report["publish"] = bench_publish(all_sizes if not quick else {k: SIZES[k] for k in ("4KB", "16MB")}, quick)
+    report["reader_table"] = bench_reader_table(quick)
     print("reader ...", file=sys.stderr, flush=True)
     report["reader"] = bench_reader(all_sizes if not quick else {"16MB": SIZES["16MB"]}, quick)
     print("update_policy_weights_ with 2 workers ...", file=sys.stderr, flush=True)
@@ -504,6 +527,13 @@ def render(r: dict) -> str:
         "\nvery slots in turn (other allocations of the same size copy up to ~20% faster or slower here, by"
         "\nphysical placement). At 16 MB one warm destination stays in the 32 MB L3 cache; 2 or 3 do not."
     )
+    rt = r.get("reader_table")
+    if rt:
+        few, many = p50(rt["publish_2_readers"]), p50(rt["publish_1000_readers"])
+        parts.append(
+            f"\npublish() at 4 KB with 1,000 readers listed: {fmt_t(many)} against {fmt_t(few)} with 2 "
+            f"({many / few:.2f}x)"
+        )
     rd = r["reader"]
     rows = [
         [

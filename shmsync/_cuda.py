@@ -31,7 +31,7 @@ import torch
 from ._header import W_VERSION
 
 if TYPE_CHECKING:
-    from .store import WeightStore
+    from ._memory import StoreMemory
 
 
 def register_host(tensor: torch.Tensor) -> int:
@@ -50,11 +50,12 @@ def unregister_host(ptr: int) -> None:
 class AsyncPublisher:
     """Publishes CUDA tensors into a store; see the module docstring for the protocol."""
 
-    def __init__(self, store: WeightStore, device: torch.device) -> None:
-        self.store = store
+    def __init__(self, memory: StoreMemory, device: torch.device) -> None:
+        self.memory = memory
+        self.name = memory.name
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        self.snapshot = [torch.empty(e.shape, dtype=e.dtype, device=device) for e in store._layout.entries]
+        self.snapshot = [torch.empty(e.shape, dtype=e.dtype, device=device) for e in memory.layout.entries]
         self._done = threading.Event()
         self._done.set()
         self._error: BaseException | None = None
@@ -62,28 +63,37 @@ class AsyncPublisher:
 
     def publish(self, tensors: list[torch.Tensor], version: int | None = None) -> int:
         self.wait()
-        store = self.store
+        memory, protocol = self.memory, self.memory.protocol
         current = torch.cuda.current_stream(self.device)
         with torch.no_grad():
             torch._foreach_copy_(self.snapshot, tensors)  # (1) on the trainer's stream
-        target, odd = store._begin_write()
+        write = protocol.begin_write()  # stays open until (3): no other write can take the slot
         if version is None:
-            version = store._hdr[W_VERSION] + 1  # completions are serialized, so this is exact
-        self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream), torch.no_grad():  # (2)
-            for dst, src in zip(store._slots[target], self.snapshot):
-                dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
+            version = protocol.h[W_VERSION] + 1  # completions are serialized, so this is exact
+        try:
+            self.stream.wait_stream(current)
+            with torch.cuda.stream(self.stream), torch.no_grad():  # (2)
+                for dst, src in zip(memory.slots[write.slot], self.snapshot):
+                    dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        except BaseException:
+            protocol.abort(write)
+            raise
         self._done.clear()
         self.pending_version = version
-        threading.Thread(target=self._complete, args=(event, target, odd, version), daemon=True).start()  # (3)
+        threading.Thread(target=self._complete, args=(event, write, version), daemon=True).start()  # (3)
         return version
 
-    def _complete(self, event: torch.cuda.Event, target: int, odd: int, version: int) -> None:
+    def _complete(self, event: torch.cuda.Event, write, version: int) -> None:
+        protocol = self.memory.protocol
         try:
-            event.synchronize()
-            self.store._end_write(target, odd, version)
+            try:
+                event.synchronize()
+            except BaseException:
+                protocol.abort(write)
+                raise
+            protocol.commit(write, version)
         except BaseException as e:  # surfaced by the next wait()
             self._error = e
         finally:
@@ -93,7 +103,7 @@ class AsyncPublisher:
     def wait(self, timeout: float | None = None) -> None:
         """Block until the last publish is visible to readers."""
         if not self._done.wait(timeout):
-            raise TimeoutError(f"store {self.store.name!r}: a CUDA publish did not complete in {timeout}s")
+            raise TimeoutError(f"store {self.name!r}: a CUDA publish did not complete in {timeout}s")
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"store {self.store.name!r}: an asynchronous CUDA publish failed") from error
+            raise RuntimeError(f"store {self.name!r}: an asynchronous CUDA publish failed") from error

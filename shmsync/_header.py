@@ -1,10 +1,10 @@
-"""The header of a segment: 4 KiB of int64 words at its start (no torch needed to read it)."""
+"""The header of a segment: 48 KiB of int64 words at its start (no torch needed to read it)."""
 
 from __future__ import annotations
 
 MAGIC = 0x534D5359_4E433031  # "SMSYNC01"
-FORMAT = 2
-HEADER_BYTES = 4096
+FORMAT = 3
+HEADER_BYTES = 48 * 1024  # mostly the reader table: room for 1,203 readers
 HEADER_WORDS = HEADER_BYTES // 8
 MAX_SLOTS = 16
 ALIGN = 64
@@ -21,7 +21,7 @@ W_CREATOR_START = 6  # creator's process start time (ns), tells a reused pid apa
 W_WRITER_PID = 7
 W_PUBLISH_NS = 8  # wall-clock time of the last completed publish
 W_CREATE_NS = 9
-W_PIN_REQUEST = 10  # pin protocol, see store.py
+W_PIN_REQUEST = 10  # pin protocol, see _protocol.py
 W_PIN_GRANT = 11
 W_PIN_SLOT = 12
 W_PIN_RELEASE = 13
@@ -32,10 +32,10 @@ W_SLOT_BYTES = 17
 W_PAYLOAD_BYTES = 18
 W_PUBLISH_COUNT = 19
 W_CREATOR_PPID = 20  # lets a test's leak check find stores made by its children
-W_TOKEN_PID = 21  # pid of the reader holding the starvation token, 0 if none (see store.py)
+W_TOKEN_PID = 21  # pid of the reader holding the starvation token, 0 if none (see _protocol.py)
 W_SEQ = 32  # W_SEQ + i: slot i's sequence number, odd while it is being written
 W_SLOT_VERSION = 64  # W_SLOT_VERSION + i: the version slot i holds
-W_LEASES = 96  # W_LEASES + i: readers whose modules view slot i in place (see _leases.py)
+W_LEASES = 96  # W_LEASES + i: readers whose modules view slot i in place (see _protocol.py)
 # Reader table: one row per attached reader, each row written only by its own reader
 # (and its lease word also by whoever reclaims a dead reader's row).
 W_READERS = 128
@@ -52,13 +52,23 @@ def header_view(buf) -> memoryview:
     return memoryview(buf)[:HEADER_BYTES].cast("q")
 
 
+def row_base(row: int) -> int:
+    """The first header word of reader-table row ``row``."""
+    return W_READERS + row * READER_WORDS
+
+
+def reader_column(h, field: int) -> list[int]:
+    """Word ``field`` (0: pid ... 4: leased slot + 1) of every row of the reader table, in one
+    strided read of header words ``h`` (a memoryview, a list or an int64 array)."""
+    return [int(w) for w in h[W_READERS + field : W_READERS + MAX_READERS * READER_WORDS : READER_WORDS]]
+
+
 def reader_rows(h) -> list[tuple[int, int, int, int, int]]:
     """``(row, pid, loaded version, reloads, last reload ns)`` for every claimed row of the
     reader table in header words ``h`` (a memoryview or an int64 array); pids may be dead."""
     out = []
-    for row in range(MAX_READERS):
-        base = W_READERS + row * READER_WORDS
-        pid = int(h[base])
+    for row, pid in enumerate(reader_column(h, 0)):
         if pid:
+            base = row_base(row)
             out.append((row, pid, int(h[base + 1]), int(h[base + 2]), int(h[base + 3])))
     return out

@@ -2,7 +2,7 @@
 
 A segment is::
 
-    [ header: 4 KiB of int64 words ][ layout (JSON) ][ slot 0 ][ slot 1 ] ... [ slot N-1 ]
+    [ header: 48 KiB of int64 words ][ layout (JSON) ][ slot 0 ][ slot 1 ] ... [ slot N-1 ]
 
 Every slot holds one full copy of the weights: each tensor at a 64-byte aligned
 offset, in the order of :attr:`Layout.entries`. Keys are tuples (nested

@@ -11,18 +11,21 @@ released by the kernel when the holder dies, however it dies):
 * byte 0, shared by every process that has the segment open: lets ``gc`` tell
   whether any live process still holds a store;
 * byte 1, exclusive: the writer role;
-* byte 2, exclusive: the reader's starvation token (see :mod:`shmsync.store`);
+* byte 2, exclusive: the reader's starvation token (see :mod:`shmsync._protocol`);
 * byte 3, exclusive, held for microseconds: changing the reader table (rows, leases).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
 import os
 import struct
 import threading
+import time
+from collections.abc import Iterator
 
 from .errors import StoreNotFoundError
 
@@ -89,7 +92,9 @@ class Segment:
         self.size = size
         self.created = created
         self.tracked = False  # multiprocessing's resource tracker unlinks it if we die first
-        self.thread_lock = threading.Lock()  # this process's threads, beside the OFD locks
+        # This process's threads, beside the OFD locks (which do not exclude threads sharing
+        # one file description): per lock byte.
+        self.thread_locks = {TOKEN_LOCK: threading.Lock(), TABLE_LOCK: threading.Lock()}
         self.buf = mmap.mmap(fd, size)
         self._readonly: mmap.mmap | None = None
         self._locks: set[int] = set()
@@ -189,6 +194,55 @@ class Segment:
         if self.tracked:
             self.tracked = False
             _track(self.name, register=False)
+
+
+class SegmentLocks:
+    """The reader token and the reader table's lock of a segment, excluding other processes
+    (kernel locks, dropped if the holder dies) and this process's other threads alike. What
+    :class:`shmsync._protocol.Protocol` takes as ``locks``."""
+
+    def __init__(self, segment: Segment) -> None:
+        self.segment = segment
+
+    def try_token(self) -> bool:
+        threads = self.segment.thread_locks[TOKEN_LOCK]
+        if not threads.acquire(blocking=False):
+            return False
+        if self.segment.lock(TOKEN_LOCK, exclusive=True, wait=False):
+            return True
+        threads.release()
+        return False
+
+    def release_token(self) -> None:
+        self.segment.unlock(TOKEN_LOCK)
+        self.segment.thread_locks[TOKEN_LOCK].release()
+
+    @contextlib.contextmanager
+    def table(self, patience: float | None) -> Iterator[bool]:
+        """Hold the table lock; yields whether it was taken. With ``patience`` (seconds) both
+        locks are given up after that long in all (a stopped holder must not stall a reload:
+        the caller then copies instead); None waits for it."""
+        segment, threads = self.segment, self.segment.thread_locks[TABLE_LOCK]
+        if patience is None:
+            threads.acquire()
+            segment.lock(TABLE_LOCK, exclusive=True, wait=True)
+        else:
+            deadline = time.monotonic() + patience
+            if not threads.acquire(timeout=patience):
+                yield False
+                return
+            while not segment.lock(TABLE_LOCK, exclusive=True, wait=False):
+                if time.monotonic() > deadline:
+                    threads.release()
+                    yield False
+                    return
+                time.sleep(0.0001)
+        try:
+            yield True
+        finally:
+            if segment.fd >= 0:
+                segment.unlock(TABLE_LOCK)
+            threads.release()
 
 
 def conflicting_lock(fd: int, byte: int, *, exclusive: bool = True) -> bool:

@@ -31,14 +31,14 @@ class UpdateWeights(_TorchRLUpdateWeights):
         trainer: the trainer; needed for ``weight_update_map`` and ``"optim_steps"``.
 
     Keyword Args:
-        sender: an object with ``update_weights()``, e.g. ``store.sender(...)``; then no
+        sender: an object with ``update_weights()``, e.g. ``WeightSender(store, ...)``; then no
             collector is needed.
         interval_unit: ``"batches"`` (registers at ``post_steps``) or ``"optim_steps"``
             (registers at ``post_optim`` and counts the trainer's optimizer steps).
 
     Examples:
         >>> import torch
-        >>> from shmsync import UpdateWeights, WeightStore
+        >>> from shmsync import UpdateWeights, WeightSender, WeightStore
         >>> class Trainer:  # any object with the paths; a torchrl Trainer in practice
         ...     _optim_count = 0
         >>> trainer = Trainer()
@@ -47,7 +47,7 @@ class UpdateWeights(_TorchRLUpdateWeights):
         >>> hook = UpdateWeights(
         ...     update_weights_interval=2,
         ...     trainer=trainer,
-        ...     sender=store.sender({"policy": "actor"}, root=trainer),
+        ...     sender=WeightSender(store, {"policy": "actor"}, root=trainer),
         ...     interval_unit="optim_steps",
         ... )
         >>> trainer._optim_count = 2; hook(); store.version

@@ -12,7 +12,6 @@ from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
 import numpy as np
-import psutil
 
 from . import _segment
 from ._header import (
@@ -30,6 +29,7 @@ from ._header import (
     W_WRITER_PID,
     reader_rows,
 )
+from ._processes import pid_alive
 
 
 @dataclass
@@ -51,22 +51,6 @@ class StoreStatus:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def pid_alive(pid: int, start_ns: int = 0) -> bool:
-    """Whether ``pid`` runs (a zombie does not) and, if ``start_ns`` is given, is the same
-    process (not a reused pid). A process we may not inspect counts as alive."""
-    if pid <= 0:
-        return False
-    try:
-        proc = psutil.Process(pid)
-        if start_ns and abs(int(proc.create_time() * 1e9) - start_ns) > 50_000_000:
-            return False
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
 
 
 def _held(name: str) -> bool:

@@ -12,9 +12,10 @@ from torch import nn
 
 from . import _viewing
 from ._header import W_VERSION
+from ._memory import StoreMemory, copy_all
 from ._source import module_weights
-from .errors import ReloadTimeoutError, WeightMismatchError, WriterGoneError
-from .store import WeightStore, _copy_all
+from .errors import ReloadTimeoutError, ShmSyncError, WeightMismatchError, WriterGoneError
+from .store import WeightStore
 
 
 class WeightReader:
@@ -90,15 +91,17 @@ class WeightReader:
         self.timeout = timeout
         self.reloads = 0
         self._version = -1
-        self._hdr = store._hdr
+        self._memory = memory = store.memory
+        self._protocol = memory.protocol
+        self._hdr = memory.header
         self._parts = _parts(store, module, destination)
         self._targets: list[torch.Tensor] | None = None
         self._sources: list[list[torch.Tensor]] = []
         self._on_cpu = True
         self.zero_copy = zero_copy
         self._viewing: list[torch.Tensor] = []  # parameters now pointing at a leased slot
-        self._row = store._claim_reader_row()  # for `shmsync ls` and store.readers()
-        self._finalizer = weakref.finalize(self, _leave, store, self._row, self._viewing)
+        self._row = self._protocol.claim_row()  # for `shmsync ls` and store.readers(); -1: unlisted
+        self._finalizer = weakref.finalize(self, _leave, memory, self._row, self._viewing)
         # Check the module against the store now (clear error at construction time).
         if not any(_is_meta(m) for _, m in self._parts):
             self._bind()
@@ -127,22 +130,25 @@ class WeightReader:
         """Load the newest complete version now, even if it is already loaded."""
         if self._targets is None:
             self._bind()
-        store = self.store
-        # Closed, or no row in the reader table (a lease lives in the row): copy.
+        memory, protocol = self._memory, self._protocol
+        if memory.closed:
+            raise ShmSyncError(f"store {memory.name!r} is closed in this process")
+        # Without a row in the reader table (it is full) there is no lease: copy.
         can_view = self.zero_copy and self._finalizer.alive and self._row >= 0
         version = self._view_latest() if can_view else None
         if version is None:
             if self._viewing:  # leasing refused: back to private memory before copying into it
                 _make_private(self._viewing)
-                store._release_lease(self._row)
-            # The common case inline (one optimistic copy); `_read` does retries, pins and errors.
-            version = store._try_read(self._copy) if not store.closed else None
+                protocol.release_lease(self._row)
+            # The common case inline (one optimistic copy); `read` does retries, pins and errors.
+            version = protocol.try_read(self._copy)
             if version is None:
-                version = store._read(self._copy, timeout=self.timeout)
+                version = protocol.read(self._copy, timeout=self.timeout)
         changed = version != self._version
         self._version = version
         self.reloads += 1
-        store._update_reader_row(self._row, version, self.reloads)
+        if self._finalizer.alive:
+            protocol.update_row(self._row, version, self.reloads)
         return changed
 
     def wait(self, min_version: int, timeout: float | None = None) -> int:
@@ -187,7 +193,8 @@ class WeightReader:
 
     def _bind(self) -> None:
         """Materialize meta weights, move to ``device``, match the module against the store."""
-        layout = self.store._layout
+        memory = self._memory
+        layout = memory.layout
         targets, indices = [], []
         for prefix, module in self._parts:
             if _is_meta(module):
@@ -206,10 +213,10 @@ class WeightReader:
                 f"{next(t.device for t in targets if t.is_cuda)}: reloads to a GPU always copy"
             )
         if not self._on_cpu:
-            self.store._ensure_pinned()  # host-to-device copies become asynchronous DMA
+            memory.pin_for_cuda()  # host-to-device copies become asynchronous DMA
         self._targets = targets
         # Per slot, the views this reader copies from, so a reload is one batched copy.
-        self._sources = [[views[i] for i in indices] for views in self.store._slots]
+        self._sources = [[views[i] for i in indices] for views in memory.slots]
         if self.zero_copy:
             # Parameters get pointed at the slot, buffers are copied: per slot, parameter
             # views first, then buffer views.
@@ -218,15 +225,15 @@ class WeightReader:
             self._params = [targets[i] for i in params]
             self._param_names = [".".join(layout.entries[indices[i]].key) for i in params]
             self._buffers = [targets[i] for i in order[len(params) :]]
-            self._views = [[views[indices[i]] for i in order] for views in self.store._readonly_slots()]
-            self.store._zero_copy_readers.add(self)
+            self._views = [[views[indices[i]] for i in order] for views in memory.readonly_slots()]
+            memory.viewers.add(self)
 
     def _copy(self, slot: int) -> None:
-        _copy_all(self._targets, self._sources[slot], self._on_cpu)
+        copy_all(self._targets, self._sources[slot], self._on_cpu)
 
     def _view_latest(self) -> int | None:
         """Lease the latest slot and point the parameters at it; its version, or None if refused."""
-        leased = self.store._lease_latest(self._row)
+        leased = self._protocol.lease_latest(self._row)
         if leased is None:
             return None
         slot, version = leased
@@ -235,7 +242,7 @@ class WeightReader:
             for p, v in zip(self._params, views[: len(self._params)]):
                 p.set_(v)
         if self._buffers:  # the slot is leased: it cannot change under this copy
-            _copy_all(self._buffers, views[len(self._params) :], on_cpu=True)
+            copy_all(self._buffers, views[len(self._params) :], on_cpu=True)
         if not self._viewing:
             _viewing.mark(self._params, self._param_names, self.store.name)
         self._viewing[:] = self._params
@@ -254,12 +261,13 @@ def _make_private(params: list[torch.Tensor]) -> None:
     params.clear()
 
 
-def _leave(store: WeightStore, row: int, viewing: list[torch.Tensor]) -> None:
+def _leave(memory: StoreMemory, row: int, viewing: list[torch.Tensor]) -> None:
     # The module may outlive its reader: it keeps the weights it has, in private memory.
     if viewing:
         _make_private(viewing)
-        store._release_lease(row)
-    store._release_reader_row(row)
+    if not memory.closed:
+        memory.protocol.release_lease(row)
+        memory.protocol.release_row(row)
 
 
 def _is_meta(module: nn.Module) -> bool:

@@ -22,12 +22,12 @@ class WeightSender:
 
     Examples:
         >>> import torch
-        >>> from shmsync import WeightStore
+        >>> from shmsync import WeightSender, WeightStore
         >>> class Trainer: ...
         >>> trainer = Trainer()
         >>> trainer.actor = torch.nn.Linear(2, 2)
         >>> store = WeightStore.create({"policy": trainer.actor})
-        >>> sender = store.sender({"policy": "actor"}, root=trainer)
+        >>> sender = WeightSender(store, {"policy": "actor"}, root=trainer)
         >>> sender.update_weights()
         1
         >>> store.close()

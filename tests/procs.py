@@ -167,7 +167,7 @@ def stuck_reader(store: WeightStore, how: str, conn) -> None:
             os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(3600)
 
-    store._read_pinned(copy, time.monotonic() + 3600)
+    store.memory.protocol.read_pinned(copy, time.monotonic() + 3600)
 
 
 def slow_reader(store: WeightStore, sizes, loads: int, delay: float, conn) -> None:
@@ -184,11 +184,11 @@ def slow_reader(store: WeightStore, sizes, loads: int, delay: float, conn) -> No
     while done < loads:
 
         def copy(slot):
-            for t, v in zip(targets, store._slots[slot]):
+            for t, v in zip(targets, store.memory.slots[slot]):
                 t.copy_(v)
                 time.sleep(delay)
 
-        version = store._read(copy, timeout=60)
+        version = store.memory.protocol.read(copy, timeout=60)
         done += 1
         if mixed_values(module) != {float(version)}:
             bad += 1

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _odd_slots(store):
-    h = store._hdr
+    h = store.memory.header
     return [i for i in range(store.num_slots) if int(h[W_SEQ + i]) & 1]
 
 

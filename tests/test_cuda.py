@@ -24,7 +24,7 @@ def test_publish_from_cuda_is_visible_after_flush(store_factory):
         for p in trainer.parameters():
             p.fill_(3.0)
     v = store.publish(trainer)
-    assert store._pinned, "the slots were not page-locked"
+    assert store.memory.pinned, "the slots were not page-locked"
     assert store.flush(timeout=30) == v == 1
     snap = store.snapshot()
     assert snap.version == 1 and all((t == 3.0).all() for t in snap.weights.values())
@@ -71,4 +71,4 @@ def test_close_unregisters(store_factory):
     store = WeightStore.create(_net("cuda"))
     store.publish(_net("cuda"))
     store.close()
-    assert not store._pinned
+    assert not store.memory.pinned

@@ -5,7 +5,7 @@ import torch
 import torchrl.trainers
 from torchrl.collectors import Collector
 
-from shmsync import UpdateWeights, WeightMismatchError, WeightReader
+from shmsync import UpdateWeights, WeightMismatchError, WeightReader, WeightSender
 
 from rl import make_env, make_loss, make_policy, make_trainer
 
@@ -26,7 +26,7 @@ def test_hook_publishes_each_interval(store_factory, unit, interval, expected):
     hook = UpdateWeights(
         update_weights_interval=interval,
         trainer=trainer,
-        sender=store.sender({"policy": "loss_module.value_network"}, root=trainer),
+        sender=WeightSender(store, {"policy": "loss_module.value_network"}, root=trainer),
         interval_unit=unit,
     )
     hook.register(trainer)
@@ -59,13 +59,13 @@ def test_state_dict_round_trip(store_factory):
     trainer, policy = _trainer()
     store = store_factory(policy)
     hook = UpdateWeights(
-        update_weights_interval=3, trainer=trainer, sender=store.sender(policy), interval_unit="optim_steps"
+        update_weights_interval=3, trainer=trainer, sender=WeightSender(store, policy), interval_unit="optim_steps"
     )
     trainer._optim_count = 7
     hook()
     assert hook.state_dict() == {"counter": 0, "last_update_count": 7}
     other = UpdateWeights(
-        update_weights_interval=3, trainer=trainer, sender=store.sender(policy), interval_unit="optim_steps"
+        update_weights_interval=3, trainer=trainer, sender=WeightSender(store, policy), interval_unit="optim_steps"
     )
     other.load_state_dict(hook.state_dict())
     trainer._optim_count = 9
@@ -104,7 +104,8 @@ def test_paths_resolve_subscripts_and_registered_modules(store_factory):
     trainer.register_module("behaviour", behaviour)
     mlp = policy.module[0]
     store = store_factory({"mlp": mlp, "behaviour": behaviour, "again": behaviour})
-    sender = store.sender(
+    sender = WeightSender(
+        store,
         {"mlp": "loss_module.value_network.module[0]", "behaviour": "behaviour", "again": "_modules['behaviour']"},
         root=trainer,
     )
@@ -123,7 +124,7 @@ def test_bad_path_is_reported_before_anything_changes(store_factory):
     with pytest.raises(AttributeError, match=r"path 'loss_module\.actor_network' does not resolve: 'loss_module'"):
         UpdateWeights(trainer.collector, 1, weight_update_map={"policy": "loss_module.actor_network"}, trainer=trainer)
     with pytest.raises(AttributeError, match=r"has no item 5"):
-        store.sender({"policy": "loss_module.value_network.module[5]"}, root=trainer)
+        WeightSender(store, {"policy": "loss_module.value_network.module[5]"}, root=trainer)
     assert store.version == 0
 
 
@@ -131,14 +132,14 @@ def test_a_sender_that_does_not_match_its_store_fails_when_built(store_factory):
     trainer, policy = _trainer()
     single = store_factory(policy)  # created from the module itself: no destinations
     with pytest.raises(WeightMismatchError, match=r"created from a single module, without destinations.*\['policy'\]"):
-        single.sender({"policy": "loss_module.value_network"}, root=trainer)
+        WeightSender(single, {"policy": "loss_module.value_network"}, root=trainer)
     mapped = store_factory({"policy": policy})
     with pytest.raises(WeightMismatchError, match=r"holds destinations \['policy'\], got \['actor'\]"):
-        mapped.sender({"actor": "loss_module.value_network"}, root=trainer)
+        WeightSender(mapped, {"actor": "loss_module.value_network"}, root=trainer)
     with pytest.raises(WeightMismatchError, match="do not have the store's keys"):
-        mapped.sender({"policy": "loss_module.value_network.module[0]"}, root=trainer)
+        WeightSender(mapped, {"policy": "loss_module.value_network.module[0]"}, root=trainer)
     assert single.version == mapped.version == 0
-    single.sender(policy)  # the module itself: fine
+    WeightSender(single, policy)  # the module itself: fine
 
 
 def test_hook_destination_without_a_scheme_fails_when_built():

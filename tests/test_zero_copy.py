@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from shmsync import WeightReader, _segment
-from shmsync._leases import SUPPORTED
 
 from procs import (
     STRESS_SIZES,
@@ -21,8 +20,6 @@ from procs import (
     zero_copy_reader,
 )
 
-pytestmark = pytest.mark.skipif(not SUPPORTED, reason="leases need x86-64")
-
 SMALL = {"a": 1000, "b": 24}
 
 
@@ -32,7 +29,7 @@ def _publish(store, value, sizes=SMALL):
 
 def _inside(tensor, store):
     """Whether ``tensor`` lies in the store's read-only mapping."""
-    views = [v for slot in store._readonly_slots() for v in slot]
+    views = [v for slot in store.memory.readonly_slots() for v in slot]
     lo = min(v.data_ptr() for v in views)
     hi = max(v.data_ptr() + v.nbytes for v in views)
     return lo <= tensor.data_ptr() < hi
@@ -207,14 +204,12 @@ def test_a_thread_stuck_in_one_stores_table_lock_stalls_no_other_store(store_fac
     import threading
     import time
 
-    from shmsync._leases import TableLock
-
     a = store_factory(blob_weights(SMALL, 1.0), num_slots=4)
     b = store_factory(blob_weights(SMALL, 2.0), num_slots=4)
     holding, release = threading.Event(), threading.Event()
 
     def hold_a():
-        with TableLock(a._segment, patience=None):
+        with a.memory.protocol.locks.table(None):
             holding.set()
             release.wait(30)
 

@@ -1,0 +1,135 @@
+"""One store's shared memory as mapped in this process: the header and its protocol, the
+tensor layout, and per slot the tensor views that copies go through.
+
+This is what clients of a store build on (the store's publish, the readers, the CUDA
+publisher, tools and tests): they copy through :attr:`StoreMemory.slots` inside the
+protocol's ``copy(slot)`` callbacks, and never touch header words themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+
+import torch
+
+from ._header import W_CREATOR_PID, W_DATA_OFFSET, W_NUM_SLOTS, W_SLOT_BYTES
+from ._layout import Layout
+from ._protocol import Protocol
+from ._segment import Segment, SegmentLocks
+
+
+class StoreMemory:
+    """The mapping of one store in this process.
+
+    Attributes:
+        segment: the mapped segment (name, locks, lifetime).
+        header: its header words (int64 memoryview).
+        protocol: this process's side of the slot protocol (:class:`~shmsync._protocol.Protocol`).
+        layout: where each tensor lives inside a slot; destinations: their names, or None.
+        slots: per slot, a writable view of every tensor, in layout order.
+        viewers: zero-copy readers of this mapping, closed before it goes.
+    """
+
+    def __init__(
+        self, segment: Segment, header: memoryview, layout: Layout, destinations, *, unlink_at_exit: bool = False
+    ) -> None:
+        self.segment = segment
+        self.header = h = header
+        self.layout, self.destinations = layout, destinations
+        self.num_slots = h[W_NUM_SLOTS]
+        self.protocol = Protocol(h, SegmentLocks(segment), name=segment.name)
+        data, stride = h[W_DATA_OFFSET], h[W_SLOT_BYTES]
+        self.slots = [layout.slot_views(segment.buf, data + i * stride) for i in range(self.num_slots)]
+        self._readonly: list[list[torch.Tensor]] = []
+        self._pinned: list = []  # (pointer, view) of page-locked memory, for CUDA copies
+        self.viewers: weakref.WeakSet = weakref.WeakSet()
+        # Garbage collected or at exit: views dropped, unlinked if asked (by the creator only).
+        self._finalizer = weakref.finalize(
+            self, _release, segment, (self.slots, self._readonly), h[W_CREATOR_PID], self._pinned, unlink_at_exit
+        )
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the slots are page-locked in this process (see :meth:`pin_for_cuda`)."""
+        return bool(self._pinned)
+
+    def readonly_slots(self) -> list[list[torch.Tensor]]:
+        """Per slot, read-only views of every entry (a write through them faults)."""
+        if not self._readonly:
+            h, buf = self.header, self.segment.readonly()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                self._readonly += [
+                    self.layout.slot_views(buf, h[W_DATA_OFFSET] + i * h[W_SLOT_BYTES]) for i in range(self.num_slots)
+                ]
+        return self._readonly
+
+    def pin_for_cuda(self) -> None:
+        """Page-lock the slots in this process (once), so CUDA copies are asynchronous DMA."""
+        if self._pinned or not torch.cuda.is_available():
+            return
+        from ._cuda import register_host
+
+        h = self.header
+        region = torch.frombuffer(
+            self.segment.buf, dtype=torch.uint8, count=h[W_SLOT_BYTES] * self.num_slots, offset=h[W_DATA_OFFSET]
+        )
+        self._pinned.append((register_host(region), region))
+
+    def close(self) -> None:
+        """Drop the views and unmap (unlinking, if so made). The header stays readable: a
+        private copy of its last state replaces the mapped one."""
+        if self._finalizer.alive:
+            mapped = self.header
+            self.header = self.protocol.h = memoryview(bytearray(mapped.tobytes())).cast("q")
+            mapped.release()  # so the mapping can go now
+            self._finalizer()
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor], on_cpu: bool | None = None) -> None:
+    """``dst[i].copy_(src[i])`` for all i, batched, without autograd.
+
+    ``on_cpu``: whether no tensor is on CUDA, when the caller already knows (hot paths).
+    """
+    if on_cpu is None:
+        on_cpu = not any(t.is_cuda for t in dst) and not any(t.is_cuda for t in src)
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # what no_grad() does, without its per-call overhead
+    try:
+        if on_cpu:
+            torch._foreach_copy_(dst, src)
+        else:
+            non_blocking = any(t.is_cuda for t in dst)
+            for d, s in zip(dst, src):
+                d.copy_(s, non_blocking=non_blocking)
+            for dev in {t.device for t in (*dst, *src) if t.is_cuda}:
+                torch.cuda.current_stream(dev).synchronize()
+    finally:
+        torch._C._set_grad_enabled(grad)
+
+
+def _release(segment: Segment, views: tuple[list, ...], creator_pid: int, pinned: list, unlink: bool = False) -> None:
+    if pinned:
+        from ._cuda import unregister_host
+
+        for ptr, _view in pinned:
+            unregister_host(ptr)  # before the memory is unmapped
+        pinned.clear()
+    for v in views:
+        v.clear()
+    if unlink and os.getpid() == creator_pid:
+        segment.unlink()
+    try:
+        segment.close()
+    except BufferError:
+        pass  # tensors of the caller still view the mapping; it goes when they do

@@ -1,0 +1,527 @@
+"""The protocol between one writer and many readers of a store's slots (no torch here).
+
+Everything works on header words ``h`` (see :mod:`shmsync._header`) and on ``copy(slot)``
+callbacks that move the bytes, so the interleavings below can be driven step by step in
+tests, on a plain list of ints, without processes or torch.
+
+Slots and words
+---------------
+A store has ``N >= 2`` slots (3 by default), each a full copy of the weights. The header
+holds ``version`` (the last completed version), ``latest`` (the slot holding it), and per
+slot a sequence number ``seq[i]`` (odd while it is being written) and the version it holds.
+
+Writer (one process at a time, enforced by a kernel lock the store takes)::
+
+    target = a slot that is neither `latest`, nor pinned, nor leased (the least recently written)
+    seq[target] += 1            # odd: being written; then a full fence, and back off if leased
+    copy the weights into target                                   (Protocol.begin_write)
+    slot_version[target] = v; fence; seq[target] += 1   # even: complete
+    latest = target; version = v                                   (Protocol.commit)
+
+The writer never reads anything a reader writes except three pin words and the per-slot
+lease counts, and never waits: publishing is a copy plus a handful of word stores. One
+process has at most one write open at a time (a second ``begin_write`` raises), so a CPU
+publish cannot pick the slot a CUDA publish of the same process is still filling.
+
+Reader, optimistic path (seqlock validation, :meth:`Protocol.try_read`)::
+
+    s = seq[latest]; fence; v = slot_version[latest]; copy the slot; fence; valid iff seq is still s
+
+A slot is rewritten only once it is no longer ``latest``; with 3 slots the writer must
+finish two whole publishes and start a third while one reader copy runs before that copy
+is invalidated, so retries are rare. Validation guarantees that a reader never *accepts* a
+mixed copy, whatever the timing.
+
+Reader, bounded fallback (slot pinning, :meth:`Protocol.read_pinned`): after
+``max_attempts`` failed optimistic copies a reader takes the store's single reader token
+(a kernel lock, released if the reader dies) and asks the writer to pin a slot by writing
+a fresh ticket into ``pin_request``. At the start of its next publish the writer sets
+``pin_slot = latest`` (or a slot leased by a zero-copy reader, already safe from it) and
+``pin_grant = ticket``, and from then on never writes into ``pin_slot`` until
+``pin_release == pin_grant``. With 3 slots there is always a slot that is neither latest
+nor pinned, so the writer still never waits, and the pinned reader's copy cannot be
+invalidated: it completes in one copy. A writer that is idle grants nothing, but then an
+optimistic copy succeeds, so the reader keeps trying those while it waits. A reader that
+dies while pinned only costs the writer one slot until the next ticket replaces its pin.
+
+The token bounds the wait of the others: its holder's pinned copy completes, so the next
+reader waits at most one copy for it. A holder that is *stopped* (SIGSTOP, a debugger)
+cannot block them either: the holder writes its pid into ``token_pid``, and once it is
+seen stopped the others issue a ticket without the token, which moves the pin; the stopped
+reader's copy, if it ever resumes, fails validation and is retried. A holder that runs,
+however slowly, keeps its pin: two slow readers taking the pin off each other would never
+finish.
+
+Leases (zero-copy readers, :meth:`Protocol.lease_latest`)
+---------------------------------------------------------
+A zero-copy reader points its module's parameters at the read-only memory of one slot and
+holds a *lease* on it; the writer never writes a leased slot. Leases are recorded in the
+reader table (each row's lease word, ``slot + 1``) and summed per slot into
+``leases[i]``, which is all the writer reads. Rules that keep the writer from waiting:
+
+* a reader leases only the ``latest`` slot, and gives up its previous lease in the same
+  step (its module is not in use while it reloads); a reader without a row of the reader
+  table (the table is full) never leases: it copies;
+* a lease is refused if afterwards more than ``N - 2`` distinct slots would be leased or
+  pinned: the writer then always has a slot that is neither latest, nor leased, nor
+  pinned. A refused reader copies instead. The writer pins a leased slot when there is one
+  besides the latest, so a pin costs no slot of its own;
+* lease changes happen under the table lock (readers only: the writer never takes it)
+  and update the per-slot counts. A count may only be too high (a reader that died
+  holding a lease, a lease given up without the lock); the rows are the truth. So a
+  reader about to be refused first recomputes the counts from the rows of live
+  processes, and the writer, when a count says a slot is leased, asks the rows before
+  believing it.
+
+Handshake: the writer marks its target odd, issues a full fence, then reads the target's
+lease count, and backs off to another slot if it is leased. A reader records its lease,
+issues a full fence, then checks that the slot's sequence number did not move. Of two such
+racing parties at least one sees the other, so a slot is never both written and leased.
+
+Ordering
+--------
+``fence`` orders stores with stores and loads with loads; ``full_fence`` also a store
+before a later load. On x86-64 the former is free (see :mod:`shmsync._fence`); elsewhere
+both are a real barrier. A store that ends the use of shared memory (a pin or lease
+release) is preceded by a fence so the copy's loads cannot drift after it.
+
+Crashes
+-------
+A writer killed in the middle of a copy leaves ``seq[target]`` odd and ``latest``
+untouched: readers keep loading the last complete version, and the next writer rewrites
+that slot from scratch. A copy that raises is aborted (:meth:`Protocol.abort`): the slot is
+marked empty, and nobody reads it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, MutableSequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import NamedTuple
+from typing import Protocol as Interface
+
+from . import _fence
+from ._header import (
+    W_LATEST,
+    W_LEASES,
+    W_NUM_SLOTS,
+    W_PIN_GRANT,
+    W_PIN_RELEASE,
+    W_PIN_REQUEST,
+    W_PIN_SLOT,
+    W_PUBLISH_COUNT,
+    W_PUBLISH_NS,
+    W_SEQ,
+    W_SLOT_VERSION,
+    W_TOKEN_PID,
+    W_VERSION,
+    W_WRITER_PID,
+    reader_column,
+    row_base,
+)
+from ._processes import pid_alive, pid_stopped
+from .errors import ReloadTimeoutError, ShmSyncError
+
+Words = MutableSequence[int]
+CopyFn = Callable[[int], None]  # copies out of (or into) the slot with that index
+
+LEASE = 4  # a reader row's lease word: leased slot + 1, 0 if none
+
+
+class Locks(Interface):
+    """The two locks readers take (the writer takes none of them)."""
+
+    def try_token(self) -> bool:
+        """Take the reader token if it is free (never waits)."""
+
+    def release_token(self) -> None: ...
+
+    def table(self, patience: float | None) -> AbstractContextManager[bool]:
+        """Hold the reader table's lock; yields whether it was taken within ``patience`` s."""
+
+
+class LocalLocks:
+    """:class:`Locks` for a header shared by the threads of one process (the protocol's tests;
+    a store uses :class:`shmsync._segment.SegmentLocks`)."""
+
+    def __init__(self) -> None:
+        self.token = threading.Lock()
+        self.table_lock = threading.Lock()
+
+    def try_token(self) -> bool:
+        return self.token.acquire(blocking=False)
+
+    def release_token(self) -> None:
+        self.token.release()
+
+    @contextmanager
+    def table(self, patience: float | None) -> Iterator[bool]:
+        taken = self.table_lock.acquire(timeout=-1 if patience is None else patience)
+        try:
+            yield taken
+        finally:
+            if taken:
+                self.table_lock.release()
+
+
+class Write(NamedTuple):
+    """A write in progress: the slot and the odd sequence number it carries meanwhile."""
+
+    slot: int
+    seq: int
+
+
+def initialize(h: Words, num_slots: int) -> None:
+    """Set the protocol's words of a fresh header: no version yet, every slot empty."""
+    h[W_VERSION] = -1
+    h[W_LATEST] = 0
+    h[W_NUM_SLOTS] = num_slots
+    for i in range(num_slots):
+        h[W_SLOT_VERSION + i] = -1
+
+
+def lease_word(row: int) -> int:
+    return row_base(row) + LEASE
+
+
+class Protocol:
+    """One process's side of the protocol on one store's header.
+
+    Args:
+        h: the header words (a memoryview of int64 in a store; any list of ints in tests).
+        locks: the reader token and the table lock (:class:`Locks`).
+        name: the store's name, for error messages.
+        alive: whether a pid is a live process (dead readers' rows are reclaimed).
+        stopped: whether a pid is a stopped process (its reader token may be taken over).
+        ordering: ``"tso"`` or ``"weak"`` (see :mod:`shmsync._fence`); default: this CPU's.
+        pid: this process's id as written into the header.
+
+    Examples:
+        >>> h = [0] * 6144
+        >>> initialize(h, 3)
+        >>> writer, reader = Protocol(h, LocalLocks()), Protocol(h, LocalLocks())
+        >>> slots = [None] * 3
+        >>> write = writer.begin_write()
+        >>> slots[write.slot] = "weights v0"
+        >>> writer.commit(write)
+        0
+        >>> got = []
+        >>> reader.try_read(lambda slot: got.append(slots[slot])), got
+        (0, ['weights v0'])
+    """
+
+    def __init__(
+        self,
+        h: Words,
+        locks: Locks,
+        *,
+        name: str = "store",
+        alive: Callable[[int], bool] = pid_alive,
+        stopped: Callable[[int], bool] = pid_stopped,
+        ordering: str | None = None,
+        pid: int | None = None,
+    ) -> None:
+        self.h = h
+        self.num_slots = int(h[W_NUM_SLOTS])
+        self.locks = locks
+        self.name = name
+        self.alive, self.stopped = alive, stopped
+        self.fence, self.full_fence = _fence.ordering(ordering)
+        self.pid = os.getpid() if pid is None else pid
+        self.writing: Write | None = None  # the write this process has open
+        self.retries = 0  # optimistic copies that failed validation
+        self.pinned_reads = 0  # reads that needed the pinned fallback
+
+    # -- writer ---------------------------------------------------------------------------------
+    def begin_write(self) -> Write:
+        """Choose a slot and mark it being written. Never waits.
+
+        Raises:
+            ShmSyncError: this process already has a write open (say, a CUDA publish in flight).
+        """
+        if self.writing is not None:
+            raise ShmSyncError(
+                f"store {self.name!r}: this process is still writing slot {self.writing.slot}; "
+                "one publish at a time (wait for the pending one)"
+            )
+        h = self.h
+        backed_off: tuple[int, ...] = ()
+        for _ in range(1000):
+            target = self.choose_target(backed_off)
+            if target is None:
+                if not backed_off:  # at most num_slots - 2 slots are leased: unreachable
+                    raise ShmSyncError(f"store {self.name!r}: every slot but the latest is leased by a reader")
+                backed_off = ()  # those leases may have been brief: look again
+                continue
+            seq = h[W_SEQ + target]
+            odd = seq + 2 if seq & 1 else seq + 1  # odd already: a writer died mid-copy
+            h[W_SEQ + target] = odd
+            self.full_fence()  # the store above before the lease loads below
+            if not h[W_LEASES + target] or not self.row_leased(target):
+                self.writing = Write(target, odd)
+                return self.writing
+            h[W_SEQ + target] = odd + 1  # a reader leased it meanwhile: leave it, untouched
+            backed_off += (target,)
+        raise ShmSyncError(f"store {self.name!r}: readers kept leasing every free slot")
+
+    def commit(self, write: Write, version: int | None = None) -> int:
+        """Make the written slot the latest, complete version; returns that version
+        (default: one more than the last)."""
+        h = self.h
+        if version is None:
+            version = h[W_VERSION] + 1
+        h[W_SLOT_VERSION + write.slot] = version
+        self.fence()  # the copy's stores and the version before the sequence
+        h[W_SEQ + write.slot] = write.seq + 1
+        h[W_LATEST] = write.slot
+        h[W_VERSION] = version
+        h[W_PUBLISH_NS] = time.time_ns()
+        h[W_WRITER_PID] = self.pid
+        h[W_PUBLISH_COUNT] += 1
+        self.writing = None
+        return version
+
+    def abort(self, write: Write) -> None:
+        """Give up a write whose copy failed: the slot is left empty (never latest, never read)."""
+        h = self.h
+        h[W_SLOT_VERSION + write.slot] = -1
+        self.fence()
+        h[W_SEQ + write.slot] = write.seq + 1
+        self.writing = None
+
+    def choose_target(self, backed_off: tuple[int, ...] = ()) -> int | None:
+        """Serve a pending pin request, then pick the slot to write (None if every slot but
+        the latest is leased or backed off from). Never waits."""
+        h = self.h
+        request = h[W_PIN_REQUEST]
+        if request != h[W_PIN_GRANT]:
+            h[W_PIN_SLOT] = self.pin_candidate()
+            self.fence()
+            h[W_PIN_GRANT] = request
+        pinned = h[W_PIN_SLOT] if h[W_PIN_RELEASE] != h[W_PIN_GRANT] else -1
+        latest = h[W_LATEST] if h[W_VERSION] >= 0 else -1
+        others = [s for s in range(self.num_slots) if s != latest and s not in backed_off]
+        free = [s for s in others if not h[W_LEASES + s]]
+        if not free:  # a count may be too high: the rows tell
+            free = [s for s in others if not self.row_leased(s)]
+        candidates = [s for s in free if s != pinned] or free  # 2 slots and a pin: the pinned reader retries
+        return min(candidates, key=lambda s: h[W_SLOT_VERSION + s]) if candidates else None
+
+    def pin_candidate(self) -> int:
+        """The slot to pin for a starving reader: a slot leased by a zero-copy reader if there
+        is one besides the latest (it is already safe from the writer, so the pin costs no
+        slot; its version is older but complete), else the latest."""
+        h = self.h
+        latest = h[W_LATEST]
+        for s in range(self.num_slots):
+            if s != latest and h[W_LEASES + s] and not h[W_SEQ + s] & 1 and self.row_leased(s):
+                return s
+        return latest
+
+    # -- reader ---------------------------------------------------------------------------------
+    def read(self, copy: CopyFn, *, max_attempts: int = 2, timeout: float = 60.0) -> int:
+        """Run ``copy(slot)`` on the newest complete slot until one copy validates; returns the
+        version copied. ``copy`` must have finished reading the slot when it returns.
+
+        Raises:
+            ReloadTimeoutError: no copy validated within ``timeout`` seconds.
+        """
+        for _ in range(max_attempts):
+            version = self.try_read(copy)
+            if version is not None:
+                return version
+        return self.read_pinned(copy, time.monotonic() + timeout)
+
+    def try_read(self, copy: CopyFn) -> int | None:
+        """One optimistic copy of the latest slot: its version, or None if it did not validate."""
+        h = self.h
+        slot = h[W_LATEST]
+        seq = h[W_SEQ + slot]
+        if seq & 1:
+            return None  # `latest` moved on and that slot is already being rewritten
+        self.fence()  # the sequence before the version and the bytes
+        version = h[W_SLOT_VERSION + slot]
+        copy(slot)
+        self.fence()  # the bytes before the sequence, again
+        if h[W_SEQ + slot] != seq:
+            self.retries += 1
+            return None
+        return version
+
+    def read_pinned(self, copy: CopyFn, deadline: float, steal_after: float = 0.25) -> int:
+        """The bounded fallback: hold the reader token and copy a slot the writer pinned."""
+        h, locks = self.h, self.locks
+        self.pinned_reads += 1
+        waited_since = time.monotonic()
+        looked = 0.0
+        token = locks.try_token()
+        while not token:
+            # Another reader holds the token; it finishes in one copy. Keep trying meanwhile.
+            version = self.try_read(copy)
+            if version is not None:
+                return version
+            self._check_deadline(deadline, "waiting for the reader token")
+            now = time.monotonic()
+            if now - waited_since > steal_after and now - looked > 0.05:
+                looked = now
+                if self.stopped(h[W_TOKEN_PID]):
+                    break  # a stopped holder: take over its pin without the token (see above)
+            time.sleep(0.0005)
+            token = locks.try_token()
+        if token:
+            h[W_TOKEN_PID] = self.pid
+        try:
+            while True:
+                ticket = h[W_PIN_REQUEST] + 1
+                h[W_PIN_REQUEST] = ticket
+                try:
+                    version = self._await_pin(copy, ticket, deadline)
+                finally:
+                    self.fence()  # the copy's loads before the release
+                    h[W_PIN_RELEASE] = ticket  # a newer ticket's pin stays active: GRANT != this
+                if version is not None:
+                    return version
+        finally:
+            if token:
+                h[W_TOKEN_PID] = 0
+                locks.release_token()
+
+    def _await_pin(self, copy: CopyFn, ticket: int, deadline: float) -> int | None:
+        h = self.h
+        published = h[W_PUBLISH_COUNT]
+        waited_since = time.monotonic()
+        while True:
+            if h[W_PIN_GRANT] == ticket:
+                self.fence()  # the grant before the pinned slot's words
+                slot = h[W_PIN_SLOT]
+                seq = h[W_SEQ + slot]
+                if seq & 1:
+                    return None
+                self.fence()
+                version = h[W_SLOT_VERSION + slot]
+                copy(slot)
+                self.fence()
+                return version if h[W_SEQ + slot] == seq else None  # None: 2 slots only
+            # No grant yet. A writer that has not published since the request is idle or
+            # in a long copy; an optimistic copy then succeeds (or at worst fails once).
+            if h[W_PUBLISH_COUNT] == published and time.monotonic() - waited_since > 0.002:
+                version = self.try_read(copy)
+                if version is not None:
+                    return version
+                published, waited_since = h[W_PUBLISH_COUNT], time.monotonic()
+            self._check_deadline(deadline, "waiting for the writer to pin a slot")
+            time.sleep(0.0001)
+
+    def _check_deadline(self, deadline: float, doing: str) -> None:
+        if time.monotonic() > deadline:
+            raise ReloadTimeoutError(f"store {self.name!r}: no complete version could be read in time ({doing})")
+
+    # -- reader table ---------------------------------------------------------------------------
+    def claim_row(self, patience: float | None = 5.0) -> int:
+        """A free row of the reader table for this process, or -1 if the table is full or its
+        lock stayed busy for ``patience`` seconds (the reader then copies, unlisted)."""
+        h = self.h
+        with self.locks.table(patience) as locked:
+            if not locked:
+                return -1
+            pids = reader_column(h, 0)
+            free = [row for row, pid in enumerate(pids) if pid == 0]
+            if not free:  # reclaim a dead reader's row; its lease stays counted until a recount
+                free = [row for row, pid in enumerate(pids) if not self.alive(pid)][:1]
+            if not free:
+                return -1
+            base = row_base(free[0])
+            h[base + 1], h[base + 2], h[base + 3], h[base + LEASE] = -1, 0, 0, 0
+            h[base] = self.pid
+            return free[0]
+
+    def update_row(self, row: int, version: int, reloads: int) -> None:
+        """Record what reader ``row`` loaded (for ``shmsync ls`` and ``store.readers()``)."""
+        if row >= 0:
+            base = row_base(row)
+            h = self.h
+            h[base + 1], h[base + 2], h[base + 3] = version, reloads, time.time_ns()
+
+    def release_row(self, row: int) -> None:
+        if row >= 0:
+            self.h[row_base(row)] = 0
+
+    # -- leases ---------------------------------------------------------------------------------
+    def row_leased(self, slot: int) -> bool:
+        """Whether any row of the reader table leases ``slot`` (dead readers' rows included)."""
+        return slot + 1 in reader_column(self.h, LEASE)
+
+    def leases(self, row: int) -> bool:
+        """Whether reader ``row`` holds a lease."""
+        return row >= 0 and bool(self.h[lease_word(row)])
+
+    def recount(self) -> set[int]:
+        """Recompute the per-slot lease counts from the rows of live readers; the leased slots.
+        Call with the table lock held."""
+        h = self.h
+        counts = [0] * self.num_slots
+        pids, leases = reader_column(h, 0), reader_column(h, LEASE)
+        for row, (pid, lease) in enumerate(zip(pids, leases)):
+            if lease and pid and self.alive(pid):
+                counts[lease - 1] += 1
+            elif lease:
+                h[lease_word(row)] = 0  # a dead reader's lease
+        for slot, n in enumerate(counts):
+            h[W_LEASES + slot] = n
+        return {slot for slot, n in enumerate(counts) if n}
+
+    def lease_latest(self, row: int) -> tuple[int, int] | None:
+        """Move ``row``'s lease to the latest slot. Returns ``(slot, version)``, or None if the
+        lease is refused (the row then keeps its previous lease, if any; without a row, always)."""
+        if row < 0:
+            return None  # the lease would live in the row: no row, no lease
+        h, n = self.h, self.num_slots
+        word = lease_word(row)
+        with self.locks.table(0.01) as locked:
+            if not locked:
+                return None
+            slot = h[W_LATEST]
+            seq = h[W_SEQ + slot]
+            version = h[W_SLOT_VERSION + slot]
+            if seq & 1 or version < 0:
+                return None  # `latest` moved on and that slot is already being rewritten
+            previous = h[word]
+            counts = [h[W_LEASES + s] for s in range(n)]
+            if previous:
+                counts[previous - 1] -= 1
+            counts[slot] += 1
+            h[word] = slot + 1
+            pinned = {h[W_PIN_SLOT]} if h[W_PIN_RELEASE] != h[W_PIN_GRANT] else set()
+            if len({s for s, c in enumerate(counts) if c > 0} | pinned) <= n - 2:
+                for s in {slot, previous - 1} - {-1}:
+                    h[W_LEASES + s] = counts[s]
+            elif len(self.recount() | pinned) > n - 2:  # dead readers' leases dropped
+                h[word] = previous
+                self.recount()
+                return None
+        self.full_fence()  # the lease stores above before the sequence load below
+        # A writer that starts on `slot` from now on sees the lease; one that started before
+        # has already moved its sequence.
+        if h[W_SEQ + slot] != seq:
+            self.release_lease(row)
+            return None
+        return slot, version
+
+    def release_lease(self, row: int) -> None:
+        """Give up ``row``'s lease. If the table stays busy, the counts are left for the next
+        lease change to recompute: the writer avoids that slot a little longer, which is safe."""
+        if row < 0:
+            return
+        h = self.h
+        word = lease_word(row)
+        if not h[word]:
+            return
+        self.fence()  # the module's last loads from the slot before the release
+        with self.locks.table(0.01) as locked:
+            slot = h[word] - 1
+            h[word] = 0
+            if locked:
+                h[W_LEASES + slot] = max(0, h[W_LEASES + slot] - 1)

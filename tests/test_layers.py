@@ -1,0 +1,101 @@
+"""The import graph of shmsync: no circle, and nothing low imports anything higher."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Lowest first. A module may import modules of its own layer or below, never above.
+LAYERS = [
+    {"errors", "_header", "_processes", "_fence", "_paths"},  # words, processes, fences
+    {"_segment", "_protocol", "_layout", "_source", "_cuda", "_viewing"},  # memory and protocol
+    {"_memory"},  # one store's mapping
+    {"store", "tagging", "versions", "lifetime", "host"},  # the store
+    {"reader", "sender", "cli", "testing"},  # its clients
+    {"hook", "scheme", "_scheme_sender", "_scheme_worker"},  # TorchRL integration
+    {"workers"},  # worker processes
+]
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+
+def _modules() -> dict[str, Path]:
+    found = {p.stem: p for p in (ROOT / "shmsync").glob("*.py") if p.stem != "__init__"}
+    found.update({f"workers.{p.stem}": p for p in (ROOT / "workers").glob("*.py") if p.stem != "__init__"})
+    return found
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """shmsync modules ``path`` imports at run time (function-level imports too; not those
+    under ``if TYPE_CHECKING:``)."""
+    tree = ast.parse(path.read_text())
+    skip = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for n in ast.walk(node)
+    }
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 1:  # from .x import y / from . import x
+            names = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
+            out.update(n if package == "shmsync" else f"workers.{n}" for n in names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shmsync."):
+            parts = node.module.split(".")
+            out.add(".".join(parts[1:3]) if parts[1] == "workers" else parts[1])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("shmsync."))
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        package = "workers" if name.startswith("workers.") else "shmsync"
+        graph[name] = {m for m in _imports(path, package) if m in modules and m != name}
+    return graph
+
+
+def _rank(name: str) -> int:
+    return RANK["workers"] if name.startswith("workers.") else RANK[name]
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in _modules() if not m.startswith("workers.") and m not in RANK] == []
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = [f"{name} -> {dep}" for name, deps in _graph().items() for dep in deps if _rank(dep) > _rank(name)]
+    assert upward == []
+
+
+def test_the_import_graph_has_no_circle():
+    graph = _graph()
+    state: dict[str, int] = {}
+
+    def visit(node, path):
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                pytest.fail("import circle: " + " -> ".join([*path, node, dep]))
+            if dep not in state:
+                visit(dep, [*path, node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+
+
+def test_store_and_reader_import_without_torchrl():
+    code = (
+        "import sys; from shmsync import WeightStore, WeightReader; "
+        "assert not [m for m in sys.modules if m.startswith('torchrl')], 'torchrl imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

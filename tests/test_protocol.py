@@ -1,0 +1,299 @@
+"""The slot protocol, step by step: chosen interleavings of one writer and its readers on a
+plain list of header words, without torch or processes (see shmsync/_protocol.py)."""
+
+import itertools
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shmsync._header import HEADER_WORDS, MAX_READERS, W_PIN_REQUEST, W_VERSION
+from shmsync._protocol import LocalLocks, Protocol, initialize, lease_word
+from shmsync.errors import ReloadTimeoutError, ShmSyncError
+
+ORDERINGS = ["tso", "weak"]  # "weak" runs the real fences of non-x86 CPUs, on any CPU
+
+
+class Store:
+    """A header, ``n`` slots of two words each, and a writer whose steps can be run one at a time."""
+
+    def __init__(self, num_slots: int = 3, ordering: str = "tso") -> None:
+        self.h = [0] * HEADER_WORDS
+        initialize(self.h, num_slots)
+        self.locks = LocalLocks()
+        self.slots = [[None, None] for _ in range(num_slots)]
+        self.ordering = ordering
+        self.writer = Protocol(self.h, self.locks, ordering=ordering, pid=1)
+        self.publish(0)
+
+    def protocol(self, pid: int, **kwargs) -> Protocol:
+        return Protocol(self.h, self.locks, ordering=self.ordering, pid=pid, **kwargs)
+
+    def publish_steps(self, version: int):
+        """A publish of ``version`` as a generator: one step per store into shared memory."""
+        write = self.writer.begin_write()
+        yield
+        self.slots[write.slot][0] = version
+        yield
+        self.slots[write.slot][1] = version
+        yield
+        self.writer.commit(write, version)
+
+    def publish(self, version: int) -> None:
+        for _ in self.publish_steps(version):
+            pass
+
+
+def writer_steps(store: Store, first: int, publishes: int):
+    """Every step of ``publishes`` publishes, versions ``first``, ``first + 1``..., one at a time."""
+    for v in range(first, first + publishes):
+        yield from store.publish_steps(v)
+        yield
+
+
+def run(steps, n: int) -> None:
+    for _ in range(n):
+        if next(steps, StopIteration) is StopIteration:
+            return
+
+
+def copy_during(store: Store, publishes: int, before: int, between: int = 0, after: int = 0):
+    """One optimistic read of ``store`` with the writer's next ``publishes`` publishes run, step by
+    step, ``before`` steps before the copy's first word, ``between`` the words and ``after`` the
+    second. Returns (the version the read accepted or None, the words it copied)."""
+    steps = writer_steps(store, store.h[W_VERSION] + 1, publishes)
+    got = []
+
+    def copy(slot):
+        run(steps, before)
+        got.append(store.slots[slot][0])
+        run(steps, between)
+        got.append(store.slots[slot][1])
+        run(steps, after)
+
+    version = store.protocol(2).try_read(copy)
+    run(steps, 4 * publishes)  # the rest
+    return version, got
+
+
+@pytest.mark.parametrize("ordering", ORDERINGS)
+@pytest.mark.parametrize("num_slots", [2, 3, 4])
+def test_an_optimistic_copy_is_accepted_only_if_no_write_touched_it(num_slots, ordering):
+    """Every split of up to 4 publishes around the two words of one reader copy."""
+    publishes = 4
+    total = 4 * publishes
+    accepted = rejected = 0
+    for before, between, after in itertools.product(range(total + 1), repeat=3):
+        if before + between + after > total:
+            continue
+        version, got = copy_during(Store(num_slots, ordering), publishes, before, between, after)
+        if version is None:
+            rejected += 1
+            continue
+        accepted += 1
+        assert got == [version, version], f"accepted a mixed copy {got} as v{version} ({before}, {between}, {after})"
+    assert accepted and rejected
+
+
+def test_a_copy_is_overtaken_only_once_the_writer_starts_a_third_publish():
+    """With 3 slots, a copy of the latest slot survives two whole publishes (the README's claim)."""
+    assert copy_during(Store(3), 3, before=8) == (0, [0, 0])
+    assert copy_during(Store(3), 3, before=8 + 1)[0] is None
+
+
+@pytest.mark.parametrize("ordering", ORDERINGS)
+def test_a_starving_reader_gets_a_pinned_slot_and_finishes_in_one_more_copy(ordering):
+    """A reader whose every copy spans 3 publishes never validates optimistically; the pin
+    bounds it: the writer keeps publishing, into the other slots."""
+    store = Store(3, ordering)
+    reader = store.protocol(2)
+    version = [10]
+    copies = []
+
+    def slow_copy(slot):
+        first = store.slots[slot][0]
+        for _ in range(3):
+            store.publish(version[0])
+            version[0] += 1
+        copies.append([first, store.slots[slot][1]])
+
+    got = reader.read(slow_copy, max_attempts=2, timeout=10)
+    assert reader.retries == 2 and reader.pinned_reads == 1
+    assert len(copies) == 3, f"{len(copies)} copies: the pin did not bound the reader"
+    assert copies[-1] == [got, got]
+
+
+def _token_holder_in_copy(store: Store, a: Protocol, during):
+    """Reader ``a`` takes the token, and its next publish pins the slot ``a`` copies; in the
+    middle of that copy ``during()`` runs and the writer publishes twice more. Returns
+    (a's version, the words it copied last, what ``during`` returned)."""
+    out = []
+
+    def copy(slot):
+        first = store.slots[slot][0]
+        if not out:
+            store.publish(50)  # serves a's ticket: pins the latest slot, the one a copies
+            out.append(during())
+            store.publish(60)  # the writer keeps going, around the pin if it still holds
+            store.publish(70)
+        out.append([first, store.slots[slot][1]])
+
+    version = a.read_pinned(copy, time.monotonic() + 10, steal_after=0.0)
+    return version, out[-1], out[0]
+
+
+def _overtaking_copy(store: Store, first_version: int, unless_ticket_moved_from: int | None = None):
+    """A copy during which the writer publishes 3 times (it never validates optimistically)."""
+    version = [first_version]
+
+    def copy(slot):
+        if unless_ticket_moved_from is not None and store.h[W_PIN_REQUEST] != unless_ticket_moved_from:
+            return  # its own pin now: left alone
+        for _ in range(3):
+            store.publish(version[0])
+            version[0] += 1
+
+    return copy
+
+
+def test_a_running_token_holder_keeps_its_pin_from_another_slow_reader():
+    store = Store(3)
+    a = store.protocol(2, stopped=lambda pid: False)
+    b = store.protocol(3, stopped=lambda pid: False)
+
+    def b_tries():
+        ticket = store.h[W_PIN_REQUEST]
+        with pytest.raises(ReloadTimeoutError, match="reader token"):
+            b.read(_overtaking_copy(store, 1000), max_attempts=1, timeout=0.3)
+        return store.h[W_PIN_REQUEST] == ticket
+
+    version, got, pin_untouched = _token_holder_in_copy(store, a, b_tries)
+    assert pin_untouched, "a reader took the pin off a token holder that was running"
+    assert got == [version, version] and a.pinned_reads == 1
+
+
+def test_a_stopped_token_holder_loses_its_pin_and_its_copy_is_then_rejected():
+    store = Store(3)
+    a = store.protocol(2)
+    b = store.protocol(3, stopped=lambda pid: pid == 2)
+
+    def b_reads():
+        ticket = store.h[W_PIN_REQUEST]
+        got = b.read(_overtaking_copy(store, 1000, unless_ticket_moved_from=ticket), max_attempts=1, timeout=5)
+        return got, store.h[W_PIN_REQUEST] > ticket
+
+    version, got, (b_version, b_took_pin) = _token_holder_in_copy(store, a, b_reads)
+    assert b_took_pin and b_version >= 1000
+    assert got == [version, version], f"a resumed copy was accepted mixed: {got} as v{version}"
+    assert a.retries >= 1, "the copy whose pin was taken over was not rejected"
+
+
+def test_one_write_at_a_time_per_process():
+    store = Store(3)
+    write = store.writer.begin_write()
+    with pytest.raises(ShmSyncError, match="still writing slot"):
+        store.writer.begin_write()
+    assert store.writer.commit(write) == 1
+    store.writer.abort(store.writer.begin_write())
+    assert store.writer.commit(store.writer.begin_write()) == 2
+
+
+def test_an_aborted_write_is_never_read():
+    store = Store(3)
+    write = store.writer.begin_write()
+    store.slots[write.slot] = ["garbage", "garbage"]
+    store.writer.abort(write)
+    reader = store.protocol(2)
+    got = []
+    assert reader.try_read(lambda slot: got.extend(store.slots[slot])) == 0 and got == [0, 0]
+    assert store.writer.choose_target() == write.slot  # rewritten first
+
+
+def test_the_reader_table_holds_1024_readers_and_a_reader_without_a_row_never_leases():
+    assert MAX_READERS >= 1024
+    store = Store(4)
+    readers = [store.protocol(10 + i, alive=lambda pid: True) for i in range(MAX_READERS)]
+    rows = [r.claim_row() for r in readers]
+    assert sorted(rows) == list(range(MAX_READERS))
+    late = store.protocol(99_999, alive=lambda pid: True)
+    assert late.claim_row() == -1
+    before = list(store.h)
+    assert late.lease_latest(-1) is None
+    late.release_lease(-1)
+    assert store.h == before, "a reader without a row wrote into the header"
+    # A dead reader's row is reclaimed once the table is full.
+    dead = readers[7].pid
+    again = store.protocol(123_456, alive=lambda pid: pid != dead)
+    assert again.claim_row() == rows[7]
+
+
+def test_a_lease_taken_while_the_writer_starts_on_that_slot_is_refused_or_seen():
+    """The handshake: the writer commits and starts on the slot a reader is leasing, in the
+    window between the reader's lease store and its check. One of them must back off."""
+    store = Store(4)
+
+    class Hooked(LocalLocks):
+        def __init__(self, then):
+            super().__init__()
+            self.then = then
+
+        def table(self, patience):
+            inner = super().table(patience)
+
+            class Ctx:
+                def __enter__(s):
+                    return inner.__enter__()
+
+                def __exit__(s, *exc):
+                    out = inner.__exit__(*exc)
+                    self.then()
+                    return out
+
+            return Ctx()
+
+    writes, armed = [], []
+
+    def writer_moves():
+        if armed and not writes:
+            store.publish(1)  # the leased slot is no longer latest
+            writes.append(store.writer.begin_write())
+
+    reader = Protocol(store.h, Hooked(writer_moves), pid=2, alive=lambda pid: True)
+    row = reader.claim_row()
+    armed.append(True)
+    leased = reader.lease_latest(row)
+    assert writes, "the writer did not run inside the lease"
+    assert leased is not None and store.h[lease_word(row)] == leased[0] + 1
+    assert writes[0].slot != leased[0], "the writer is writing the slot a reader leases"
+
+
+def test_leases_leave_the_writer_a_free_slot():
+    store = Store(3)
+    a, b = (store.protocol(pid, alive=lambda pid: True) for pid in (2, 3))
+    ra, rb = a.claim_row(), b.claim_row()
+    slot, _ = a.lease_latest(ra)
+    store.publish(1)
+    assert b.lease_latest(rb) is None, "two leased slots of three leave the writer none"
+    for v in range(2, 6):
+        store.publish(v)
+        assert store.slots[slot] == [0, 0], "the writer wrote a leased slot"
+    a.release_lease(ra)
+    assert b.lease_latest(rb) is not None
+
+
+def test_the_protocol_needs_no_torch():
+    code = "import sys, shmsync._protocol, shmsync._fence; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_ordering_switch_is_checked(monkeypatch):
+    from shmsync import _fence
+
+    monkeypatch.setenv("SHMSYNC_ORDERING", "weak")
+    assert _fence.default_ordering() == "weak"
+    fence, full = _fence.ordering()
+    assert fence is full and fence is not _fence._noop
+    monkeypatch.setenv("SHMSYNC_ORDERING", "relaxed")
+    with pytest.raises(ValueError, match="SHMSYNC_ORDERING must be 'tso' or 'weak'"):
+        _fence.default_ordering()
