@@ -5,7 +5,8 @@ version with a :class:`WeightReader` when, and only when, it changed.
 :class:`UpdateWeights` and :class:`ShmWeightSyncScheme` plug into TorchRL.
 
 Names are imported on first use, so ``import shmsync`` (and the ``shmsync`` command) stays
-light; the store and the reader never import TorchRL.
+light; the store and the reader never import TorchRL. ``import shmsync`` also makes
+``"shmsync"`` a backend of TorchRL's ``WeightSyncScheme.from_backend`` (torchrl >= 0.14).
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import _registration
+
 __version__ = "0.1.0"
+
+_registration.install()
 
 _LAZY = {
     "WeightStore": "shmsync.store",

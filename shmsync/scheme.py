@@ -367,3 +367,15 @@ def _models_of(collector: Any, key: str, scheme: ShmWeightSyncScheme, workers: i
         f"pass ShmWeightSyncScheme(source=the trainer's module for {key!r}), or call "
         f"scheme.init_on_sender(model=..., devices=..., model_id={key!r}) before building the collector"
     )
+
+
+def _register() -> None:
+    # The class itself replaces the stand-in `import shmsync` put into TorchRL's registry.
+    from torchrl.weight_update import weight_sync_schemes
+
+    register = getattr(weight_sync_schemes, "register_weight_sync_backend", None)
+    if register is not None:  # torchrl >= 0.14
+        register("shmsync")(ShmWeightSyncScheme)
+
+
+_register()
