@@ -115,17 +115,18 @@ class SenderGroup:
         """Publish what is staged; every store is checked before any is written."""
         return self.commit(self.prepare())
 
-    def prepare(self) -> list[tuple[WeightStore, dict[str, Any]]]:
-        """Take what is staged: ``(store, source)`` pairs, each checked against its store."""
+    def prepare(self, version: int | None = None) -> list[tuple[WeightStore, dict[str, Any]]]:
+        """Take what is staged: ``(store, source)`` pairs, each checked against its store (and
+        ``version``, if given, against its last version)."""
         pending, self._pending = self._pending, {}
         targets = sorted({w for _, ids in pending.values() for w in ids})
         prepared = [(self.stores[w], self._source(w, pending)) for w in targets]
         for store, source in prepared:
-            store.check(source)
+            store.check(source, version=version)
         return prepared
 
-    def commit(self, prepared: list[tuple[WeightStore, dict[str, Any]]]) -> list[int]:
-        versions = [store.publish(source) for store, source in prepared]
+    def commit(self, prepared: list[tuple[WeightStore, dict[str, Any]]], version: int | None = None) -> list[int]:
+        versions = [store.publish(source, version=version) for store, source in prepared]
         self._sync_tracker()
         return versions
 
@@ -175,7 +176,9 @@ class SenderGroup:
             return [g for g in collector.__dict__.get("_shmsync_groups", ()) if not g.closed]
 
         @functools.wraps(update)
-        def update_policy_weights_(*args: Any, **kwargs: Any) -> Any:
+        def update_policy_weights_(*args: Any, version: int | None = None, **kwargs: Any) -> Any:
+            # `version`: shmsync's own keyword (TorchRL's method has none): the version to
+            # publish under, e.g. the optimizer-step count, instead of the next one.
             groups = live_groups()
             for g in groups:
                 g._depth += 1
@@ -189,9 +192,14 @@ class SenderGroup:
             for g in groups:
                 g._depth -= 1
             # Every store of every group is checked before any is written.
-            prepared = [(g, g.prepare()) for g in groups if g._pending]
+            try:
+                prepared = [(g, g.prepare(version)) for g in groups if g._pending]
+            except BaseException:
+                for g in groups:
+                    g._pending.clear()
+                raise
             for g, pairs in prepared:
-                g.commit(pairs)
+                g.commit(pairs, version)
             return result
 
         @functools.wraps(shutdown)

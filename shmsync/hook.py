@@ -6,9 +6,10 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from tensordict import TensorDict
-from torchrl.trainers import UpdateWeights as _TorchRLUpdateWeights
 
 from ._paths import resolve_path
+from ._torchrl_compat import HOOK_TAKES_SENDER, check_hook_arguments
+from ._torchrl_compat import TorchRLUpdateWeights as _TorchRLUpdateWeights
 
 
 class UpdateWeights(_TorchRLUpdateWeights):
@@ -35,6 +36,12 @@ class UpdateWeights(_TorchRLUpdateWeights):
             collector is needed.
         interval_unit: ``"batches"`` (registers at ``post_steps``) or ``"optim_steps"``
             (registers at ``post_optim`` and counts the trainer's optimizer steps).
+        version: what a published version counts. ``"publishes"`` (default): one more per
+            update. ``"optim_steps"``: the trainer's optimizer-step count at the update, so
+            the version a frame carries (and the staleness computed from it) is in optimizer
+            steps; an update with no optimizer step since the last one publishes nothing (the
+            weights did not change). Needs a collector whose schemes are all
+            :class:`~shmsync.ShmWeightSyncScheme`, or a :class:`~shmsync.WeightSender`.
 
     Examples:
         >>> import torch
@@ -65,16 +72,36 @@ class UpdateWeights(_TorchRLUpdateWeights):
         *,
         sender: Any | None = None,
         interval_unit: Literal["batches", "optim_steps"] = "batches",
+        version: Literal["publishes", "optim_steps"] = "publishes",
     ) -> None:
-        super().__init__(
-            collector,
-            update_weights_interval,
-            policy_weights_getter,
-            weight_update_map,
-            trainer,
-            sender=sender,
-            interval_unit=interval_unit,
-        )
+        if version not in ("publishes", "optim_steps"):
+            raise ValueError(f"version must be 'publishes' or 'optim_steps', got {version!r}")
+        if HOOK_TAKES_SENDER:
+            super().__init__(
+                collector,
+                update_weights_interval,
+                policy_weights_getter,
+                weight_update_map,
+                trainer,
+                sender=sender,
+                interval_unit=interval_unit,
+            )
+        else:  # torchrl 0.13: its hook has no sender and counts batches only; this one does both
+            check_hook_arguments(
+                collector,
+                update_weights_interval,
+                policy_weights_getter,
+                weight_update_map,
+                trainer,
+                sender,
+                interval_unit,
+            )
+            super().__init__(collector, update_weights_interval, policy_weights_getter, weight_update_map, trainer)
+            self.sender, self.interval_unit, self._last_update_count = sender, interval_unit, 0
+        self.version = version
+        self._last_version = -1  # with version="optim_steps": the step count last published
+        if version == "optim_steps":
+            self._check_takes_versions()
         if weight_update_map is not None:
             self._resolve_all()
             schemes = getattr(collector, "_weight_sync_schemes", None)
@@ -85,10 +112,80 @@ class UpdateWeights(_TorchRLUpdateWeights):
                     f"(it has {sorted(schemes)})"
                 )
 
+    def _check_takes_versions(self) -> None:
+        from .scheme import ShmWeightSyncScheme
+        from .sender import WeightSender
+
+        if self.sender is not None:
+            if not isinstance(self.sender, WeightSender):
+                raise ValueError(
+                    f"version='optim_steps' needs a shmsync WeightSender, got {type(self.sender).__name__}"
+                )
+            return
+        schemes = getattr(self.collector, "_weight_sync_schemes", None) or {}
+        others = [k for k, s in schemes.items() if not isinstance(s, ShmWeightSyncScheme)]
+        if not schemes or others:
+            raise ValueError(
+                "version='optim_steps' needs a collector whose weight_sync_schemes are all ShmWeightSyncScheme "
+                f"(got {sorted(others) or 'none'} without it), or sender=WeightSender(...)"
+            )
+
+    def _optimizer_step_count(self) -> int:
+        stepper = getattr(self.trainer, "optimization_stepper", None)
+        count = getattr(stepper, "optimizer_step_count", None)
+        return self.trainer._optim_count if count is None else count
+
+    def register(self, trainer: Any, name: str = "update_weights") -> None:
+        if self.trainer is None:
+            self.trainer = trainer
+        trainer.register_module(name, self)
+        trainer.register_op("post_optim" if self.interval_unit == "optim_steps" else "post_steps", self)
+
+    def __call__(self) -> None:
+        if self.version == "publishes" and HOOK_TAKES_SENDER:
+            return super().__call__()
+        # TorchRL's interval logic, then the same three ways to send, each with a version.
+        if self.interval_unit == "optim_steps":
+            count = self._optimizer_step_count()
+            if count - self._last_update_count < self.update_weights_interval:
+                return
+            self._last_update_count = count
+        else:
+            self.counter += 1
+            if self.counter % self.update_weights_interval != 0:
+                return
+        version = int(self._optimizer_step_count()) if self.version == "optim_steps" else None
+        if version is not None and version <= self._last_version:
+            return  # no optimizer step since the last publish: same weights, and versions never repeat
+        if self.sender is not None:
+            self.sender.update_weights() if version is None else self.sender.update_weights(version=version)
+        elif self.weight_update_map is not None:
+            self._update_with_map(version=version)
+        else:
+            weights = self.policy_weights_getter() if self.policy_weights_getter is not None else None
+            versioned = {} if version is None else {"version": version}
+            if weights is not None:
+                self.collector.update_policy_weights_(weights, **versioned)
+            else:
+                self.collector.update_policy_weights_(**versioned)
+        if version is not None:
+            self._last_version = version
+
+    def state_dict(self) -> dict:
+        state = {"counter": self.counter, "last_update_count": self._last_update_count}
+        if self.version == "optim_steps":
+            state["last_version"] = self._last_version
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.counter = state_dict.get("counter", 0)
+        self._last_update_count = state_dict.get("last_update_count", 0)
+        self._last_version = state_dict.get("last_version", self._last_version)
+
     def _resolve_all(self) -> dict[str, Any]:
         return {dest: resolve_path(self.trainer, path) for dest, path in self.weight_update_map.items()}
 
-    def _update_with_map(self) -> None:
+    def _update_with_map(self, version: int | None = None) -> None:
         from torchrl.weight_update.weight_sync_schemes import WeightStrategy
 
         schemes = getattr(self.collector, "_weight_sync_schemes", None) or {}
@@ -100,4 +197,7 @@ class UpdateWeights(_TorchRLUpdateWeights):
                 weights_dict[destination] = WeightStrategy(extract_as=scheme.strategy_str).extract_weights(module)
             else:
                 weights_dict[destination] = TensorDict.from_module(module)
-        self.collector.update_policy_weights_(weights_dict=weights_dict)
+        if version is None:
+            self.collector.update_policy_weights_(weights_dict=weights_dict)
+        else:
+            self.collector.update_policy_weights_(weights_dict=weights_dict, version=version)

@@ -50,9 +50,13 @@ class WeightSender:
             dest: resolve_path(self.root, path) if isinstance(path, str) else path for dest, path in self.source.items()
         }
 
-    def update_weights(self, weights: Any = None) -> int:
-        """Publish ``weights`` (default: the source) as one new version; returns it."""
-        return self.store.publish(self._resolve() if weights is None else weights)
+    def update_weights(self, weights: Any = None, *, version: int | None = None) -> int:
+        """Publish ``weights`` (default: the source) as one new version; returns it.
+
+        ``version``: publish under this number (say, the optimizer-step count) instead of the
+        next one; see :meth:`WeightStore.publish`.
+        """
+        return self.store.publish(self._resolve() if weights is None else weights, version=version)
 
     def __repr__(self) -> str:
         return f"WeightSender(store={self.store.name!r})"

@@ -370,12 +370,14 @@ class WeightStore:
             self._plans[(id(module), prefix)] = (weakref.ref(module), owned, order, entries)
         return tensors
 
-    def check(self, source: Any) -> None:
-        """Raise what :meth:`publish` would raise for ``source``'s keys, shapes and dtypes,
-        writing nothing; for checking a whole set of stores before publishing into any.
+    def check(self, source: Any, *, version: int | None = None) -> None:
+        """Raise what :meth:`publish` would raise for ``source``'s keys, shapes and dtypes (and
+        for ``version``), writing nothing; for checking a whole set of stores before publishing
+        into any.
 
         Raises:
             WeightMismatchError: a key, shape or dtype differs.
+            ValueError: ``version`` is not higher than the last one.
 
         Examples:
             >>> import torch
@@ -389,6 +391,8 @@ class WeightStore:
         """
         self._check_open()
         self._match_source(source, f"weights for store {self.name!r}")
+        if version is not None:
+            self._check_next_version(version)
 
     def _check_next_version(self, version: int) -> None:
         if isinstance(version, bool) or not isinstance(version, int):
