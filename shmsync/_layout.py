@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict, TensorDictBase
+from torch.nn.parameter import is_lazy
 
 from ._header import ALIGN, HEADER_BYTES, PAGE
 from .errors import WeightMismatchError
@@ -53,6 +54,11 @@ def _leaves(td: TensorDictBase) -> list[tuple[tuple[str, ...], torch.Tensor]]:
         key = (key,) if isinstance(key, str) else tuple(key)
         if not isinstance(value, torch.Tensor):
             raise WeightMismatchError(f"entry {key_str(key)!r} is a {type(value).__name__}, not a tensor")
+        if is_lazy(value):
+            raise WeightMismatchError(
+                f"entry {key_str(key)!r} is an uninitialized parameter of a lazy module (its shape is not known "
+                "yet): run one forward pass through the module, or give the layer its input size, first"
+            )
         out.append((key, value))
     out.sort(key=lambda kv: kv[0])
     return out

@@ -13,12 +13,13 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from tensordict import TensorDictBase
 from torch import nn
 
 from .reader import WeightReader
 from .store import WeightStore
-from .tagging import tag_versions
+from .tagging import tag_versions, warn_clash
 
 
 class Receiver:
@@ -126,7 +127,12 @@ def tag_next(batch: TensorDictBase, key: str) -> None:
     if key not in batch.keys():
         return
     root, nxt = batch.get(key), batch.get(("next", key), None)
-    if nxt is not None and nxt.shape == root.shape and nxt.dtype == root.dtype:
+    if root.dtype != torch.int64:
+        return  # not shmsync's tag (the policy hook warned)
+    if nxt is not None and nxt.dtype != torch.int64:
+        warn_clash(f"('next', {key!r})", nxt.dtype)
+        return
+    if nxt is not None and nxt.shape == root.shape:
         nxt.copy_(root)  # in place: the batch may live in buffers shared with the trainer
     elif "next" in batch.keys():
         batch.set(("next", key), root.clone())

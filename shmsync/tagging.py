@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -26,8 +27,27 @@ def tag_versions(module: nn.Module, version: Callable[[], int], key: str = "poli
         [7, 7]
     """
 
+    warned = []
+
     def hook(mod, args, output):
-        if isinstance(output, TensorDictBase):
-            output.set(key, torch.full(output.batch_size, version(), dtype=torch.int64, device=output.device))
+        if not isinstance(output, TensorDictBase):
+            return
+        existing = output.get(key, None)
+        if existing is not None and existing.dtype != torch.int64:
+            # Someone else's tag under the same key (a transform, the script): leave it whole.
+            if not warned:
+                warned.append(True)
+                warn_clash(key, existing.dtype)
+            return
+        output.set(key, torch.full(output.batch_size, version(), dtype=torch.int64, device=output.device))
 
     module.register_forward_hook(hook)
+
+
+def warn_clash(key: str, dtype: torch.dtype) -> None:
+    warnings.warn(
+        f"frames already carry {key!r} ({dtype}), written by something other than shmsync; shmsync leaves it "
+        f"alone and tags nothing. Give shmsync its own key: ShmWeightSyncScheme(version_key='shmsync_version')",
+        UserWarning,
+        stacklevel=3,
+    )
