@@ -6,6 +6,7 @@ import torchrl.trainers
 from torchrl.collectors import Collector
 
 from shmsync import UpdateWeights, WeightMismatchError, WeightReader, WeightSender
+from shmsync._torchrl_compat import TORCHRL_VERSION
 
 from rl import make_env, make_loss, make_policy, make_trainer
 
@@ -93,6 +94,8 @@ def test_state_dict_round_trip(store_factory):
 def test_validation_errors_match_torchrl(kwargs):
     with pytest.raises(ValueError) as ours:
         UpdateWeights(**kwargs)
+    if TORCHRL_VERSION < (0, 14):
+        return  # torchrl 0.13's hook has none of these arguments: shmsync's follows 0.14's
     with pytest.raises(ValueError) as theirs:
         torchrl.trainers.UpdateWeights(**kwargs)
     assert str(ours.value) == str(theirs.value)
