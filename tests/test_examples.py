@@ -72,3 +72,23 @@ def test_train_with_workers_tiny_budget():
         "10000",
     )
     assert "batch    4" in out and "versions published" in out and "staleness of frames" in out
+
+
+@pytest.mark.timeout(300)
+def test_train_async_tiny_budget():
+    out = _run(
+        "examples/train_async.py",
+        "--total-frames",
+        "768",
+        "--optim-steps-per-batch",
+        "2",
+        "--eval-every",
+        "2",
+        "--max-staleness",
+        "4",
+    )
+    steps = int(out.split("optimizer steps       ", 1)[1].split()[0])
+    skipped = int(out.split("batches with no fresh frames  ", 1)[1].split()[0])
+    assert 0 < steps <= 12 and steps + 2 * skipped >= 12, out  # 6 batches, 2 steps each unless all stale
+    staleness = float(out.split("staleness of batches  mean ", 1)[1].split()[0])
+    assert 0 <= staleness <= 12, out
