@@ -8,7 +8,11 @@ TORCH ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?= -n 2
 
-.PHONY: install demo test lint bench bench-quick clean
+# Older TorchRL minors the TorchRL-facing tests also run under, each in its own venv.
+TORCHRL_LEGS ?= 0.13
+LEG_TESTS := tests/test_scheme.py tests/test_torchrl_conformance.py tests/test_torchrl_reach.py tests/test_hook.py
+
+.PHONY: install demo test test-main test-legs lint bench bench-quick clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +28,25 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/python examples/train_cartpole.py
 
-test: install
+test: test-main test-legs
+
+test-main: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests shmsync workers
+
+# .venv-torchrl-0.13: torch, then that TorchRL minor with its own tensordict minor, then shmsync.
+.venv-torchrl-%/.installed: pyproject.toml
+	$(PYTHON) -m venv .venv-torchrl-$*
+	.venv-torchrl-$*/bin/python -m pip install -q --upgrade pip
+	.venv-torchrl-$*/bin/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
+	.venv-torchrl-$*/bin/python -m pip install -q "torchrl~=$*.0" "tensordict~=$*.0"
+	.venv-torchrl-$*/bin/python -m pip install -q -e ".[test]"
+	touch $@
+
+test-legs: $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed)
+	set -e; for v in $(TORCHRL_LEGS); do \
+		echo "== torchrl $$v: $$(.venv-torchrl-$$v/bin/python -c 'import torchrl, tensordict; print(torchrl.__version__, tensordict.__version__)')"; \
+		.venv-torchrl-$$v/bin/python -m pytest $(PYTEST_ARGS) $(LEG_TESTS); \
+	done
 
 lint: install
 	$(BIN)/ruff check .
@@ -38,4 +59,4 @@ bench-quick: install
 	$(BIN)/python benchmarks/sync_bench.py --quick
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-torchrl-* *.egg-info .pytest_cache
