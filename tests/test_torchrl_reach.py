@@ -163,3 +163,32 @@ def test_a_version_key_written_by_someone_else_is_left_whole_with_one_warning():
     tag_versions(policy, lambda: 7, key="shmsync_version")
     out = policy(TensorDict({"obs": torch.ones(3, 2)}, [3]))
     assert out["shmsync_version"].tolist() == [7, 7, 7] and (out["policy_version"] == 0.5).all()
+
+
+# -- Hydra: TorchRL's config-driven trainers select shmsync by an override -----------------------
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(TORCHRL_VERSION < (0, 14), reason="TorchRL's config-driven trainers came in 0.14")
+def test_a_config_driven_trainer_selects_shmsync_by_an_override(tmp_path):
+    import json
+    import os
+    from pathlib import Path
+
+    pytest.importorskip("hydra")
+    root = Path(__file__).resolve().parents[1]
+    # An editable install serves the hydra_plugins namespace through an import hook that Hydra's
+    # plugin scan cannot list; the source tree on the path is what a regular install looks like.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    override = "+weight_sync_scheme@collector.weight_sync_schemes.policy=shmsync"
+    proc = subprocess.run(
+        [sys.executable, str(root / "tests/hydra_app/train.py"), f"hydra.run.dir={tmp_path}", override],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["schemes"] == {"policy": "ShmWeightSyncScheme"}
+    # 10 batches, one publish after each: frames carry the versions as they were published.
+    assert result["versions"][0] == 0 and max(result["versions"]) >= 5, result
