@@ -72,3 +72,25 @@ def test_close_unregisters(store_factory):
     store.publish(_net("cuda"))
     store.close()
     assert not store.memory.pinned
+
+
+def test_a_cpu_publish_follows_a_cuda_publish_in_flight(store_factory):
+    """One write at a time: the CPU publish waits for the CUDA one, never picks its slot."""
+    gpu, cpu = _net("cuda"), _net("cpu")
+    store = store_factory(cpu)
+    big = torch.randn(4096, 4096, device="cuda")
+    for round_ in range(1, 6):
+        with torch.no_grad():
+            for p in gpu.parameters():
+                p.fill_(float(2 * round_ - 1))
+            for p in cpu.parameters():
+                p.fill_(float(2 * round_))
+        for _ in range(20):
+            big = big @ big  # keep the device busy so the copy is still in flight
+            big /= big.norm()
+        v_gpu = store.publish(gpu)
+        v_cpu = store.publish(cpu)  # while the CUDA copy may still be queued
+        assert (v_gpu, v_cpu) == (2 * round_ - 1, 2 * round_)
+        snap = store.snapshot()
+        assert snap.version == v_cpu and all((t == float(v_cpu)).all() for t in snap.weights.values())
+    store.release_writer()  # waits for nothing in flight: the last publish was on the CPU
