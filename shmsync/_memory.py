@@ -96,28 +96,6 @@ class StoreMemory:
             self._finalizer()
 
 
-def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor], on_cpu: bool | None = None) -> None:
-    """``dst[i].copy_(src[i])`` for all i, batched, without autograd.
-
-    ``on_cpu``: whether no tensor is on CUDA, when the caller already knows (hot paths).
-    """
-    if on_cpu is None:
-        on_cpu = not any(t.is_cuda for t in dst) and not any(t.is_cuda for t in src)
-    grad = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)  # what no_grad() does, without its per-call overhead
-    try:
-        if on_cpu:
-            torch._foreach_copy_(dst, src)
-        else:
-            non_blocking = any(t.is_cuda for t in dst)
-            for d, s in zip(dst, src):
-                d.copy_(s, non_blocking=non_blocking)
-            for dev in {t.device for t in (*dst, *src) if t.is_cuda}:
-                torch.cuda.current_stream(dev).synchronize()
-    finally:
-        torch._C._set_grad_enabled(grad)
-
-
 def _release(segment: Segment, views: tuple[list, ...], creator_pid: int, pinned: list, unlink: bool = False) -> None:
     if pinned:
         from ._cuda import unregister_host

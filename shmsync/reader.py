@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from . import _viewing
+from ._copy import copy_all
 from ._header import W_VERSION
-from ._memory import StoreMemory, copy_all
+from ._memory import StoreMemory
 from ._source import module_weights
 from .errors import ReloadTimeoutError, ShmSyncError, WeightMismatchError, WriterGoneError
 from .store import WeightStore

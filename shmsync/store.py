@@ -23,6 +23,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from . import _fence
+from ._copy import copy_all
 from ._header import (
     FORMAT,
     MAGIC,
@@ -46,7 +47,7 @@ from ._header import (
     reader_rows,
 )
 from ._layout import Layout, segment_bytes
-from ._memory import StoreMemory, copy_all
+from ._memory import StoreMemory
 from ._processes import pid_alive, process_start_ns
 from ._protocol import initialize, lease_word
 from ._segment import WRITER_LOCK, Segment, conflicting_lock

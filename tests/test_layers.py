@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A module may import modules of its own layer or below, never above.
 LAYERS = [
     {"errors", "_header", "_processes", "_fence", "_paths"},  # words, processes, fences
-    {"_segment", "_protocol", "_layout", "_source", "_cuda", "_viewing"},  # memory and protocol
+    {"_segment", "_protocol", "_layout", "_source", "_cuda", "_viewing", "_copy"},  # memory and protocol
     {"_memory"},  # one store's mapping
     {"store", "tagging", "versions", "lifetime", "host"},  # the store
     {"reader", "sender", "cli", "testing"},  # its clients
