@@ -33,6 +33,7 @@ W_PAYLOAD_BYTES = 18
 W_PUBLISH_COUNT = 19
 W_CREATOR_PPID = 20  # lets a test's leak check find stores made by its children
 W_TOKEN_PID = 21  # pid of the reader holding the starvation token, 0 if none (see _protocol.py)
+W_PUBLISH_INTERVAL = 22  # ns between the last two publishes: tells a slow reader to ask for a pin at once
 W_SEQ = 32  # W_SEQ + i: slot i's sequence number, odd while it is being written
 W_SLOT_VERSION = 64  # W_SLOT_VERSION + i: the version slot i holds
 W_LEASES = 96  # W_LEASES + i: readers whose modules view slot i in place (see _protocol.py)

@@ -43,6 +43,10 @@ nor pinned, so the writer still never waits, and the pinned reader's copy cannot
 invalidated: it completes in one copy. A writer that is idle grants nothing, but then an
 optimistic copy succeeds, so the reader keeps trying those while it waits. A reader that
 dies while pinned only costs the writer one slot until the next ticket replaces its pin.
+A reader whose last copy took longer than the writer, publishing at its current pace, leaves
+a slot alone (``num_slots - 1`` publish intervals, from ``publish_interval`` in the header)
+skips the optimistic copies that would only fail and asks for a pin at once: it loads in one
+copy (:meth:`Protocol.outpaced`).
 
 The token bounds the wait of the others: its holder's pinned copy completes, so the next
 reader waits at most one copy for it. A holder that is *stopped* (SIGSTOP, a debugger)
@@ -113,6 +117,7 @@ from ._header import (
     W_PIN_REQUEST,
     W_PIN_SLOT,
     W_PUBLISH_COUNT,
+    W_PUBLISH_INTERVAL,
     W_PUBLISH_NS,
     W_SEQ,
     W_SLOT_VERSION,
@@ -234,6 +239,7 @@ class Protocol:
         self.writing: Write | None = None  # the write this process has open
         self.retries = 0  # optimistic copies that failed validation
         self.pinned_reads = 0  # reads that needed the pinned fallback
+        self.copy_ns = 0  # how long this reader's last copy took
 
     # -- writer ---------------------------------------------------------------------------------
     def begin_write(self) -> Write:
@@ -278,7 +284,9 @@ class Protocol:
         h[W_SEQ + write.slot] = write.seq + 1
         h[W_LATEST] = write.slot
         h[W_VERSION] = version
-        h[W_PUBLISH_NS] = time.time_ns()
+        now, last = time.time_ns(), h[W_PUBLISH_NS]
+        h[W_PUBLISH_INTERVAL] = now - last if last else 0
+        h[W_PUBLISH_NS] = now
         h[W_WRITER_PID] = self.pid
         h[W_PUBLISH_COUNT] += 1
         self.writing = None
@@ -329,11 +337,22 @@ class Protocol:
         Raises:
             ReloadTimeoutError: no copy validated within ``timeout`` seconds.
         """
-        for _ in range(max_attempts):
-            version = self.try_read(copy)
-            if version is not None:
-                return version
+        if not self.outpaced():
+            for _ in range(max_attempts):
+                version = self.try_read(copy)
+                if version is not None:
+                    return version
         return self.read_pinned(copy, time.monotonic() + timeout)
+
+    def outpaced(self) -> bool:
+        """Whether this reader's copies take longer than the writer, publishing now, leaves a
+        slot alone (about ``num_slots - 1`` publish intervals): an optimistic copy would only
+        fail, so the reader asks for a pin at once and loads in one copy."""
+        h = self.h
+        interval = h[W_PUBLISH_INTERVAL]
+        if not interval or self.copy_ns <= max(1, self.num_slots - 1) * interval:
+            return False
+        return time.time_ns() - h[W_PUBLISH_NS] < 4 * interval  # still publishing at that pace
 
     def try_read(self, copy: CopyFn) -> int | None:
         """One optimistic copy of the latest slot: its version, or None if it did not validate."""
@@ -344,7 +363,9 @@ class Protocol:
             return None  # `latest` moved on and that slot is already being rewritten
         self.fence()  # the sequence before the version and the bytes
         version = h[W_SLOT_VERSION + slot]
+        began = time.perf_counter_ns()
         copy(slot)
+        self.copy_ns = time.perf_counter_ns() - began
         self.fence()  # the bytes before the sequence, again
         if h[W_SEQ + slot] != seq:
             self.retries += 1
@@ -393,6 +414,9 @@ class Protocol:
         h = self.h
         published = h[W_PUBLISH_COUNT]
         waited_since = time.monotonic()
+        # A writer that publishes every `interval` grants within about that; only one that
+        # stays quiet longer is idle, and then an optimistic copy succeeds.
+        patience = max(0.002, 2e-9 * h[W_PUBLISH_INTERVAL]) if self.outpaced() else 0.002
         while True:
             if h[W_PIN_GRANT] == ticket:
                 self.fence()  # the grant before the pinned slot's words
@@ -402,12 +426,14 @@ class Protocol:
                     return None
                 self.fence()
                 version = h[W_SLOT_VERSION + slot]
+                began = time.perf_counter_ns()
                 copy(slot)
+                self.copy_ns = time.perf_counter_ns() - began
                 self.fence()
                 return version if h[W_SEQ + slot] == seq else None  # None: 2 slots only
             # No grant yet. A writer that has not published since the request is idle or
             # in a long copy; an optimistic copy then succeeds (or at worst fails once).
-            if h[W_PUBLISH_COUNT] == published and time.monotonic() - waited_since > 0.002:
+            if h[W_PUBLISH_COUNT] == published and time.monotonic() - waited_since > patience:
                 version = self.try_read(copy)
                 if version is not None:
                     return version

@@ -4,6 +4,7 @@ plain list of header words, without torch or processes (see shmsync/_protocol.py
 import itertools
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -122,6 +123,44 @@ def test_a_starving_reader_gets_a_pinned_slot_and_finishes_in_one_more_copy(orde
     assert reader.retries == 2 and reader.pinned_reads == 1
     assert len(copies) == 3, f"{len(copies)} copies: the pin did not bound the reader"
     assert copies[-1] == [got, got]
+
+
+def test_a_reader_slower_than_the_writer_loads_in_one_copy_once_it_knows():
+    """A writer thread publishes every millisecond; each copy of the reader takes 6 ms. After its
+    first load shows that, later loads skip the optimistic copies that would only fail and ask
+    for the pin at once (before: two failed copies per load)."""
+    store = Store(3)
+    reader = store.protocol(2)
+    stop = threading.Event()
+
+    def publish_steadily():
+        v = 1
+        while not stop.is_set():
+            store.publish(v)
+            v += 1
+            time.sleep(0.001)
+
+    def slow_copy(slot):
+        first = store.slots[slot][0]
+        time.sleep(0.006)
+        got.append([first, store.slots[slot][1]])
+
+    writer = threading.Thread(target=publish_steadily)
+    writer.start()
+    try:
+        got = []
+        version = reader.read(slow_copy, timeout=10)
+        learned = reader.retries
+        assert learned >= 1, "the writer never overtook a copy: the test does not test anything"
+        for _ in range(5):
+            got = []
+            version = reader.read(slow_copy, timeout=10)
+            assert got[-1] == [version, version]
+    finally:
+        stop.set()
+        writer.join(10)
+    failed = reader.retries - learned
+    assert failed <= 2, f"{failed} failed copies in 5 loads of a reader known to be slow (10 before)"
 
 
 def _token_holder_in_copy(store: Store, a: Protocol, during):
