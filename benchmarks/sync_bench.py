@@ -199,6 +199,48 @@ def bench_publish(sizes: dict[str, int], quick: bool) -> list[dict]:
     return results
 
 
+def bench_parallel_publish(sizes: dict[str, int], quick: bool) -> list[dict]:
+    """publish() with its copy on one thread and split across the cores (the default), against
+    plain copies into the same slots on one thread and on as many threads."""
+    from shmsync import WeightStore
+    from shmsync._copy import copy_all, copy_threads
+
+    threads = copy_threads()
+    results = []
+    for label, nbytes in sizes.items():
+        policy = make_policy(nbytes)
+        store = WeightStore.create(policy)
+        src = weights(policy)
+        dsts = slot_views(store, policy)
+        turn = [0]
+
+        def floor(n, src=src, dsts=dsts, turn=turn):
+            turn[0] += 1
+            copy_all(dsts[turn[0] % len(dsts)], src, True, n)
+
+        def publish_with(n, store=store, policy=policy):
+            os.environ["SHMSYNC_COPY_THREADS"] = str(n)
+            try:
+                store.publish(policy)
+            finally:
+                del os.environ["SHMSYNC_COPY_THREADS"]
+
+        times = interleaved(
+            {
+                "copy_1_thread": lambda: floor(1),
+                f"copy_{threads}_threads": lambda: floor(threads),
+                "publish_1_thread": lambda: publish_with(1),
+                f"publish_{threads}_threads": lambda: publish_with(threads),
+            },
+            reps_for(nbytes, quick),
+        )
+        store.close()
+        results.append({"payload": label, "bytes": nbytes, "threads": threads, **times})
+        del src, dsts
+        gc.collect()
+    return results
+
+
 def bench_reader_table(quick: bool) -> dict:
     """publish() at 4 KB into a store with 1,000 readers listed against one with 2: the writer
     must not pay for the size of the reader table."""
@@ -430,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print("publish ...", file=sys.stderr, flush=True)
     report["publish"] = bench_publish(all_sizes if not quick else {k: SIZES[k] for k in ("4KB", "16MB")}, quick)
+    report["parallel"] = bench_parallel_publish(
+        {k: SIZES[k] for k in (["16MB"] if quick else ["16MB", "128MB"])}, quick
+    )
     report["reader_table"] = bench_reader_table(quick)
     print("reader ...", file=sys.stderr, flush=True)
     report["reader"] = bench_reader(all_sizes if not quick else {"16MB": SIZES["16MB"]}, quick)
@@ -527,6 +572,33 @@ def render(r: dict) -> str:
         "\nvery slots in turn (other allocations of the same size copy up to ~20% faster or slower here, by"
         "\nphysical placement). At 16 MB one warm destination stays in the 32 MB L3 cache; 2 or 3 do not."
     )
+    if r.get("parallel"):
+        rows = []
+        for x in r["parallel"]:
+            n = x["threads"]
+            c1, cn = p50(x["copy_1_thread"]), p50(x[f"copy_{n}_threads"])
+            p1, pn = p50(x["publish_1_thread"]), p50(x[f"publish_{n}_threads"])
+            rows.append(
+                [x["payload"], fmt_t(c1), fmt_t(cn), fmt_t(p1), fmt_t(pn), f"{p1 / pn:.2f}x", f"{pn / cn:.2f}x"]
+            )
+        parts.append(
+            table(
+                f"Trainer side: publish() copying on 1 thread and on {r['parallel'][0]['threads']} (the default here), "
+                "against plain copy_ into the same slots (p50)",
+                [
+                    "payload",
+                    "copy_ 1 thread",
+                    "copy_ N threads",
+                    "publish 1 thread",
+                    "publish N threads",
+                    "publish 1 / N",
+                    "publish N / copy N",
+                ],
+                rows,
+            )
+            + "\nTorchRL keeps the trainer at one torch thread; publish splits a copy of 4 MB or more across the"
+            "\ncores it may run on (SHMSYNC_COPY_THREADS fixes the count), which sit idle during a synchronous update."
+        )
     rt = r.get("reader_table")
     if rt:
         few, many = p50(rt["publish_2_readers"]), p50(rt["publish_1000_readers"])
