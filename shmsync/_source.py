@@ -27,7 +27,7 @@ def as_tensordict(source: Any, what: str = "source") -> tuple[TensorDictBase, tu
         return module_weights(source), None
     if isinstance(source, TensorDictBase):
         # A flat TensorDict keyed like a state dict ("0.weight") means nested keys.
-        dotted = any("." in k for k in source.keys(include_nested=True, leaves_only=True) if isinstance(k, str))
+        dotted = any("." in k for k in source.keys() if isinstance(k, str))  # flat: top-level keys
         return (source.unflatten_keys(".") if dotted else source), None
     if isinstance(source, Mapping):
         if not source:

@@ -338,12 +338,40 @@ class WeightStore:
                 value, where = source[dest], f"{what}, destination {dest!r}"
                 if isinstance(value, nn.Module):
                     tensors += self._match_module(value, (dest,), where)
+                elif isinstance(value, TensorDictBase):
+                    tensors += self._match_tensordict(value, (dest,), where)
                 else:
                     sub, _ = as_tensordict(value, where)
                     tensors += self.memory.layout.match(sub, where, prefix=(dest,))
             return tensors
+        if isinstance(source, TensorDictBase):
+            return self._match_tensordict(source, (), what)
         td, _ = as_tensordict(source, what)
         return self.memory.layout.match(td, what)
+
+    def _match_tensordict(self, td: TensorDictBase, prefix: tuple[str, ...], what: str) -> list[torch.Tensor]:
+        """``layout.match`` for a TensorDict, with a fast path for one checked before: if each of
+        its keys still holds the very same tensor, with the same shape and dtype, the full walk
+        over its keys is skipped (an update checks, then publishes, the same TensorDict)."""
+        plan_key = ("td", id(td), prefix)
+        cached = self._plans.get(plan_key)
+        if cached is not None:
+            ref, paths, before, entries = cached
+            if ref() is td and all(
+                td.get(path, None) is t and t.shape == e.shape and t.dtype == e.dtype
+                for path, t, e in zip(paths, before, entries)
+            ):
+                return list(before)
+        sub, _ = as_tensordict(td, what)
+        tensors = self.memory.layout.match(sub, what, prefix=prefix)
+        if sub is td:  # keys as stored (not a flat state-dict-like TensorDict)
+            layout = self.memory.layout
+            entries = [layout.entries[i] for i in layout.subset(prefix)]
+            paths = [e.key[len(prefix) :] for e in entries]
+            if len(self._plans) >= 32:  # TensorDicts made afresh for each update must not pile up
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[plan_key] = (weakref.ref(td), paths, tensors, entries)
+        return tensors
 
     def _match_module(self, module: nn.Module, prefix: tuple[str, ...], what: str) -> list[torch.Tensor]:
         """Like ``layout.match(TensorDict.from_module(module))``, with a fast path for a module

@@ -315,3 +315,20 @@ def test_two_slow_readers_do_not_take_the_pin_off_each_other(store_factory, star
         assert done == 3 and bad == 0
         assert pinned >= 1, "no pinned load: the test did not exercise the fallback"
         assert seconds < 30, f"3 loads of 0.4 s copies took {seconds:.0f}s: readers fought over the pin"
+
+
+def test_a_tensordict_changed_after_a_publish_is_checked_again(store_factory):
+    from tensordict import TensorDict
+
+    from shmsync import WeightMismatchError
+
+    td = TensorDict({"a": torch.zeros(3), "b": {"c": torch.zeros(2, 2)}})
+    store = store_factory({"policy": td.clone()})
+    store.publish({"policy": td})
+    td["b", "c"] = torch.ones(2, 2)  # a new tensor at a key: its values are published
+    store.publish({"policy": td})
+    assert store.snapshot().weights["policy", "b", "c"].sum() == 4
+    td["a"] = torch.zeros(4)  # a new shape: refused, nothing written
+    with pytest.raises(WeightMismatchError, match="'a' has shape \\(4,\\), the store holds \\(3,\\)"):
+        store.publish({"policy": td})
+    assert store.version == 2
