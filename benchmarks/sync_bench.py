@@ -387,6 +387,43 @@ def bench_update(sizes: dict[str, int], kinds: list[str], workers: int, quick: b
     return results
 
 
+def bench_real_loop(nbytes: int, kinds: list[str], reps: int) -> list[dict]:
+    """update_policy_weights_(trainer's weights) as a training loop makes it: a batch collected
+    before every call, nothing written to the weights just before (caches as they are). For
+    shmsync, every other call is replaced by a plain copy_ of the same tensors into the store's
+    slots: the floor, in the same position of the same loop."""
+    results = []
+    for kind in kinds:
+        collector, policy = build_collector(kind, nbytes, 2)
+        try:
+            it = iter(collector)
+            next(it)
+            trainer_module = make_policy(nbytes)
+            trainer_weights = TensorDict.from_module(trainer_module)
+            floor = None
+            if kind == "shmsync":
+                store = collector.bench_scheme.store
+                floor = rotating_copy(slot_views(store, trainer_module, ("policy",)), weights(trainer_module))
+            times: dict[str, list[float]] = {"update": [], "copy_floor": []}
+            for i in range(4 + 2 * reps):
+                next(it)
+                which = "copy_floor" if floor is not None and i % 2 else "update"
+                t = time.perf_counter()
+                if which == "update":
+                    collector.update_policy_weights_(trainer_weights)
+                else:
+                    floor()
+                if i >= 4:
+                    times[which].append(time.perf_counter() - t)
+        finally:
+            collector.shutdown()
+        del collector, policy
+        gc.collect()
+        results.append({"scheme": kind, "bytes": nbytes, **times})
+        print(f"  real loop {kind:<10} p50 {fmt_t(p50(times['update']))}", file=sys.stderr, flush=True)
+    return results
+
+
 # -- 4. collection throughput, publishing after every batch against never ------------------------
 def bench_throughput(
     sizes: dict[str, int], kinds: list[str], classes: list[str], batches: int, explicit: tuple[str, ...] = ()
@@ -488,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     del collector
     gc.collect()
     report["update"] = bench_update(upd_sizes, kinds, 2, quick)
+    print("update in a real loop ...", file=sys.stderr, flush=True)
+    report["real_loop"] = bench_real_loop(SIZES["1MB"], ["shmsync", "SharedMem"], 20 if quick else 100)
     print("throughput ...", file=sys.stderr, flush=True)
     report["throughput"] = bench_throughput(
         {"1MB": SIZES["1MB"]} if quick else {"1MB": SIZES["1MB"], "16MB": SIZES["16MB"]},
@@ -599,6 +638,20 @@ def render(r: dict) -> str:
             + "\nTorchRL keeps the trainer at one torch thread; publish splits a copy of 4 MB or more across the"
             "\ncores it may run on (SHMSYNC_COPY_THREADS fixes the count), which sit idle during a synchronous update."
         )
+    if r.get("real_loop"):
+        by = {x["scheme"]: x for x in r["real_loop"]}
+        ours, theirs = by.get("shmsync"), by.get("SharedMem")
+        line = (
+            "\nIn a real loop (1 MB, a batch collected before each call, no warming write), "
+            "update_policy_weights_(w) p50:"
+        )
+        if ours:
+            up, fl = p50(ours["update"]), p50(ours["copy_floor"])
+            line += f" shmsync {fmt_t(up)}, plain copy_ of the same bytes {fmt_t(fl)} ({up / fl:.2f}x)"
+        if ours and theirs:
+            theirs_up = p50(theirs["update"])
+            line += f", SharedMem {fmt_t(theirs_up)} ({theirs_up / p50(ours['update']):.1f}x shmsync)"
+        parts.append(line)
     rt = r.get("reader_table")
     if rt:
         few, many = p50(rt["publish_2_readers"]), p50(rt["publish_1000_readers"])
