@@ -10,6 +10,7 @@ before every call, so no path runs stale weights unnoticed.
 from __future__ import annotations
 
 import secrets
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -120,6 +121,24 @@ def sync_tracker(collector: Any, version: int) -> None:
     tracker = getattr(collector, "policy_version_tracker", None)
     if tracker is not None and getattr(tracker, "version", version) != version:
         tracker.version = version
+
+
+def find_worker_collector(depth: int = 12) -> Any:
+    """The worker's own collector, found on the call stack of the receiver's first load.
+
+    torchrl 0.12 initializes the receiver while the worker's collector builds its policy and
+    never hands the collector over (0.13 and later set the scheme's ``context``); that
+    collector's ``__init__`` is then among the callers.
+    """
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if callable(getattr(owner, "rollout", None)) and callable(getattr(owner, "iterator", None)):
+            return owner
+        frame = frame.f_back
+    return None
 
 
 def tag_next(batch: TensorDictBase, key: str) -> None:

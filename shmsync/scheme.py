@@ -22,7 +22,7 @@ from torch import nn
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 
 from ._scheme_sender import SenderGroup, find_collector
-from ._scheme_worker import Receiver
+from ._scheme_worker import Receiver, find_worker_collector
 from .store import WeightStore
 
 
@@ -311,6 +311,8 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             receiver.bind(context)
 
     def _setup_connection_and_weights_on_receiver_impl(self, *, worker_idx: int | None = None) -> None:
+        if self._receiver.collector is None and self.context is None:
+            self._receiver.bind(find_worker_collector())  # torchrl 0.12 hands no collector over
         self._receiver.poll()  # first load (the policy may still be on the meta device)
 
     def receive(self, timeout: float | None = None) -> None:

@@ -192,3 +192,31 @@ def test_a_config_driven_trainer_selects_shmsync_by_an_override(tmp_path):
     assert result["schemes"] == {"policy": "ShmWeightSyncScheme"}
     # 10 batches, one publish after each: frames carry the versions as they were published.
     assert result["versions"][0] == 0 and max(result["versions"]) >= 5, result
+
+
+# -- TorchRL's older collector names ----------------------------------------------------------------
+@pytest.mark.parametrize("name", ["MultiSyncDataCollector", "MultiaSyncDataCollector"])
+def test_the_older_collector_names_tag_frames_with_published_versions(name):
+    import torchrl.collectors
+
+    cls = getattr(torchrl.collectors, name, None)
+    if cls is None:
+        pytest.skip(f"torchrl {torchrl.__version__} has no {name} (renamed in 0.13)")
+    collector = cls(
+        [make_pendulum] * 2,
+        make_linear_policy(0.0),
+        frames_per_batch=40,
+        total_frames=-1,
+        weight_sync_schemes={"policy": ShmWeightSyncScheme()},
+    )
+    try:
+        it = iter(collector)
+        next(it)
+        collector.update_policy_weights_()
+        for _ in range(10):
+            batch = next(it)
+            if (batch["policy_version"] == 1).all():
+                break
+        assert (batch["policy_version"] == 1).all() and (batch["next", "policy_version"] == 1).all()
+    finally:
+        collector.shutdown()
