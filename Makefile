@@ -9,7 +9,7 @@ TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?= -n 2
 
 # Older TorchRL minors the TorchRL-facing tests also run under, each in its own venv.
-TORCHRL_LEGS ?= 0.13
+TORCHRL_LEGS ?= 0.13 0.12 0.11
 LEG_TESTS := tests/test_scheme.py tests/test_torchrl_conformance.py tests/test_torchrl_reach.py tests/test_hook.py
 
 .PHONY: install demo test test-main test-legs lint bench bench-quick clean
@@ -33,7 +33,8 @@ test: test-main test-legs
 test-main: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests shmsync workers
 
-# .venv-torchrl-0.13: torch, then that TorchRL minor with its own tensordict minor, then shmsync.
+# .venv-torchrl-0.13 (and so on): torch, then that TorchRL minor with its own tensordict minor,
+# then shmsync.
 .venv-torchrl-%/.installed: pyproject.toml
 	$(PYTHON) -m venv .venv-torchrl-$*
 	.venv-torchrl-$*/bin/python -m pip install -q --upgrade pip

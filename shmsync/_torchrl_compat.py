@@ -1,4 +1,9 @@
-"""What differs between the TorchRL minors shmsync supports (0.13 and 0.14), in one place."""
+"""What differs between the TorchRL minors shmsync supports (0.11 to 0.14), in one place.
+
+The rest lives where it is used, each marked: the worker's collector found on the call stack
+(torchrl 0.12 and older hand it no scheme context, ``_scheme_worker.find_worker_collector``) and
+the backend registry entry (0.14 only, ``_registration``).
+"""
 
 from __future__ import annotations
 

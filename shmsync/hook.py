@@ -86,7 +86,7 @@ class UpdateWeights(_TorchRLUpdateWeights):
                 sender=sender,
                 interval_unit=interval_unit,
             )
-        else:  # torchrl 0.13: its hook has no sender and counts batches only; this one does both
+        else:  # torchrl <= 0.13: its hook has no sender and counts batches only; this one does both
             check_hook_arguments(
                 collector,
                 update_weights_interval,

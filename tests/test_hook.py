@@ -95,7 +95,7 @@ def test_validation_errors_match_torchrl(kwargs):
     with pytest.raises(ValueError) as ours:
         UpdateWeights(**kwargs)
     if TORCHRL_VERSION < (0, 14):
-        return  # torchrl 0.13's hook has none of these arguments: shmsync's follows 0.14's
+        return  # torchrl <= 0.13's hook has none of these arguments: shmsync's follows 0.14's
     with pytest.raises(ValueError) as theirs:
         torchrl.trainers.UpdateWeights(**kwargs)
     assert str(ours.value) == str(theirs.value)

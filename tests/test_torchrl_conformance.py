@@ -284,7 +284,7 @@ def test_track_policy_version_reports_the_loaded_version(cls):
         assert (batch["next", "policy_version"] == 2).all() and (batch["policy_version"] == 2).all()
         state = collector.state_dict()
         if TORCHRL_VERSION < (0, 14):
-            return  # torchrl 0.13 keeps no version in a worker's state dict
+            return  # torchrl <= 0.13 keeps no version in a worker's state dict
         assert [state[f"worker{w}"]["policy_version"] for w in range(2)] == [2, 2]
     finally:
         collector.shutdown()
@@ -370,7 +370,7 @@ def test_update_while_collecting_in_the_background(cls):
             if (last["action"] == 1).all():
                 break
         assert (last["action"] == 1).all(), "the update never reached the background collection"
-        if TORCHRL_VERSION >= (0, 14):  # 0.13 leaves the tracker's column out of the buffer
+        if TORCHRL_VERSION >= (0, 14):  # <= 0.13 leaves the tracker's column out of the buffer
             assert (last["next", "policy_version"] == 1).all()
     finally:
         collector.async_shutdown(timeout=10)
