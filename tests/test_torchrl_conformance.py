@@ -360,9 +360,10 @@ def test_update_while_collecting_in_the_background(cls):
     try:
         collector.start()
         deadline = time.monotonic() + 60
-        while len(rb) < 16 and time.monotonic() < deadline:
+        while len(rb) < 32 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(rb) >= 16 and (rb[-16:]["action"] == 0).all()
+        # The first batch, long written (the newest may still be being written, on torchrl 0.11).
+        assert len(rb) >= 32 and (rb[:16]["action"] == 0).all()
         collector.update_policy_weights_(linear_weights(1.0))
         while time.monotonic() < deadline:
             time.sleep(0.05)
