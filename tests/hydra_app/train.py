@@ -12,7 +12,12 @@ from torchrl.trainers.algorithms.configs import *  # noqa: F401, F403  (TorchRL'
 def main(cfg):
     trainer = hydra.utils.instantiate(cfg.trainer)
     versions = set()
-    trainer.register_op("batch_process", lambda batch: versions.update(batch["policy_version"].unique().tolist()))
+
+    def record(batch):
+        tag = batch.get("policy_version", None)  # absent with TorchRL's own schemes
+        versions.update(tag.unique().tolist() if tag is not None else [])
+
+    trainer.register_op("batch_process", record)
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
