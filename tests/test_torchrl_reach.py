@@ -35,17 +35,21 @@ def test_import_shmsync_leaves_torchrl_unloaded():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def _pendulum_collector(cls, frames_per_batch=40, **kwargs):
+    """An unbounded 2-worker collector of Pendulum, its policy's weights all zero, synced by shmsync."""
+    return cls(
+        [make_pendulum] * 2,
+        make_linear_policy(0.0),
+        frames_per_batch=frames_per_batch,
+        total_frames=-1,
+        weight_sync_schemes={"policy": ShmWeightSyncScheme()},
+        **kwargs,
+    )
+
+
 # -- versions given by the caller -----------------------------------------------------------------
 def test_update_policy_weights_with_a_version_tags_frames_with_it():
-    policy = make_linear_policy(0.0)
-    collector = MultiSyncCollector(
-        [make_pendulum] * 2,
-        policy,
-        frames_per_batch=40,
-        total_frames=-1,
-        cat_results="stack",
-        weight_sync_schemes={"policy": ShmWeightSyncScheme()},
-    )
+    collector = _pendulum_collector(MultiSyncCollector, cat_results="stack")
     try:
         it = iter(collector)
         next(it)
@@ -111,14 +115,7 @@ def test_staleness_aware_sampler_gates_exactly_the_frames_older_than_the_bound()
     max_staleness = 2
     sampler = StalenessAwareSampler(max_staleness=max_staleness, staleness_weight_fn=lambda s: torch.ones_like(s))
     buffer = TensorDictReplayBuffer(storage=LazyTensorStorage(2000), sampler=sampler, batch_size=20_000)
-    policy = make_linear_policy(0.0)
-    collector = MultiAsyncCollector(
-        [make_pendulum] * 2,
-        policy,
-        frames_per_batch=50,
-        total_frames=-1,
-        weight_sync_schemes={"policy": ShmWeightSyncScheme()},
-    )
+    collector = _pendulum_collector(MultiAsyncCollector, frames_per_batch=50)
     try:
         for i, batch in enumerate(collector):
             buffer.extend(batch.reshape(-1))
@@ -205,13 +202,7 @@ def test_the_older_collector_names_tag_frames_with_published_versions(name):
     cls = getattr(torchrl.collectors, name, None)
     if cls is None:
         pytest.skip(f"torchrl {torchrl.__version__} has no {name} (renamed in 0.13)")
-    collector = cls(
-        [make_pendulum] * 2,
-        make_linear_policy(0.0),
-        frames_per_batch=40,
-        total_frames=-1,
-        weight_sync_schemes={"policy": ShmWeightSyncScheme()},
-    )
+    collector = _pendulum_collector(cls)
     try:
         it = iter(collector)
         next(it)
