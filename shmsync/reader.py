@@ -141,10 +141,8 @@ class WeightReader:
             if self._viewing:  # leasing refused: back to private memory before copying into it
                 _make_private(self._viewing)
                 protocol.release_lease(self._row)
-            # The common case inline (one optimistic copy); `read` does retries, pins and errors.
-            version = protocol.try_read(self._copy)
-            if version is None:
-                version = protocol.read(self._copy, timeout=self.timeout)
+            # Optimistic copies, or the pin at once for a reader slower than the writer.
+            version = protocol.read(self._copy, timeout=self.timeout)
         changed = version != self._version
         self._version = version
         self.reloads += 1
