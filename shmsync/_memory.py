@@ -40,8 +40,7 @@ class StoreMemory:
         self.layout, self.destinations = layout, destinations
         self.num_slots = h[W_NUM_SLOTS]
         self.protocol = Protocol(h, SegmentLocks(segment), name=segment.name)
-        data, stride = h[W_DATA_OFFSET], h[W_SLOT_BYTES]
-        self.slots = [layout.slot_views(segment.buf, data + i * stride) for i in range(self.num_slots)]
+        self.slots = self._slot_views(segment.buf)
         self._readonly: list[list[torch.Tensor]] = []
         self._pinned: list = []  # (pointer, view) of page-locked memory, for CUDA copies
         self.viewers: weakref.WeakSet = weakref.WeakSet()
@@ -66,13 +65,15 @@ class StoreMemory:
     def readonly_slots(self) -> list[list[torch.Tensor]]:
         """Per slot, read-only views of every entry (a write through them faults)."""
         if not self._readonly:
-            h, buf = self.header, self.segment.readonly()
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                self._readonly += [
-                    self.layout.slot_views(buf, h[W_DATA_OFFSET] + i * h[W_SLOT_BYTES]) for i in range(self.num_slots)
-                ]
+                self._readonly += self._slot_views(self.segment.readonly())
         return self._readonly
+
+    def _slot_views(self, buf) -> list[list[torch.Tensor]]:
+        """Per slot, a view of every entry in mapping ``buf``."""
+        data, stride = self.header[W_DATA_OFFSET], self.header[W_SLOT_BYTES]
+        return [self.layout.slot_views(buf, data + i * stride) for i in range(self.num_slots)]
 
     def pin_for_cuda(self) -> None:
         """Page-lock the slots in this process (once), so CUDA copies are asynchronous DMA."""
