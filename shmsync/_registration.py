@@ -1,16 +1,22 @@
-"""Puts ``"shmsync"`` into TorchRL's weight-sync backend registry (torchrl >= 0.14), so that
-``WeightSyncScheme.from_backend("shmsync", ...)`` builds a :class:`~shmsync.ShmWeightSyncScheme`.
+"""What ``import shmsync`` sets up in TorchRL, without importing it: each part is done when the
+TorchRL module it concerns is imported, whichever of the two comes first (at once if it already
+is, else by a finder that wraps that module's loading).
 
-``import shmsync`` must stay light (workers and the CLI never load TorchRL), so the entry is
-made when TorchRL's registry module is imported, whichever of the two comes first: at once if
-it already is, else by a finder that wraps that one module's loading.
+- ``"shmsync"`` in TorchRL's weight-sync backend registry (torchrl >= 0.14), so that
+  ``WeightSyncScheme.from_backend("shmsync", ...)`` builds a :class:`~shmsync.ShmWeightSyncScheme`.
+- TorchRL's distributed collectors made ready for shmsync as each node's local scheme (see
+  :mod:`shmsync._distributed`).
+
+``import shmsync`` must stay light (workers and the CLI never load TorchRL or torch).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import sys
+from collections.abc import Callable
 from typing import Any
 
 REGISTRY_MODULE = "torchrl.weight_update.weight_sync_schemes"
@@ -35,29 +41,56 @@ def register(module: Any) -> None:
         table.setdefault(BACKEND, LazyScheme)
 
 
-class _RegisterOnImport(importlib.abc.MetaPathFinder):
+def _distributed(patch: str) -> Callable[[Any], None]:
+    def run(module: Any) -> None:
+        getattr(importlib.import_module("shmsync._distributed"), patch)(module)
+
+    return run
+
+
+ON_IMPORT: dict[str, Callable[[Any], None]] = {
+    REGISTRY_MODULE: register,
+    "torchrl.collectors.distributed.sync": _distributed("patch_sync_module"),
+    "torchrl.collectors.distributed.generic": _distributed("patch_generic_module"),
+    "torchrl.weight_update._distributed": _distributed("patch_scheme_module"),
+}
+
+
+class _OnImport(importlib.abc.MetaPathFinder):
+    def __init__(self, pending: dict[str, Callable[[Any], None]]) -> None:
+        self.pending = pending
+
     def find_spec(self, name: str, path: Any = None, target: Any = None):
-        if name != REGISTRY_MODULE:
+        callback = self.pending.pop(name, None)
+        if callback is None:
             return None
-        sys.meta_path.remove(self)  # once; and so the lookup below finds the real spec
+        if not self.pending:
+            sys.meta_path.remove(self)
+        # Not seen by this finder any more, so the lookup below finds the real spec.
         spec = importlib.util.find_spec(name)
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
         exec_module = loader.exec_module
 
-        def exec_and_register(module: Any) -> None:
+        def exec_and_patch(module: Any) -> None:
             exec_module(module)
-            register(module)
+            callback(module)
 
-        loader.exec_module = exec_and_register
+        loader.exec_module = exec_and_patch
         return spec
 
 
 def install() -> None:
-    """Register now if TorchRL's registry is loaded, else as soon as it is."""
-    module = sys.modules.get(REGISTRY_MODULE)
-    if module is not None:
-        register(module)
-    elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterOnImport())
+    """Set up each part now if its TorchRL module is loaded, else as soon as it is."""
+    if any(isinstance(f, _OnImport) for f in sys.meta_path):
+        return
+    pending = {}
+    for name, callback in ON_IMPORT.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            callback(module)
+        else:
+            pending[name] = callback
+    if pending:
+        sys.meta_path.insert(0, _OnImport(pending))

@@ -18,6 +18,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
+from ._distributed import mark_ready, trainer_version
 from ._scheme_worker import sync_tracker
 from .store import WeightStore
 
@@ -178,7 +179,10 @@ class SenderGroup:
         @functools.wraps(update)
         def update_policy_weights_(*args: Any, version: int | None = None, **kwargs: Any) -> Any:
             # `version`: shmsync's own keyword (TorchRL's method has none): the version to
-            # publish under, e.g. the optimizer-step count, instead of the next one.
+            # publish under, e.g. the optimizer-step count, instead of the next one. On a node of
+            # a distributed collector: the trainer's version of the push being applied.
+            if version is None:
+                version = trainer_version(collector, kwargs.get("model_id"))
             groups = live_groups()
             for g in groups:
                 g._depth += 1
@@ -221,6 +225,7 @@ class SenderGroup:
         collector.update_policy_weights_ = update_policy_weights_
         collector.shutdown = shutdown_and_release
         collector.load_state_dict = load_state_dict_and_versions
+        mark_ready(collector)
 
     @property
     def closed(self) -> bool:

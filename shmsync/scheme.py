@@ -85,6 +85,8 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         >>> scheme.shutdown()
     """
 
+    SHMSYNC = True  # how shmsync's distributed-collector glue tells this scheme from TorchRL's
+
     def __init__(
         self,
         *,

@@ -16,7 +16,8 @@ LAYERS = [
     {"_memory"},  # one store's mapping
     {"store", "tagging", "versions", "lifetime", "host"},  # the store
     {"reader", "sender", "cli", "testing"},  # its clients
-    {"hook", "scheme", "_scheme_sender", "_scheme_worker", "_registration", "_torchrl_compat"},  # TorchRL
+    # TorchRL
+    {"hook", "scheme", "_scheme_sender", "_scheme_worker", "_registration", "_torchrl_compat", "_distributed"},
     {"workers"},  # worker processes
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
