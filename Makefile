@@ -10,7 +10,8 @@ PYTEST_ARGS ?= -n 2
 
 # Older TorchRL minors the TorchRL-facing tests also run under, each in its own venv.
 TORCHRL_LEGS ?= 0.13 0.12 0.11
-LEG_TESTS := tests/test_scheme.py tests/test_torchrl_conformance.py tests/test_torchrl_reach.py tests/test_hook.py
+LEG_TESTS := tests/test_scheme.py tests/test_torchrl_conformance.py tests/test_torchrl_reach.py tests/test_hook.py \
+	tests/test_distributed.py
 
 .PHONY: install demo test test-main test-legs lint bench bench-quick clean
 

@@ -168,20 +168,60 @@ def _wrap_send(cls: type) -> None:
     cls.send = send
 
 
+def _torchrl_minor() -> tuple[int, int]:
+    from importlib.metadata import version
+
+    return tuple(int(p) for p in version("torchrl").split("+")[0].split(".")[:2])
+
+
+def _refuse(cls: type) -> None:
+    """Before torchrl 0.14 the nodes' receive path differs, and frames could be tagged with a
+    version whose weights did not act: refuse a shmsync local scheme before any node starts."""
+    init = cls.__init__
+    if getattr(init, "_shmsync", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        kw = kwargs.get("collector_kwargs")
+        probe = type("Probe", (), {"collector_kwargs": kw if kw is not None else {}})()
+        if _local_schemes(probe):
+            raise NotImplementedError(
+                f"ShmWeightSyncScheme as the local scheme of {cls.__name__}'s nodes needs torchrl >= 0.14 "
+                f"(this is {'.'.join(map(str, _torchrl_minor()))}); use TorchRL's own local scheme here"
+            )
+        init(self, *args, **kwargs)
+
+    __init__._shmsync = True
+    cls.__init__ = __init__
+
+
+def _patch(module: Any, names: tuple[str, ...], *, wait_until_ready: bool) -> None:
+    for name in names:
+        cls = getattr(module, name, None)
+        if isinstance(cls, type) and hasattr(cls, "_make_container"):
+            if _torchrl_minor() >= (0, 14):
+                _wrap_make_container(cls, wait_until_ready=wait_until_ready)
+            else:
+                _refuse(cls)
+
+
 def patch_sync_module(module: Any) -> None:
     """``torchrl.collectors.distributed.sync`` was imported: wrap ``DistributedSyncCollector``."""
-    _wrap_make_container(module.DistributedSyncCollector, wait_until_ready=True)
+    _patch(module, ("DistributedSyncCollector",), wait_until_ready=True)
 
 
 def patch_generic_module(module: Any) -> None:
     """``torchrl.collectors.distributed.generic`` was imported: wrap ``DistributedCollector``
     (its nodes set up their collector before they receive)."""
-    _wrap_make_container(module.DistributedCollector, wait_until_ready=False)
+    _patch(module, ("DistributedCollector",), wait_until_ready=False)
 
 
 def patch_scheme_module(module: Any) -> None:
     """``torchrl.weight_update._distributed`` was imported: count pushes where asked to."""
-    _wrap_send(module.DistributedWeightSyncScheme)
+    cls = getattr(module, "DistributedWeightSyncScheme", None)
+    if isinstance(cls, type) and hasattr(cls, "send"):
+        _wrap_send(cls)
 
 
 # -- node side ------------------------------------------------------------------------------------
