@@ -300,6 +300,15 @@ def bench_reader(sizes: dict[str, int], quick: bool) -> dict:
 
 # -- 3. trainer side with 2 workers: update_policy_weights_() per scheme -------------------------
 ZERO_COPY = "shmsync zero-copy"
+ONE_THREAD = "shmsync 1 thread"  # every copy on one core (SHMSYNC_COPY_THREADS=1), trainer and workers
+
+
+def copy_threads_for(kind: str) -> None:
+    """Set the copy-thread count for ``kind`` (before its collector spawns workers, which inherit it)."""
+    if kind == ONE_THREAD:
+        os.environ["SHMSYNC_COPY_THREADS"] = "1"
+    else:
+        os.environ.pop("SHMSYNC_COPY_THREADS", None)
 
 
 def make_scheme(kind: str):
@@ -424,6 +433,91 @@ def bench_real_loop(nbytes: int, kinds: list[str], reps: int) -> list[dict]:
     return results
 
 
+# -- 3b. a slow reader beside a writer publishing flat out --------------------------------------
+class Payload(nn.Module):
+    def __init__(self, nbytes: int) -> None:
+        super().__init__()
+        n = nbytes // 4 // 4
+        for i in range(4):
+            self.register_buffer(f"b{i}", torch.zeros(n))
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def _slow_reader(name: str, nbytes: int, seconds: float, pin_first: bool, conn) -> None:
+    from shmsync import WeightReader, WeightStore
+    from shmsync._protocol import Protocol
+
+    os.nice(10)
+    torch.set_num_threads(1)
+    if not pin_first:  # the reader as it was: optimistic copies first, whatever their length
+        Protocol.outpaced = lambda self: False
+    store = WeightStore.attach(name)
+    reader = WeightReader(store, Payload(nbytes))
+    conn.send("ready")
+    loads, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        loads += reader.reload()
+    copy_ns = store.memory.protocol.copy_ns  # this reader's last copy
+    conn.send({"loads": loads, "failed_copies": store.retries, "pinned": store.pinned_reads, "copy_ns": copy_ns})
+    reader.close()
+    store.close()
+
+
+def bench_slow_reader(nbytes: int, seconds: float) -> list[dict]:
+    """A reader niced beside a busy process, its copy slower than the writer's publishes (which
+    run back to back): loads per minute and failed copies per load, asking for the pin at once
+    when outpaced (shmsync) against optimistic copies first."""
+    import multiprocessing as mp
+
+    from shmsync import WeightStore
+
+    ctx = mp.get_context("spawn")
+    source = Payload(nbytes)
+    results = []
+    for pin_first in (True, False):
+        store = WeightStore.create(source)
+        parent, child = ctx.Pipe()
+        reader = ctx.Process(target=_slow_reader, args=(store.name, nbytes, seconds, pin_first, child))
+        busy = ctx.Process(target=_spin, args=(seconds + 30,))
+        reader.start()
+        try:
+            assert parent.poll(60) and parent.recv() == "ready"
+            busy.start()
+            publishes, end = 0, time.monotonic() + seconds
+            while time.monotonic() < end or not parent.poll(0):
+                store.publish(source)
+                publishes += 1
+                if time.monotonic() > end + 60:
+                    raise RuntimeError("the slow reader did not report")
+            got = parent.recv()
+        finally:
+            for p in (reader, busy):
+                if p.is_alive():
+                    p.kill()
+                p.join(10)
+            store.close()
+        loads = max(got["loads"], 1)
+        results.append(
+            {
+                "mode": "pin first when outpaced" if pin_first else "optimistic first",
+                "bytes": nbytes,
+                "seconds": seconds,
+                "loads_per_min": got["loads"] * 60 / seconds,
+                "failed_copies_per_load": got["failed_copies"] / loads,
+                "pinned_share": got["pinned"] / loads,
+                "one_copy_per_load_per_min": 60e9 / max(got["copy_ns"], 1),
+                "publishes": publishes,
+            }
+        )
+        print(f"  slow reader: {results[-1]}", file=sys.stderr, flush=True)
+    return results
+
+
 # -- 4. collection throughput, publishing after every batch against never ------------------------
 def bench_throughput(
     sizes: dict[str, int], kinds: list[str], classes: list[str], batches: int, explicit: tuple[str, ...] = ()
@@ -435,6 +529,9 @@ def bench_throughput(
     for cls_name in classes:
         for label, nbytes, send_copy in cases:
             for kind in kinds:
+                if kind == ONE_THREAD and nbytes < 4 << 20:
+                    continue  # below the size copies are split at: the same as shmsync
+                copy_threads_for(kind)
                 collector, policy = build_collector(kind, nbytes, 2, cls_name)
                 trainer_weights = TensorDict.from_module(make_policy(nbytes)) if send_copy else None
                 frames = {"never": 0, "every_batch": 0}
@@ -458,6 +555,7 @@ def bench_throughput(
                         cycles[mode].append(time.perf_counter() - t)
                 finally:
                     collector.shutdown()
+                    copy_threads_for("")
                 del collector, policy
                 gc.collect()
                 seconds = {m: sum(v) for m, v in cycles.items()}
@@ -527,10 +625,12 @@ def main(argv: list[str] | None = None) -> int:
     report["update"] = bench_update(upd_sizes, kinds, 2, quick)
     print("update in a real loop ...", file=sys.stderr, flush=True)
     report["real_loop"] = bench_real_loop(SIZES["1MB"], ["shmsync", "SharedMem"], 20 if quick else 100)
+    print("slow reader ...", file=sys.stderr, flush=True)
+    report["slow_reader"] = bench_slow_reader(64 << 20 if quick else 256 << 20, 6.0 if quick else 16.0)
     print("throughput ...", file=sys.stderr, flush=True)
     report["throughput"] = bench_throughput(
         {"1MB": SIZES["1MB"]} if quick else {"1MB": SIZES["1MB"], "16MB": SIZES["16MB"]},
-        ["shmsync", ZERO_COPY, "SharedMem"],
+        ["shmsync", ONE_THREAD, ZERO_COPY, "SharedMem"],
         ["MultiSyncCollector"] if quick else ["MultiSyncCollector", "MultiAsyncCollector"],
         batches=10 if quick else 60,
         explicit=() if quick else ("16MB",),
@@ -652,6 +752,29 @@ def render(r: dict) -> str:
             theirs_up = p50(theirs["update"])
             line += f", SharedMem {fmt_t(theirs_up)} ({theirs_up / p50(ours['update']):.1f}x shmsync)"
         parts.append(line)
+    if r.get("slow_reader"):
+        rows = [
+            [
+                x["mode"],
+                fmt_b(x["bytes"]),
+                f"{x['loads_per_min']:.0f}",
+                f"{x['failed_copies_per_load']:.2f}",
+                f"{100 * x['pinned_share']:.0f}%",
+                f"{x['one_copy_per_load_per_min']:.0f}",
+            ]
+            for x in r["slow_reader"]
+        ]
+        by = {x["mode"]: x for x in r["slow_reader"]}
+        ours, old = by.get("pin first when outpaced"), by.get("optimistic first")
+        gain = f" ({ours['loads_per_min'] / max(old['loads_per_min'], 1e-9):.1f}x the loads)" if ours and old else ""
+        parts.append(
+            table(
+                f"A slow reader (niced, beside a busy process) while the writer publishes back to back{gain}",
+                ["reader", "store", "loads per minute", "failed copies per load", "pinned loads", "ceiling"],
+                rows,
+            )
+            + "\nceiling: loads per minute if every load took one copy, at this reader's own last copy time."
+        )
     rt = r.get("reader_table")
     if rt:
         few, many = p50(rt["publish_2_readers"]), p50(rt["publish_1000_readers"])

@@ -345,12 +345,14 @@ class Protocol:
         return self.read_pinned(copy, time.monotonic() + timeout)
 
     def outpaced(self) -> bool:
-        """Whether this reader's copies take longer than the writer, publishing now, leaves a
-        slot alone (about ``num_slots - 1`` publish intervals): an optimistic copy would only
-        fail, so the reader asks for a pin at once and loads in one copy."""
+        """Whether this reader's copies take longer than the writer, publishing now, surely
+        leaves the latest slot alone: an optimistic copy could fail, so the reader asks for a
+        pin at once and loads in one copy. A writer publishing back to back rewrites that slot
+        ``num_slots - 1`` publishes after it was written, and the reader finds it at any point
+        of the first of those intervals: ``num_slots - 2`` intervals are sure."""
         h = self.h
         interval = h[W_PUBLISH_INTERVAL]
-        if not interval or self.copy_ns <= max(1, self.num_slots - 1) * interval:
+        if not interval or self.copy_ns <= max(1, self.num_slots - 2) * interval:
             return False
         return time.time_ns() - h[W_PUBLISH_NS] < 4 * interval  # still publishing at that pace
 

@@ -286,8 +286,9 @@ def test_no_starvation_under_back_to_back_publishing(store_factory, start, besid
     version, *_ = w.expect("done")
     assert done == 8 and bad == 0
     assert pinned >= 1, "the slow reader never needed the fallback: the test did not exercise it"
-    # Once it knows it is slower than the writer, a load is one pinned copy (2-3 copies before).
-    assert retries <= done + 2, f"{retries} failed copies for {done} loads"
+    # The first load fails its two optimistic copies (the reader does not know its copy time
+    # yet); after that, knowing it is slower than the writer, each load is one pinned copy.
+    assert retries <= 3, f"{retries} failed copies for {done} loads"
     assert version > 8
 
 
