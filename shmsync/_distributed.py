@@ -257,6 +257,8 @@ def mark_ready(collector: Any) -> None:
 def trainer_version(collector: Any, model_id: str | None, depth: int = 12) -> int | None:
     """Node side: the trainer's version of the push being applied, when this update comes from a
     distributed push (found on the call stack) whose trainer counts versions; else None."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None  # not a node (the cheap answer for every update off one)
     frame = sys._getframe(2)
     for _ in range(depth):
         if frame is None:

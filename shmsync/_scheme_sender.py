@@ -114,17 +114,15 @@ class SenderGroup:
 
     def flush(self) -> list[int]:
         """Publish what is staged; every store is checked before any is written."""
-        return self.commit(self.prepare())
+        prepared = self.prepare()
+        check_all(prepared)
+        return self.commit(prepared)
 
-    def prepare(self, version: int | None = None) -> list[tuple[WeightStore, dict[str, Any]]]:
-        """Take what is staged: ``(store, source)`` pairs, each checked against its store (and
-        ``version``, if given, against its last version)."""
+    def prepare(self) -> list[tuple[WeightStore, dict[str, Any]]]:
+        """Take what is staged: ``(store, source)`` pairs (see :func:`check_all`)."""
         pending, self._pending = self._pending, {}
         targets = sorted({w for _, ids in pending.values() for w in ids})
-        prepared = [(self.stores[w], self._source(w, pending)) for w in targets]
-        for store, source in prepared:
-            store.check(source, version=version)
-        return prepared
+        return [(self.stores[w], self._source(w, pending)) for w in targets]
 
     def commit(self, prepared: list[tuple[WeightStore, dict[str, Any]]], version: int | None = None) -> list[int]:
         versions = [store.publish(source, version=version) for store, source in prepared]
@@ -197,7 +195,8 @@ class SenderGroup:
                 g._depth -= 1
             # Every store of every group is checked before any is written.
             try:
-                prepared = [(g, g.prepare(version)) for g in groups if g._pending]
+                prepared = [(g, g.prepare()) for g in groups if g._pending]
+                check_all([pair for _, pairs in prepared for pair in pairs], version)
             except BaseException:
                 for g in groups:
                     g._pending.clear()
@@ -236,6 +235,15 @@ class SenderGroup:
         for store in self.stores:
             if not store.closed:
                 store.close()
+
+
+def check_all(prepared: list[tuple[WeightStore, Any]], version: int | None = None) -> None:
+    """Check each ``(store, source)`` pair (and ``version``) before any is published, so that an
+    update reaching several stores writes all or none. A single store checks as it publishes,
+    before it writes anything: checking it twice would only cost time."""
+    if len(prepared) > 1:
+        for store, source in prepared:
+            store.check(source, version=version)
 
 
 def find_collector(scheme: Any, depth: int = 8) -> Any:
