@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from ._header import W_CREATOR_PID, W_DATA_OFFSET, W_NUM_SLOTS, W_SLOT_BYTES
+from ._header import W_CREATOR_PID, W_DATA_OFFSET, W_NUM_SLOTS, W_PAYLOAD_BYTES, W_SLOT_BYTES
 from ._layout import Layout
 from ._protocol import Protocol
 from ._segment import Segment, SegmentLocks
@@ -74,6 +74,13 @@ class StoreMemory:
         """Per slot, a view of every entry in mapping ``buf``."""
         data, stride = self.header[W_DATA_OFFSET], self.header[W_SLOT_BYTES]
         return [self.layout.slot_views(buf, data + i * stride) for i in range(self.num_slots)]
+
+    def slot_bytes(self, slot: int) -> torch.Tensor:
+        """Slot ``slot``'s payload as one flat writable ``uint8`` tensor (all entries, in layout
+        order, with their alignment gaps)."""
+        h = self.header
+        offset = h[W_DATA_OFFSET] + slot * h[W_SLOT_BYTES]
+        return torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=h[W_PAYLOAD_BYTES], offset=offset)
 
     def pin_for_cuda(self) -> None:
         """Page-lock the slots in this process (once), so CUDA copies are asynchronous DMA."""

@@ -114,6 +114,7 @@ class WeightStore:
         *,
         num_slots: int = 3,
         unlink_at_exit: bool = True,
+        version: int = 0,
     ) -> WeightStore:
         """Allocate a store shaped like ``source`` and publish its weights as version 0.
 
@@ -131,9 +132,11 @@ class WeightStore:
                 distinct slots at once; those that cannot lease copy.
             unlink_at_exit: remove the shared memory when this process exits or the
                 store is garbage collected. Existing readers keep their mapping.
+            version: the version of these first weights (say, the trainer's version that a
+                store on another host starts from). Default 0.
 
         Returns:
-            The store, open in this process, at version 0; this process holds its writer role.
+            The store, open in this process, at ``version``; this process holds its writer role.
 
         Raises:
             FileExistsError: ``name`` is taken.
@@ -141,6 +144,8 @@ class WeightStore:
         """
         if not 2 <= num_slots <= MAX_SLOTS:
             raise ValueError(f"num_slots must be between 2 and {MAX_SLOTS}, got {num_slots}")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be an int >= 0, got {version!r}")
         td, destinations = as_tensordict(source, "WeightStore.create() source")
         layout = Layout.from_tensordict(td)
         tensors = layout.match(td, "weights given to WeightStore.create()")
@@ -178,7 +183,7 @@ class WeightStore:
         # The creator keeps the writer role: no other process can lock the trainer out by
         # publishing first. It publishes from elsewhere after release_writer() here.
         with store._writer_role(keep=True):
-            store._write(tensors)
+            store._write(tensors, version=version)
         return store
 
     @classmethod
@@ -503,6 +508,66 @@ class WeightStore:
             protocol.abort(write)
             raise
         return protocol.commit(write, version)
+
+    # -- raw bytes (for moving whole versions between hosts) ------------------------------------
+    @property
+    def layout_description(self) -> bytes:
+        """The store's layout (keys, shapes, dtypes and byte offsets, destinations), as bytes:
+        two stores with equal descriptions hold their versions as the same bytes."""
+        return self.memory.layout.to_json(self.memory.destinations)
+
+    def read_bytes(self, out: torch.Tensor, timeout: float = 60.0) -> int:
+        """Copy the newest complete version's bytes (:attr:`nbytes` of them, in this store's
+        layout) into the flat ``uint8`` CPU tensor ``out``; returns its version.
+
+        Raises:
+            ValueError: ``out`` is not a contiguous uint8 CPU tensor of :attr:`nbytes` bytes.
+            ReloadTimeoutError: no complete copy could be made within ``timeout`` seconds.
+        """
+        self._check_open()
+        self._check_bytes(out, "read_bytes(out)")
+        memory = self.memory
+        return memory.protocol.read(lambda slot: copy_all([out], [memory.slot_bytes(slot)]), timeout=timeout)
+
+    def publish_bytes(self, fill: Any, *, version: int) -> int:
+        """Publish a version whose bytes ``fill(view)`` writes straight into a free slot.
+
+        ``view`` is a flat ``uint8`` tensor of :attr:`nbytes` bytes in this store's layout (see
+        :attr:`layout_description`): a relay receives another host's version into it, with no
+        copy in between. If ``fill`` raises, the slot is left empty and nothing is published.
+
+        Returns:
+            ``version``.
+
+        Raises:
+            ValueError: ``version`` is not higher than the last one; nothing is written.
+            WriterBusyError: another live process holds the writer role.
+        """
+        self._check_open()
+        self._check_next_version(version)
+        if not self.memory.segment.held(WRITER_LOCK):
+            self._acquire_writer()
+        if self._cuda_publisher is not None:
+            self._cuda_publisher.wait()
+        protocol = self.memory.protocol
+        write = protocol.begin_write()
+        try:
+            fill(self.memory.slot_bytes(write.slot))
+        except BaseException:
+            protocol.abort(write)
+            raise
+        return protocol.commit(write, version)
+
+    def _check_bytes(self, out: torch.Tensor, what: str) -> None:
+        if not (
+            isinstance(out, torch.Tensor)
+            and out.dtype == torch.uint8
+            and out.device.type == "cpu"
+            and out.is_contiguous()
+            and out.numel() == self.nbytes
+        ):
+            got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out)
+            raise ValueError(f"{what}: want a contiguous uint8 CPU tensor of {self.nbytes} bytes, got {got}")
 
     # -- reading --------------------------------------------------------------------------------
     def snapshot(self, timeout: float = 60.0) -> Snapshot:

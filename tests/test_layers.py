@@ -16,8 +16,9 @@ LAYERS = [
     {"_memory"},  # one store's mapping
     {"store", "tagging", "versions", "lifetime", "host"},  # the store
     {"reader", "sender", "cli", "testing"},  # its clients
-    # TorchRL
-    {"hook", "scheme", "_scheme_sender", "_scheme_worker", "_registration", "_torchrl_compat", "_distributed"},
+    # TorchRL, and other hosts
+    {"hook", "scheme", "_scheme_sender", "_scheme_worker", "_registration", "_torchrl_compat", "_distributed"}
+    | {"relay"},
     {"workers"},  # worker processes
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
