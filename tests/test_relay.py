@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -178,3 +180,22 @@ def test_a_stalled_host_slows_neither_the_trainer_nor_the_other_hosts(store_fact
     (_, version_b), (received_c, version_c) = (relay.expect("done") for relay in relays)
     assert version_b == version_c == 40
     assert received_c < 40, "the stalled host was sent every version instead of the newest"
+
+
+def test_the_relay_command_follows_the_trainer_until_it_closes(store_factory, host):
+    weights = blob_weights(SIZES, 3.0)
+    store = store_factory(weights)
+    store.publish(weights, version=3)
+    port = free_ports(1)
+    env = {**os.environ, "SHMSYNC_DIR": host}
+    cmd = [sys.executable, "-m", "shmsync.workers.relay", "--connect", f"127.0.0.1:{port}", "--store", "policy"]
+    with RelaySender(store, "127.0.0.1", port) as sender:
+        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: sender.relays.get(1) == 3, what="the relay command to link")
+        except BaseException:
+            proc.kill()
+            raise
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "closed its sender after 1 versions" in err
