@@ -114,6 +114,7 @@ class RelaySender:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._sent: dict[int, int] = {}
+        self._bytes: dict[int, int] = {}
         self._errors: dict[int, str] = {}
         self._links: list[threading.Thread] = []
         self._accept = threading.Thread(target=self._accept_loop, name="shmsync-relay-accept", daemon=True)
@@ -124,6 +125,12 @@ class RelaySender:
         """Relays linked now: relay id -> the last version sent to it."""
         with self._lock:
             return dict(self._sent)
+
+    @property
+    def bytes_sent(self) -> dict[int, int]:
+        """Bytes sent to each relay so far (headers and payloads), by relay id."""
+        with self._lock:
+            return dict(self._bytes)
 
     @property
     def dropped(self) -> dict[int, str]:
@@ -160,15 +167,17 @@ class RelaySender:
             buf = torch.empty(reader.nbytes, dtype=torch.uint8)
             while not self._stop.is_set():
                 if reader.version <= sent:
-                    self._stop.wait(0.0005)
+                    self._stop.wait(0.0001)
                     continue
                 version = reader.read_bytes(buf)
-                _send(pg, torch.tensor([version, self._fingerprint, buf.numel(), self.bucket_bytes]), 1, HEADER)
+                header = torch.tensor([version, self._fingerprint, buf.numel(), self.bucket_bytes])
+                _send(pg, header, 1, HEADER)
                 for piece in _buckets(buf, self.bucket_bytes):
                     _send(pg, piece, 1, PAYLOAD)
                 sent = version
                 with self._lock:
                     self._sent[relay_id] = sent
+                    self._bytes[relay_id] = self._bytes.get(relay_id, 0) + header.numel() * 8 + buf.numel()
             _send(pg, torch.tensor([STOP, self._fingerprint, 0, 0]), 1, HEADER)
         except Exception as e:  # the relay went away, or refused: only this link ends
             with self._lock:
