@@ -78,11 +78,26 @@ def _pair(tcp, rank: int):
 
 
 def free_port() -> int:
+    return free_ports(1)
+
+
+def free_ports(n: int) -> int:
+    """A port p with p .. p+n-1 free."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            base = s.getsockname()[1]
+        try:
+            for p in range(base, min(base + n, 65536)):
+                with socket.socket() as t:
+                    t.bind(("", p))
+            if base + n <= 65536:
+                return base
+        except OSError:
+            continue
+    raise RuntimeError("no free block of ports")
 
 
 def bench_relay(nbytes: int, reps: int) -> dict:
@@ -152,6 +167,49 @@ def bench_copy(nbytes: int, reps: int) -> list[float]:
     return out
 
 
+def bench_distributed(nbytes: int, batches: int) -> list[dict]:
+    """TorchRL's DistributedSyncCollector, 2 nodes of 2 workers, pushing the weights before
+    every batch: each node's local leg with TorchRL's default scheme against shmsync's."""
+    import sync_bench
+    from torchrl.collectors import MultiSyncCollector
+    from torchrl.collectors.distributed import DistributedSyncCollector
+
+    from shmsync import ShmWeightSyncScheme
+
+    out = []
+    for kind in ("TorchRL default", "shmsync"):
+        local = {"weight_sync_schemes": {"policy": ShmWeightSyncScheme()}} if kind == "shmsync" else {}
+        policy = sync_bench.make_policy(nbytes)
+        collector = DistributedSyncCollector(
+            [sync_bench.make_env] * 2,
+            policy,
+            frames_per_batch=256,
+            total_frames=256 * (batches + 3),
+            collector_class=MultiSyncCollector,
+            num_workers_per_collector=2,
+            collector_kwargs=local,
+            launcher="mp",
+            tcp_port=str(free_ports(3)),
+        )
+        cycles, frames, tagged = [], 0, 0
+        try:
+            t = time.perf_counter()
+            for i, batch in enumerate(collector):
+                now = time.perf_counter()
+                if i >= 3:
+                    cycles.append(now - t)
+                    frames += batch.numel()
+                    tagged += int("policy_version" in batch.keys())
+                t = now
+        finally:
+            collector.shutdown()
+        out.append(
+            {"local": kind, "bytes": nbytes, "fps": frames / sum(cycles), "cycle_p50": statistics.median(cycles)}
+        )
+        out[-1]["batches_with_versions"] = tagged / max(len(cycles), 1)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -179,6 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+    dist_rows = bench_distributed(1 << 20, 10 if args.quick else 40)
+    print("\n## DistributedSyncCollector, 2 nodes x 2 workers, Pendulum, 1 MB policy, a push before every batch")
+    print("| each node's local scheme | frames/s | trainer's cycle p50 | batches carrying the trainer's version |")
+    print("|---|---|---|---|")
+    for r in dist_rows:
+        share = 100 * r["batches_with_versions"]
+        print(f"| {r['local']} | {r['fps']:.0f} | {r['cycle_p50'] * 1e3:.1f} ms | {share:.0f}% |")
+    report.append({"distributed": dist_rows})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

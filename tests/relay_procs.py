@@ -92,3 +92,18 @@ def trainer(port: int, sizes, conn) -> None:
         if sender.relays and version % 10 == 0:
             conn.send(("linked", version))
     del sender
+
+
+def host_with_workers(host_dir: str, port: int, name: str, conn) -> None:
+    """A host running `launch(..., relay=...)`: reports each batch's versions, then how it ended."""
+    import os
+
+    os.environ["SHMSYNC_DIR"] = host_dir  # for the relay and workers it spawns
+    on_host(host_dir)
+    from shmsync.workers.launch import launch
+
+    with launch(name, 1, "CartPole-v1", relay=f"127.0.0.1:{port}", frames_per_batch=50) as pool:
+        for _, batch in pool.batches():
+            conn.send(("batch", sorted(set(batch["policy_version"].flatten().tolist()))))
+        codes = pool.stop()
+    conn.send(("ended", codes, pool.relay.exitcode))

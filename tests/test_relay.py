@@ -199,3 +199,33 @@ def test_the_relay_command_follows_the_trainer_until_it_closes(store_factory, ho
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "closed its sender after 1 versions" in err
+
+
+def test_workers_launched_with_a_relay_run_the_trainers_versions_and_stop_with_it(store_factory, start, host):
+    from torchrl.envs import GymEnv
+
+    from shmsync.workers.policies import mlp_policy
+
+    policy = mlp_policy(GymEnv("CartPole-v1"))
+    store = store_factory(policy)
+    store.publish(policy, version=5)
+    port = free_ports(1)
+    with RelaySender(store, "127.0.0.1", port):
+        workers = start(relay_procs.host_with_workers, host, port, "policy", daemon=False)
+        (versions,) = workers.expect("batch", timeout=90)
+        assert versions == [5], "the host's workers must start at the trainer's version"
+        store.publish(policy, version=9)
+        deadline = time.monotonic() + 60
+        while versions != [9] and time.monotonic() < deadline:
+            (versions,) = workers.expect("batch")
+        assert versions == [9]
+    # The trainer closed its sender: the relay ends, and the workers with it, cleanly.
+    while True:
+        kind, *rest = workers.conn.recv() if workers.conn.poll(60) else ("timeout",)
+        if kind != "batch":
+            break
+    assert kind == "ended", kind
+    codes, relay_code = rest
+    assert relay_code == 0 and all(code == 0 for code in codes.values()), (codes, relay_code)
+    workers.proc.join(10)
+    assert not os.listdir(host), "the host's store outlived its relay"

@@ -2,6 +2,10 @@
 
     python -m shmsync.workers.launch --store NAME --num-workers 2 --env CartPole-v1 --device cpu --batches 10
 
+On a host other than the trainer's, ``--relay ADDRESS:PORT`` (``relay=`` from Python) first
+starts this host's relay (see :mod:`shmsync.relay`), which creates the store from the trainer's
+current version; the workers start once it exists, and stop when the relay ends.
+
 As a library::
 
     with launch(store.name, num_workers=2, env="CartPole-v1") as pool:
@@ -23,6 +27,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from .collector import WorkerConfig, run_worker
+from .relay import relay_exit_reason, start_relay
 
 
 class WorkerPool:
@@ -32,6 +37,10 @@ class WorkerPool:
         config: what every worker runs (store name, env, device, policy factory...).
         num_workers: how many processes.
         devices: one device per worker (overrides ``config.device``), e.g. ``["cuda:0", "cuda:1"]``.
+        relay: ``"ADDRESS:PORT"`` of the trainer's :class:`~shmsync.relay.RelaySender`: start
+            this host's relay first, and stop the workers when it ends (the trainer closed its
+            sender: :meth:`batches` ends; the trainer died: it raises).
+        relay_timeout: seconds to wait for the relay to create the store.
 
     Examples:
         >>> pool = WorkerPool(WorkerConfig(store="my-store"), num_workers=2)  # doctest: +SKIP
@@ -40,7 +49,15 @@ class WorkerPool:
         >>> pool.stop()  # doctest: +SKIP
     """
 
-    def __init__(self, config: WorkerConfig, num_workers: int, devices: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        num_workers: int,
+        devices: list[str] | None = None,
+        *,
+        relay: str | None = None,
+        relay_timeout: float = 120.0,
+    ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if devices is not None and len(devices) != num_workers:
@@ -54,6 +71,7 @@ class WorkerPool:
         self._backlog: list[tuple[str, int, Any]] = []  # batches read while looking for an error
         self._checked = 0.0  # when the workers' liveness was last checked
         self.procs = []
+        self.relay = None if relay is None else start_relay(ctx, relay, config.store, relay_timeout)
         for i in range(num_workers):
             cfg = replace(config, device=devices[i]) if devices else config
             proc = ctx.Process(target=run_worker, args=(i, cfg, self.queue, os.getpid()), daemon=False)
@@ -77,6 +95,12 @@ class WorkerPool:
         n = 0
         quiet_since = time.monotonic()
         while max_batches is None or n < max_batches:
+            if self.relay is not None and not self.relay.is_alive():
+                code = self.relay.exitcode
+                self.stop()
+                if code == 0:
+                    return  # the trainer closed its sender: no more versions will come
+                raise RuntimeError(f"this host's relay ended: {relay_exit_reason(code)}; workers stopped")
             message = self._next_message()
             if message is None:
                 if time.monotonic() - quiet_since >= timeout:
@@ -170,6 +194,9 @@ class WorkerPool:
                 p.kill()
             p.join(5)
         self._drain()
+        if self.relay is not None and self.relay.is_alive():
+            self.relay.terminate()  # after the workers: they read its store to the end
+            self.relay.join(5)
         return {i: p.exitcode for i, p in enumerate(self.procs)}
 
     def _drain(self) -> None:
@@ -208,7 +235,8 @@ def launch(
     Keyword arguments go to :class:`~shmsync.workers.collector.WorkerConfig` (``frames_per_batch``,
     ``policy``, ``destination``, ``seed``, ``zero_copy``...).
     """
-    return WorkerPool(WorkerConfig(store=store, env=env, device=device, **config), num_workers, devices)
+    relay = config.pop("relay", None)
+    return WorkerPool(WorkerConfig(store=store, env=env, device=device, **config), num_workers, devices, relay=relay)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--zero-copy", action="store_true", help="CPU workers point their parameters at the store instead of copying"
     )
+    parser.add_argument("--relay", default=None, help="ADDRESS:PORT of the trainer's RelaySender (another host)")
     args = parser.parse_args(argv)
     pool = launch(
         args.store,
@@ -236,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         frames_per_batch=args.frames_per_batch,
         policy=args.policy,
         zero_copy=args.zero_copy,
+        relay=args.relay,
     )
     try:
         for worker_id, batch in pool.batches(args.batches):

@@ -14,11 +14,64 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from typing import Any
 
-from shmsync.errors import WeightMismatchError
+from shmsync.errors import StoreNotFoundError, WeightMismatchError
 from shmsync.relay import Relay, TrainerGoneError
 
 EXIT_TRAINER_GONE, EXIT_MISMATCH = 3, 4
+REASONS = {
+    0: "the trainer closed its sender",
+    EXIT_TRAINER_GONE: "the trainer went away",
+    EXIT_MISMATCH: "this host's store holds another model than the trainer's",
+}
+
+
+def relay_exit_reason(code: int | None) -> str:
+    """What a relay process's exit code means, in words."""
+    if code is not None and code < 0:
+        return f"killed by signal {-code}"
+    return REASONS.get(code, f"exit code {code}")
+
+
+def _relay_process(address: str, port: int, store: str) -> None:
+    from shmsync import exit_with_parent
+
+    exit_with_parent()  # the launcher gone, its relay goes too
+    raise SystemExit(main(["--connect", f"{address}:{port}", "--store", store]))
+
+
+def start_relay(ctx: Any, connect: str, store: str, timeout: float) -> Any:
+    """Start this host's relay in a process of ``ctx``; return it once it created (or found)
+    ``store``.
+
+    Raises:
+        RuntimeError: the relay ended first (its reason), or ``timeout`` seconds passed.
+    """
+    from shmsync import WeightStore
+
+    address, _, port = connect.rpartition(":")
+    if not address or not port.isdigit():
+        raise ValueError(f"relay wants ADDRESS:PORT, got {connect!r}")
+    proc = ctx.Process(target=_relay_process, args=(address, int(port), store), daemon=False)
+    proc.start()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            WeightStore.attach(store).close()
+            return proc
+        except StoreNotFoundError:
+            pass
+        if not proc.is_alive():
+            raise RuntimeError(
+                f"this host's relay ended before store {store!r} existed: {relay_exit_reason(proc.exitcode)}"
+            )
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.join(5)
+            raise RuntimeError(f"this host's relay did not create store {store!r} within {timeout:.0f} s")
+        time.sleep(0.02)
 
 
 def main(argv: list[str] | None = None) -> int:
