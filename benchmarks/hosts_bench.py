@@ -167,46 +167,57 @@ def bench_copy(nbytes: int, reps: int) -> list[float]:
     return out
 
 
-def bench_distributed(nbytes: int, batches: int) -> list[dict]:
-    """TorchRL's DistributedSyncCollector, 2 nodes of 2 workers, pushing the weights before
-    every batch: each node's local leg with TorchRL's default scheme against shmsync's."""
+def _distributed_row(kind: str, nbytes: int, batches: int, conn) -> None:
     import sync_bench
     from torchrl.collectors import MultiSyncCollector
     from torchrl.collectors.distributed import DistributedSyncCollector
 
     from shmsync import ShmWeightSyncScheme
 
+    local = {"weight_sync_schemes": {"policy": ShmWeightSyncScheme()}} if kind == "shmsync" else {}
+    collector = DistributedSyncCollector(
+        [sync_bench.make_env] * 2,
+        sync_bench.make_policy(nbytes),
+        frames_per_batch=256,
+        total_frames=256 * (batches + 3),
+        collector_class=MultiSyncCollector,
+        num_workers_per_collector=2,
+        collector_kwargs=local,
+        launcher="mp",
+        tcp_port=str(free_ports(3)),
+    )
+    cycles, frames, tagged = [], 0, 0
+    try:
+        t = time.perf_counter()
+        for i, batch in enumerate(collector):
+            now = time.perf_counter()
+            if i >= 3:
+                cycles.append(now - t)
+                frames += batch.numel()
+                tagged += int("policy_version" in batch.keys())
+            t = now
+    finally:
+        collector.shutdown()
+    row = {"local": kind, "bytes": nbytes, "fps": frames / sum(cycles), "cycle_p50": statistics.median(cycles)}
+    row["batches_with_versions"] = tagged / max(len(cycles), 1)
+    conn.send(row)
+
+
+def bench_distributed(nbytes: int, batches: int) -> list[dict]:
+    """TorchRL's DistributedSyncCollector, 2 nodes of 2 workers, pushing the weights before
+    every batch: each node's local leg with TorchRL's default scheme against shmsync's (each in
+    a fresh process, as a training script would be)."""
+    ctx = mp.get_context("spawn")
     out = []
     for kind in ("TorchRL default", "shmsync"):
-        local = {"weight_sync_schemes": {"policy": ShmWeightSyncScheme()}} if kind == "shmsync" else {}
-        policy = sync_bench.make_policy(nbytes)
-        collector = DistributedSyncCollector(
-            [sync_bench.make_env] * 2,
-            policy,
-            frames_per_batch=256,
-            total_frames=256 * (batches + 3),
-            collector_class=MultiSyncCollector,
-            num_workers_per_collector=2,
-            collector_kwargs=local,
-            launcher="mp",
-            tcp_port=str(free_ports(3)),
-        )
-        cycles, frames, tagged = [], 0, 0
-        try:
-            t = time.perf_counter()
-            for i, batch in enumerate(collector):
-                now = time.perf_counter()
-                if i >= 3:
-                    cycles.append(now - t)
-                    frames += batch.numel()
-                    tagged += int("policy_version" in batch.keys())
-                t = now
-        finally:
-            collector.shutdown()
-        out.append(
-            {"local": kind, "bytes": nbytes, "fps": frames / sum(cycles), "cycle_p50": statistics.median(cycles)}
-        )
-        out[-1]["batches_with_versions"] = tagged / max(len(cycles), 1)
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_distributed_row, args=(kind, nbytes, batches, child), daemon=False)
+        proc.start()
+        if not parent.poll(600):
+            proc.kill()
+            raise RuntimeError(f"the distributed run with {kind} did not finish")
+        out.append(parent.recv())
+        proc.join(60)
     return out
 
 
