@@ -41,6 +41,24 @@ def fill(policy: torch.nn.Module, value: float) -> None:
             p.fill_(value)
 
 
+def two_nodes_with_shmsync(name: str, policy, **kwargs):
+    """TorchRL's distributed collector ``name``: 2 nodes of 2 Pendulum workers each, shmsync as
+    each node's local scheme."""
+    import torchrl.collectors.distributed as distributed
+    from torchrl.collectors import MultiSyncCollector
+
+    return getattr(distributed, name)(
+        [make_pendulum] * 2,
+        policy,
+        collector_class=MultiSyncCollector,
+        num_workers_per_collector=2,
+        collector_kwargs={"weight_sync_schemes": {"policy": ShmWeightSyncScheme()}},
+        launcher="mp",
+        tcp_port=str(free_ports()),
+        **kwargs,
+    )
+
+
 def assert_tagged_with_the_weights_that_acted(batch) -> list[int]:
     """Every frame's version tag is the version whose weights (all filled with that number)
     produced it; returns the versions seen."""
@@ -53,22 +71,9 @@ def assert_tagged_with_the_weights_that_acted(batch) -> list[int]:
 
 @needs_0_14
 def test_distributed_sync_collector_with_shmsync_as_each_nodes_local_leg():
-    from torchrl.collectors import MultiSyncCollector
-    from torchrl.collectors.distributed import DistributedSyncCollector
-
     policy = make_probe_policy()
     fill(policy, 0)  # the weights each node starts from: version 0
-    collector = DistributedSyncCollector(
-        [make_pendulum] * 2,
-        policy,
-        frames_per_batch=128,
-        total_frames=1536,
-        collector_class=MultiSyncCollector,
-        num_workers_per_collector=2,
-        collector_kwargs={"weight_sync_schemes": {"policy": ShmWeightSyncScheme()}},
-        launcher="mp",
-        tcp_port=str(free_ports()),
-    )
+    collector = two_nodes_with_shmsync("DistributedSyncCollector", policy, frames_per_batch=128, total_frames=1536)
     seen, batches = [], 0
     try:
         # Each batch starts with a push (update_interval=1): push n carries version n.
@@ -86,22 +91,9 @@ def test_distributed_sync_collector_with_shmsync_as_each_nodes_local_leg():
 
 @needs_0_14
 def test_distributed_collector_carries_the_trainers_version_to_each_node_it_updates():
-    from torchrl.collectors import MultiSyncCollector
-    from torchrl.collectors.distributed import DistributedCollector
-
     policy = make_probe_policy()
     fill(policy, 0)
-    collector = DistributedCollector(
-        [make_pendulum] * 2,
-        policy,
-        frames_per_batch=64,
-        total_frames=768,
-        collector_class=MultiSyncCollector,
-        num_workers_per_collector=2,
-        collector_kwargs={"weight_sync_schemes": {"policy": ShmWeightSyncScheme()}},
-        launcher="mp",
-        tcp_port=str(free_ports()),
-    )
+    collector = two_nodes_with_shmsync("DistributedCollector", policy, frames_per_batch=64, total_frames=768)
     version, per_batch = 0, []
     try:
         for batch in collector:
