@@ -8,7 +8,8 @@ there, three things need help, and get it here:
 
 1. **Receive buffers.** The trainer receives each node's batch into a buffer shaped like a batch
    of its own single-process collector, which has no version keys; a node's batch has two more,
-   and gloo aborts on the size mismatch. The buffers get the version keys.
+   and gloo aborts on the size mismatch. The buffers get the version keys (and, for
+   ``DistributedSyncCollector``, whose nodes' buffers share one memory, a memory per node).
 2. **Versions.** TorchRL's push carries no version. The trainer's scheme counts its pushes and
    writes the count into the TCPStore it already uses, before each push; a node publishes what it
    received under that count. A push waits for the nodes' acknowledgements, which come after the
@@ -76,6 +77,10 @@ def _add_version_keys(collector: Any, keys: list[Any]) -> None:
         td.lock_()
 
     if hasattr(collector, "_single_tds"):  # DistributedSyncCollector: one buffer, viewed per node
+        # TorchRL expands one probe batch, so every node's view is the same memory (stride 0)
+        # and the nodes' batches overwrite each other: a frame's tag could then come from one
+        # node and its data from the other. Each node gets memory of its own.
+        collector._tensordict_out = collector._tensordict_out.clone()
         add(collector._tensordict_out)
         collector._single_tds = collector._tensordict_out.unbind(0)
     elif hasattr(collector, "_tensordict_out_unbind"):  # DistributedCollector(sync=True): a lazy stack

@@ -80,6 +80,9 @@ def test_distributed_sync_collector_with_shmsync_as_each_nodes_local_leg():
         fill(policy, 1)
         for i, batch in enumerate(collector):
             assert batch.shape == (2, 64)
+            # Two nodes, two environments: their halves of a batch differ (TorchRL's receive
+            # buffer alone would hold one node's frames twice).
+            assert not torch.equal(batch["observation"][0], batch["observation"][1])
             seen += assert_tagged_with_the_weights_that_acted(batch)
             fill(policy, i + 2)
             batches += 1
