@@ -45,9 +45,9 @@ def _is_shmsync(scheme: Any) -> bool:
     return getattr(type(scheme), "SHMSYNC", False) is True
 
 
-def _local_schemes(collector: Any) -> list[Any]:
-    """The shmsync schemes among the nodes' local schemes (``collector_kwargs``)."""
-    kwargs = collector.collector_kwargs
+def _local_schemes(kwargs: Any) -> list[Any]:
+    """The shmsync schemes among the nodes' local schemes, given a distributed collector's
+    ``collector_kwargs`` (one dict, or one per node)."""
     found = []
     for kw in kwargs if isinstance(kwargs, (list, tuple)) else [kwargs]:
         for scheme in ((kw or {}).get("weight_sync_schemes") or {}).values():
@@ -136,7 +136,7 @@ def _wrap_make_container(cls: type, *, wait_until_ready: bool) -> None:
 
     @functools.wraps(original)
     def _make_container(self: Any) -> None:
-        local = _local_schemes(self)
+        local = _local_schemes(self.collector_kwargs)
         if not local:
             return original(self)
         kwargs = self.collector_kwargs
@@ -188,9 +188,7 @@ def _refuse(cls: type) -> None:
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        kw = kwargs.get("collector_kwargs")
-        probe = type("Probe", (), {"collector_kwargs": kw if kw is not None else {}})()
-        if _local_schemes(probe):
+        if _local_schemes(kwargs.get("collector_kwargs")):
             raise NotImplementedError(
                 f"ShmWeightSyncScheme as the local scheme of {cls.__name__}'s nodes needs torchrl >= 0.14 "
                 f"(this is {'.'.join(map(str, _torchrl_minor()))}); use TorchRL's own local scheme here"

@@ -32,6 +32,13 @@ def wait_for(condition, timeout=30.0, what="condition"):
         time.sleep(0.01)
 
 
+def start_relay(start, host, port, precreate=None):
+    """A relay process for ``host``, once it is about to join."""
+    relay = start(relay_procs.run_relay, host, port, "policy", None, precreate)
+    relay.expect("started")
+    return relay
+
+
 @pytest.fixture
 def host(tmp_path):
     """Another host's shared memory: a directory of its own."""
@@ -45,8 +52,7 @@ def test_a_relay_publishes_the_trainers_versions_on_its_host(store_factory, star
     store = store_factory(weights)
     port = free_ports(1)
     with RelaySender(store, "127.0.0.1", port, bucket_bytes=256 << 10) as sender:
-        relay = start(relay_procs.run_relay, host, port, "policy", None, None)
-        relay.expect("started")
+        relay = start_relay(start, host, port)
         reader = start(relay_procs.follow, host, "policy", SIZES, 20)
         (first,) = reader.expect("attached")
         assert first == 0  # the trainer's version when the relay joined
@@ -71,8 +77,7 @@ def test_a_host_that_joins_late_starts_at_the_trainers_current_version(store_fac
     store.publish(weights, version=7)
     port = free_ports(1)
     with RelaySender(store, "127.0.0.1", port):
-        relay = start(relay_procs.run_relay, host, port, "policy", None, None)
-        relay.expect("started")
+        relay = start_relay(start, host, port)
         reader = start(relay_procs.follow, host, "policy", SIZES, 7)
         (first,) = reader.expect("attached")
         (seen,) = reader.expect("seen")
@@ -85,8 +90,7 @@ def test_a_relay_whose_host_store_holds_another_model_writes_nothing(store_facto
     port = free_ports(1)
     other = {"a": 300_000, "b": 999, "c": 7}
     with RelaySender(store, "127.0.0.1", port) as sender:
-        relay = start(relay_procs.run_relay, host, port, "policy", None, other)
-        relay.expect("started")
+        relay = start_relay(start, host, port, other)
         kind, message, version, values = relay.expect("error", timeout=60)
         wait_for(lambda: sender.dropped, what="the sender to drop the relay")
     assert kind == "WeightMismatchError"
@@ -98,8 +102,7 @@ def test_relays_exit_soon_after_the_trainer_dies(start, host):
     port = free_ports(1)
     trainer = start(relay_procs.trainer, port, SIZES)
     (name,) = trainer.expect("ready")
-    relay = start(relay_procs.run_relay, host, port, "policy", None, None)
-    relay.expect("started")
+    relay = start_relay(start, host, port)
     trainer.expect("linked", timeout=60)
     killed = time.monotonic()
     os.kill(trainer.pid, signal.SIGKILL)
@@ -119,8 +122,7 @@ def test_a_relay_killed_mid_receive_leaves_its_host_whole_and_a_new_relay_catche
     store = store_factory(weights)
     port = free_ports(1)
     with RelaySender(store, "127.0.0.1", port, bucket_bytes=1 << 20) as sender:
-        first = start(relay_procs.run_relay, host, port, "policy", None, None)
-        first.expect("started")
+        first = start_relay(start, host, port)
         wait_for(lambda: sender.relays.get(1, -1) >= 0, what="the first relay to link")
         version = 0
         deadline = time.monotonic() + 3
@@ -136,8 +138,7 @@ def test_a_relay_killed_mid_receive_leaves_its_host_whole_and_a_new_relay_catche
         ((loaded, values),) = reader.expect("seen")[0]
         assert loaded == held and values == [float(held)], f"version {held} on the host held {values}"
         # A new relay takes the writer role over and catches up to the newest version.
-        second = start(relay_procs.run_relay, host, port, "policy", None, None)
-        second.expect("started")
+        second = start_relay(start, host, port)
         for _ in range(3):
             version += 1
             set_all(weights, version)
@@ -156,9 +157,7 @@ def test_a_stalled_host_slows_neither_the_trainer_nor_the_other_hosts(store_fact
     store = store_factory(weights)
     port = free_ports(1)
     with RelaySender(store, "127.0.0.1", port, bucket_bytes=256 << 10) as sender:
-        relays = [start(relay_procs.run_relay, str(h), port, "policy", None, None) for h in hosts]
-        for relay in relays:
-            relay.expect("started")
+        relays = [start_relay(start, str(h), port) for h in hosts]
         wait_for(lambda: len(sender.relays) == 2 and min(sender.relays.values()) >= 0, what="both relays to link")
         stalled = relays[1]
         os.kill(stalled.pid, signal.SIGSTOP)  # host C stops receiving, mid-version or between
