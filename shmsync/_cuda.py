@@ -1,8 +1,5 @@
-"""CUDA paths of the store: pinned slots, and publishing from the GPU without stalling the trainer.
-
-Pinning: the first time a process copies between a store and a CUDA device, the store's
-slots are registered as page-locked memory (``cudaHostRegister``), so both directions are
-asynchronous DMA on the copy engines. They are unregistered before the mapping goes.
+"""Publishing from CUDA tensors without stalling the trainer: a client of the store's memory,
+beside the store (page-locking the slots lives below, in :mod:`shmsync._pinning`).
 
 Publishing from CUDA tensors (:class:`AsyncPublisher`) uses *a snapshot on the device*
 rather than stream ordering alone:
@@ -24,27 +21,11 @@ only when publishing faster than the copy engine can move the bytes.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
 import torch
 
 from ._header import W_VERSION
-
-if TYPE_CHECKING:
-    from ._memory import StoreMemory
-
-
-def register_host(tensor: torch.Tensor) -> int:
-    """Page-lock the memory behind a CPU tensor; returns its pointer for :func:`unregister_host`."""
-    ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-    err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {size} bytes failed with CUDA error {int(err)}")
-    return ptr
-
-
-def unregister_host(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+from ._memory import StoreMemory
 
 
 class AsyncPublisher:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from .errors import ShmSyncError, StoreCorruptError, StoreNotFoundError
+
 MAGIC = 0x534D5359_4E433031  # "SMSYNC01"
-FORMAT = 3
+FORMAT = 4  # 4: liveness from lock bytes (creator, reader rows), not from pids
 HEADER_BYTES = 48 * 1024  # mostly the reader table: room for 1,203 readers
 HEADER_WORDS = HEADER_BYTES // 8
 MAX_SLOTS = 16
 ALIGN = 64
 PAGE = 4096
+MAX_LAYOUT_BYTES = 64 << 20  # the layout JSON: ~60 bytes per tensor, so about a million tensors
 
 # Header word indices.
 W_MAGIC = 0
@@ -73,3 +76,79 @@ def reader_rows(h) -> list[tuple[int, int, int, int, int]]:
             base = row_base(row)
             out.append((row, pid, int(h[base + 1]), int(h[base + 2]), int(h[base + 3])))
     return out
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def check_words(h, file_size: int, name: str) -> tuple[int, int]:
+    """Check every header word that sizes, places or indexes anything against the file's size,
+    before anything is mapped; returns ``(layout offset, layout bytes)``.
+
+    ``h`` is the header's words (read with ``pread``, not mapped). A store is made by one
+    shmsync function (``WeightStore.create``), so every field must be exactly as it writes it.
+
+    Raises:
+        StoreNotFoundError: no magic word yet (a store still being created) or a short file.
+        ShmSyncError: a store of another format.
+        StoreCorruptError: naming the first field out of range and its value.
+    """
+    if file_size < HEADER_BYTES or len(h) < HEADER_WORDS:
+        raise StoreNotFoundError(
+            f"store {name!r} is still being created or is corrupt ({file_size} bytes, shorter than its "
+            f"{HEADER_BYTES}-byte header)"
+        )
+    if h[W_MAGIC] != MAGIC:
+        raise StoreNotFoundError(f"{name!r} is not a shmsync store, or it is still being created (no magic word)")
+    if h[W_FORMAT] != FORMAT:
+        raise ShmSyncError(f"store {name!r} has format {h[W_FORMAT]}, this shmsync reads {FORMAT}")
+
+    def bad(field: str, value: int, rule: str) -> StoreCorruptError:
+        return StoreCorruptError(f"store {name!r}: header field {field} is {value}: {rule}; the store was not opened")
+
+    n = h[W_NUM_SLOTS]
+    if not 2 <= n <= MAX_SLOTS:
+        raise bad("num_slots", n, f"it must be between 2 and {MAX_SLOTS}")
+    lo, ln = h[W_LAYOUT_OFFSET], h[W_LAYOUT_BYTES]
+    if lo != HEADER_BYTES:
+        raise bad("layout_offset", lo, f"the layout starts right after the header, at {HEADER_BYTES}")
+    if not 1 <= ln <= MAX_LAYOUT_BYTES:
+        raise bad("layout_bytes", ln, f"it must be between 1 and {MAX_LAYOUT_BYTES}")
+    data = h[W_DATA_OFFSET]
+    if data != _align(lo + ln, PAGE):
+        raise bad("data_offset", data, f"the slots start at the first page after the layout, {_align(lo + ln, PAGE)}")
+    stride, payload = h[W_SLOT_BYTES], h[W_PAYLOAD_BYTES]
+    if not 1 <= payload <= file_size:
+        raise bad("payload_bytes", payload, f"it must be between 1 and the file's {file_size} bytes")
+    if stride != _align(payload, PAGE):
+        raise bad("slot_bytes", stride, f"a slot is the payload rounded up to a page, {_align(payload, PAGE)}")
+    if data + stride * n != file_size:
+        raise bad(
+            "slot_bytes",
+            stride,
+            f"{n} slots of it from offset {data} make {data + stride * n} bytes, the file has {file_size}",
+        )
+    version, latest = h[W_VERSION], h[W_LATEST]
+    if version < -1:
+        raise bad("version", version, "versions are -1 (none yet) or more")
+    if not 0 <= latest < n:
+        raise bad("latest", latest, f"it indexes one of the {n} slots")
+    for i in range(n):
+        if h[W_SLOT_VERSION + i] < -1:
+            raise bad(f"slot_version[{i}]", h[W_SLOT_VERSION + i], "versions are -1 (empty) or more")
+        if not 0 <= h[W_LEASES + i] <= MAX_READERS:
+            raise bad(f"leases[{i}]", h[W_LEASES + i], f"a count of readers, 0 to {MAX_READERS}")
+    if not 0 <= h[W_PIN_SLOT] < n:
+        raise bad("pin_slot", h[W_PIN_SLOT], f"it indexes one of the {n} slots")
+    for row, lease in enumerate(reader_column(h, 4)):
+        if not 0 <= lease <= n:
+            raise bad(f"reader row {row} lease", lease, f"a slot + 1, 0 to {n}")
+    return lo, ln
+
+
+def slot_index(value: int, num_slots: int, field: str, name: str) -> int:
+    """``value``, read from the header as a slot index, if it is one (else StoreCorruptError)."""
+    if 0 <= value < num_slots:
+        return value
+    raise StoreCorruptError(f"store {name!r}: header field {field} is {value}, not a slot index (0 to {num_slots - 1})")

@@ -18,8 +18,14 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch.nn.parameter import is_lazy
 
-from ._header import ALIGN, HEADER_BYTES, PAGE
-from .errors import WeightMismatchError
+from ._header import ALIGN, HEADER_BYTES, MAX_LAYOUT_BYTES, PAGE
+from .errors import StoreCorruptError, WeightMismatchError
+
+# Every dtype torch has, by the name a layout stores: never getattr(torch, name) on a name read from a file.
+DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+MAX_ENTRIES = 1 << 20
+MAX_RANK = 64
+MAX_KEY_DEPTH = 32
 
 
 def _align(n: int, to: int) -> int:
@@ -91,11 +97,14 @@ class Layout:
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> tuple[Layout, tuple[str, ...] | None]:
-        doc = json.loads(raw.decode())
-        entries = [Entry(tuple(k), tuple(s), getattr(torch, d), o, n) for k, s, d, o, n in doc["entries"]]
-        dests = doc["destinations"]
-        return cls(entries), (tuple(dests) if dests else None)
+    def from_json(cls, raw: bytes, what: str = "layout") -> tuple[Layout, tuple[str, ...] | None]:
+        """Parse a layout description (:meth:`to_json`'s bytes, from a store file or a peer),
+        checking every field before anything is sized from it.
+
+        Raises:
+            StoreCorruptError: naming ``what``, the first field out of range and its value.
+        """
+        return parse_description(raw, what)
 
     def subset(self, prefix: tuple[str, ...]) -> list[int]:
         """Indices of the entries under ``prefix`` (all entries for an empty prefix)."""
@@ -158,6 +167,75 @@ class Layout:
         for e, t in zip(self.entries, tensors):
             td.set(e.key if len(e.key) > 1 else e.key[0], t)
         return td
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_description(raw: bytes, what: str = "layout") -> tuple[Layout, tuple[str, ...] | None]:
+    """See :meth:`Layout.from_json`."""
+
+    def bad(problem: str) -> StoreCorruptError:
+        return StoreCorruptError(f"{what}: {problem}")
+
+    if not isinstance(raw, (bytes, bytearray)) or not 1 <= len(raw) <= MAX_LAYOUT_BYTES:
+        raise bad(f"{len(raw)} bytes; a layout is 1 to {MAX_LAYOUT_BYTES} bytes of JSON")
+    try:
+        doc = json.loads(bytes(raw).decode())
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise bad(f"not valid JSON ({type(e).__name__}: {str(e)[:100]})") from None
+    if not isinstance(doc, dict) or set(doc) != {"destinations", "entries"}:
+        keys = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+        raise bad(f"want an object with 'destinations' and 'entries', got {keys}")
+    dests, rows = doc["destinations"], doc["entries"]
+    if dests is not None and (
+        not isinstance(dests, list)
+        or not dests
+        or not all(isinstance(d, str) and 0 < len(d) <= 1000 for d in dests)
+        or len(set(dests)) != len(dests)
+    ):
+        raise bad(f"'destinations' must be null or a list of distinct non-empty names, got {str(dests)[:200]}")
+    if not isinstance(rows, list) or not 1 <= len(rows) <= MAX_ENTRIES:
+        count = len(rows) if isinstance(rows, list) else type(rows).__name__
+        raise bad(f"'entries' must be a list of 1 to {MAX_ENTRIES} tensors, got {count}")
+    entries, end, previous = [], 0, None
+    for i, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != 5:
+            raise bad(f"entry {i} must be [key, shape, dtype, offset, nbytes], got {str(row)[:200]}")
+        key, shape, dtype, offset, nbytes = row
+        if (
+            not isinstance(key, list)
+            or not 1 <= len(key) <= MAX_KEY_DEPTH
+            or not all(isinstance(k, str) and 0 < len(k) <= 1000 for k in key)
+        ):
+            raise bad(f"entry {i}: key must be a list of 1 to {MAX_KEY_DEPTH} non-empty names, got {str(key)[:200]}")
+        key = tuple(key)
+        if previous is not None and key <= previous:
+            raise bad(f"entry {i}: key {key_str(key)!r} is out of order or repeated (keys are sorted)")
+        if dests is not None and key[0] not in dests:
+            raise bad(f"entry {i}: key {key_str(key)!r} is under no destination of {dests}")
+        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(_is_int(d) and d >= 0 for d in shape):
+            raise bad(
+                f"entry {i} ({key_str(key)!r}): shape must be up to {MAX_RANK} sizes >= 0, got {str(shape)[:200]}"
+            )
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise bad(f"entry {i} ({key_str(key)!r}): unknown dtype {str(dtype)[:100]!r}")
+        dt = DTYPES[dtype]
+        numel = 1
+        for d in shape:
+            numel *= d
+        itemsize = dt.itemsize
+        if not _is_int(nbytes) or nbytes != numel * itemsize:
+            raise bad(
+                f"entry {i} ({key_str(key)!r}): nbytes is {nbytes}, shape {shape} of {dtype} takes {numel * itemsize}"
+            )
+        if not _is_int(offset) or offset != _align(end, ALIGN):
+            want = _align(end, ALIGN)
+            raise bad(f"entry {i} ({key_str(key)!r}): offset is {offset}, the next {ALIGN}-byte boundary is {want}")
+        entries.append(Entry(key, tuple(shape), dt, offset, nbytes))
+        end, previous = offset + nbytes, key
+    return Layout(entries), (tuple(dests) if dests is not None else None)
 
 
 def segment_bytes(layout_json: bytes, slot_bytes: int, num_slots: int) -> tuple[int, int, int]:

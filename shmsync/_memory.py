@@ -29,7 +29,6 @@ class StoreMemory:
         protocol: this process's side of the slot protocol (:class:`~shmsync._protocol.Protocol`).
         layout: where each tensor lives inside a slot; destinations: their names, or None.
         slots: per slot, a writable view of every tensor, in layout order.
-        viewers: zero-copy readers of this mapping, closed before it goes.
     """
 
     def __init__(
@@ -43,7 +42,6 @@ class StoreMemory:
         self.slots = self._slot_views(segment.buf)
         self._readonly: list[list[torch.Tensor]] = []
         self._pinned: list = []  # (pointer, view) of page-locked memory, for CUDA copies
-        self.viewers: weakref.WeakSet = weakref.WeakSet()
         # Garbage collected or at exit: views dropped, unlinked if asked (by the creator only).
         self._finalizer = weakref.finalize(
             self, _release, segment, (self.slots, self._readonly), h[W_CREATOR_PID], self._pinned, unlink_at_exit
@@ -82,11 +80,21 @@ class StoreMemory:
         offset = h[W_DATA_OFFSET] + slot * h[W_SLOT_BYTES]
         return torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=h[W_PAYLOAD_BYTES], offset=offset)
 
+    def slot_buffer(self, slot: int, *, writable: bool = False) -> memoryview:
+        """Slot ``slot``'s payload bytes as a memoryview of the mapping (read-only unless
+        ``writable``): what sockets send from and receive into. Release it before the store
+        closes (``with memory.slot_buffer(s) as view: ...``)."""
+        h = self.header
+        offset = h[W_DATA_OFFSET] + slot * h[W_SLOT_BYTES]
+        buf = self.segment.buf if writable else self.segment.readonly()
+        with memoryview(buf) as whole:
+            return whole[offset : offset + h[W_PAYLOAD_BYTES]]
+
     def pin_for_cuda(self) -> None:
         """Page-lock the slots in this process (once), so CUDA copies are asynchronous DMA."""
         if self._pinned or not torch.cuda.is_available():
             return
-        from ._cuda import register_host
+        from ._pinning import register_host
 
         h = self.header
         region = torch.frombuffer(
@@ -106,7 +114,7 @@ class StoreMemory:
 
 def _release(segment: Segment, views: tuple[list, ...], creator_pid: int, pinned: list, unlink: bool = False) -> None:
     if pinned:
-        from ._cuda import unregister_host
+        from ._pinning import unregister_host
 
         for ptr, _view in pinned:
             unregister_host(ptr)  # before the memory is unmapped

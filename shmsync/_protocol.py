@@ -73,9 +73,10 @@ reader table (each row's lease word, ``slot + 1``) and summed per slot into
 * lease changes happen under the table lock (readers only: the writer never takes it)
   and update the per-slot counts. A count may only be too high (a reader that died
   holding a lease, a lease given up without the lock); the rows are the truth. So a
-  reader about to be refused first recomputes the counts from the rows of live
-  processes, and the writer, when a count says a slot is leased, asks the rows before
-  believing it.
+  reader about to be refused first recomputes the counts from the rows of live readers
+  (each row's reader holds that row's kernel lock while it lives, so a reader in another
+  PID namespace, or one whose pid was reused, is told apart), and the writer, when a count
+  says a slot is leased, asks the rows before believing it.
 
 Handshake: the writer marks its target odd, issues a full fence, then reads the target's
 lease count, and backs off to another slot if it is leased. A reader records its lease,
@@ -126,8 +127,9 @@ from ._header import (
     W_WRITER_PID,
     reader_column,
     row_base,
+    slot_index,
 )
-from ._processes import pid_alive, pid_stopped
+from ._processes import pid_stopped
 from .errors import ReloadTimeoutError, ShmSyncError
 
 Words = MutableSequence[int]
@@ -137,7 +139,8 @@ LEASE = 4  # a reader row's lease word: leased slot + 1, 0 if none
 
 
 class Locks(Interface):
-    """The two locks readers take (the writer takes none of them)."""
+    """The locks readers take (the writer takes none of them): the token, the table's lock, and
+    one per row of the reader table, held by that row's reader for as long as it lives."""
 
     def try_token(self) -> bool:
         """Take the reader token if it is free (never waits)."""
@@ -147,6 +150,14 @@ class Locks(Interface):
     def table(self, patience: float | None) -> AbstractContextManager[bool]:
         """Hold the reader table's lock; yields whether it was taken within ``patience`` s."""
 
+    def hold_row(self, row: int) -> bool:
+        """Take row ``row``'s lock if no live reader holds it (never waits)."""
+
+    def release_row(self, row: int) -> None: ...
+
+    def row_alive(self, row: int) -> bool:
+        """Whether a live reader holds row ``row``'s lock."""
+
 
 class LocalLocks:
     """:class:`Locks` for a header shared by the threads of one process (the protocol's tests;
@@ -155,6 +166,7 @@ class LocalLocks:
     def __init__(self) -> None:
         self.token = threading.Lock()
         self.table_lock = threading.Lock()
+        self.rows: set[int] = set()  # rows whose reader lives; a test "kills" one by discarding it
 
     def try_token(self) -> bool:
         return self.token.acquire(blocking=False)
@@ -170,6 +182,18 @@ class LocalLocks:
         finally:
             if taken:
                 self.table_lock.release()
+
+    def hold_row(self, row: int) -> bool:
+        if row in self.rows:
+            return False
+        self.rows.add(row)
+        return True
+
+    def release_row(self, row: int) -> None:
+        self.rows.discard(row)
+
+    def row_alive(self, row: int) -> bool:
+        return row in self.rows
 
 
 class Write(NamedTuple):
@@ -199,7 +223,6 @@ class Protocol:
         h: the header words (a memoryview of int64 in a store; any list of ints in tests).
         locks: the reader token and the table lock (:class:`Locks`).
         name: the store's name, for error messages.
-        alive: whether a pid is a live process (dead readers' rows are reclaimed).
         stopped: whether a pid is a stopped process (its reader token may be taken over).
         ordering: ``"tso"`` or ``"weak"`` (see :mod:`shmsync._fence`); default: this CPU's.
         pid: this process's id as written into the header.
@@ -224,7 +247,6 @@ class Protocol:
         locks: Locks,
         *,
         name: str = "store",
-        alive: Callable[[int], bool] = pid_alive,
         stopped: Callable[[int], bool] = pid_stopped,
         ordering: str | None = None,
         pid: int | None = None,
@@ -233,10 +255,11 @@ class Protocol:
         self.num_slots = int(h[W_NUM_SLOTS])
         self.locks = locks
         self.name = name
-        self.alive, self.stopped = alive, stopped
+        self.stopped = stopped
         self.fence, self.full_fence = _fence.ordering(ordering)
         self.pid = os.getpid() if pid is None else pid
         self.writing: Write | None = None  # the write this process has open
+        self.listeners: list[Callable[[int], None]] = []  # called with each version this process commits
         self.retries = 0  # optimistic copies that failed validation
         self.pinned_reads = 0  # reads that needed the pinned fallback
         self.copy_ns = 0  # how long this reader's last copy took
@@ -290,6 +313,8 @@ class Protocol:
         h[W_WRITER_PID] = self.pid
         h[W_PUBLISH_COUNT] += 1
         self.writing = None
+        for listener in self.listeners:
+            listener(version)
         return version
 
     def abort(self, write: Write) -> None:
@@ -360,6 +385,8 @@ class Protocol:
         """One optimistic copy of the latest slot: its version, or None if it did not validate."""
         h = self.h
         slot = h[W_LATEST]
+        if not 0 <= slot < self.num_slots:
+            slot_index(slot, self.num_slots, "latest", self.name)  # raises, naming it
         seq = h[W_SEQ + slot]
         if seq & 1:
             return None  # `latest` moved on and that slot is already being rewritten
@@ -422,7 +449,7 @@ class Protocol:
         while True:
             if h[W_PIN_GRANT] == ticket:
                 self.fence()  # the grant before the pinned slot's words
-                slot = h[W_PIN_SLOT]
+                slot = slot_index(h[W_PIN_SLOT], self.num_slots, "pin_slot", self.name)
                 seq = h[W_SEQ + slot]
                 if seq & 1:
                     return None
@@ -456,15 +483,17 @@ class Protocol:
             if not locked:
                 return -1
             pids = reader_column(h, 0)
-            free = [row for row, pid in enumerate(pids) if pid == 0]
-            if not free:  # reclaim a dead reader's row; its lease stays counted until a recount
-                free = [row for row, pid in enumerate(pids) if not self.alive(pid)][:1]
-            if not free:
-                return -1
-            base = row_base(free[0])
-            h[base + 1], h[base + 2], h[base + 3], h[base + LEASE] = -1, 0, 0, 0
-            h[base] = self.pid
-            return free[0]
+            # Free rows first, then rows whose reader died (its lock is free; its lease stays
+            # counted until a recount). The row's lock, not its pid, says who lives.
+            candidates = [row for row, pid in enumerate(pids) if pid == 0]
+            candidates += [row for row, pid in enumerate(pids) if pid != 0]
+            for row in candidates:
+                if self.locks.hold_row(row):
+                    base = row_base(row)
+                    h[base + 1], h[base + 2], h[base + 3], h[base + LEASE] = -1, 0, 0, 0
+                    h[base] = self.pid
+                    return row
+            return -1
 
     def update_row(self, row: int, version: int, reloads: int) -> None:
         """Record what reader ``row`` loaded (for ``shmsync ls`` and ``store.readers()``)."""
@@ -476,26 +505,25 @@ class Protocol:
     def release_row(self, row: int) -> None:
         if row >= 0:
             self.h[row_base(row)] = 0
+            self.locks.release_row(row)
 
     # -- leases ---------------------------------------------------------------------------------
     def row_leased(self, slot: int) -> bool:
         """Whether any row of the reader table leases ``slot`` (dead readers' rows included)."""
         return slot + 1 in reader_column(self.h, LEASE)
 
-    def leases(self, row: int) -> bool:
-        """Whether reader ``row`` holds a lease."""
-        return row >= 0 and bool(self.h[lease_word(row)])
-
     def recount(self) -> set[int]:
         """Recompute the per-slot lease counts from the rows of live readers; the leased slots.
         Call with the table lock held."""
         h = self.h
         counts = [0] * self.num_slots
-        pids, leases = reader_column(h, 0), reader_column(h, LEASE)
-        for row, (pid, lease) in enumerate(zip(pids, leases)):
-            if lease and pid and self.alive(pid):
+        for row, lease in enumerate(reader_column(h, LEASE)):
+            if not lease:
+                continue
+            slot_index(lease - 1, self.num_slots, f"reader row {row} lease - 1", self.name)
+            if self.locks.row_alive(row):
                 counts[lease - 1] += 1
-            elif lease:
+            else:
                 h[lease_word(row)] = 0  # a dead reader's lease
         for slot, n in enumerate(counts):
             h[W_LEASES + slot] = n
@@ -506,37 +534,61 @@ class Protocol:
         lease is refused (the row then keeps its previous lease, if any; without a row, always)."""
         if row < 0:
             return None  # the lease would live in the row: no row, no lease
-        h, n = self.h, self.num_slots
-        word = lease_word(row)
+        h = self.h
         with self.locks.table(0.01) as locked:
             if not locked:
                 return None
-            slot = h[W_LATEST]
+            slot = slot_index(h[W_LATEST], self.num_slots, "latest", self.name)
             seq = h[W_SEQ + slot]
             version = h[W_SLOT_VERSION + slot]
             if seq & 1 or version < 0:
                 return None  # `latest` moved on and that slot is already being rewritten
-            previous = h[word]
-            counts = [h[W_LEASES + s] for s in range(n)]
-            if previous:
-                counts[previous - 1] -= 1
-            counts[slot] += 1
-            h[word] = slot + 1
-            pinned = {h[W_PIN_SLOT]} if h[W_PIN_RELEASE] != h[W_PIN_GRANT] else set()
-            if len({s for s, c in enumerate(counts) if c > 0} | pinned) <= n - 2:
-                for s in {slot, previous - 1} - {-1}:
-                    h[W_LEASES + s] = counts[s]
-            elif len(self.recount() | pinned) > n - 2:  # dead readers' leases dropped
-                h[word] = previous
-                self.recount()
+            if not self._move_lease(row, slot):
                 return None
-        self.full_fence()  # the lease stores above before the sequence load below
-        # A writer that starts on `slot` from now on sees the lease; one that started before
-        # has already moved its sequence.
-        if h[W_SEQ + slot] != seq:
-            self.release_lease(row)
-            return None
-        return slot, version
+        return (slot, version) if self._lease_holds(row, slot, (seq,)) else None
+
+    def lease_written(self, row: int, write: Write) -> bool:
+        """Move ``row``'s lease to the slot of ``write``, a write this process has open or has
+        just committed (a relay forwards the bytes of a version while it still receives them).
+        Refused (False, the row keeps its previous lease) if the rule above would break, or if
+        the slot has moved on to another write meanwhile."""
+        if row < 0:
+            return False
+        with self.locks.table(0.01) as locked:
+            if not locked or not self._move_lease(row, write.slot):
+                return False
+        return self._lease_holds(row, write.slot, (write.seq, write.seq + 1))  # this write or its commit
+
+    def _move_lease(self, row: int, slot: int) -> bool:
+        """With the table lock held: lease ``slot`` for ``row`` instead of its previous slot, unless
+        afterwards more than ``N - 2`` distinct slots would be leased or pinned."""
+        h, n = self.h, self.num_slots
+        word = lease_word(row)
+        previous = h[word]
+        counts = [h[W_LEASES + s] for s in range(n)]
+        if previous:
+            counts[slot_index(previous - 1, n, f"reader row {row} lease - 1", self.name)] -= 1
+        counts[slot] += 1
+        h[word] = slot + 1
+        pinned = {h[W_PIN_SLOT]} if h[W_PIN_RELEASE] != h[W_PIN_GRANT] else set()
+        if len({s for s, c in enumerate(counts) if c > 0} | pinned) <= n - 2:
+            for s in {slot, previous - 1} - {-1}:
+                h[W_LEASES + s] = counts[s]
+        elif len(self.recount() | pinned) > n - 2:  # dead readers' leases dropped
+            h[word] = previous
+            self.recount()
+            return False
+        return True
+
+    def _lease_holds(self, row: int, slot: int, seqs: tuple[int, ...]) -> bool:
+        """The reader's half of the handshake: after its lease store, is ``slot`` still at one of
+        ``seqs``? A writer that starts on it from now on sees the lease; one that started before
+        has already moved its sequence, and the lease is given up."""
+        self.full_fence()  # the lease stores before the sequence load below
+        if self.h[W_SEQ + slot] in seqs:
+            return True
+        self.release_lease(row)
+        return False
 
     def release_lease(self, row: int) -> None:
         """Give up ``row``'s lease. If the table stays busy, the counts are left for the next
@@ -549,7 +601,7 @@ class Protocol:
             return
         self.fence()  # the module's last loads from the slot before the release
         with self.locks.table(0.01) as locked:
-            slot = h[word] - 1
+            slot = slot_index(h[word] - 1, self.num_slots, f"reader row {row} lease - 1", self.name)
             h[word] = 0
             if locked:
                 h[W_LEASES + slot] = max(0, h[W_LEASES + slot] - 1)

@@ -11,6 +11,17 @@ class StoreNotFoundError(ShmSyncError, FileNotFoundError):
     """No store of that name exists on this host (never created, or already unlinked)."""
 
 
+class StoreCorruptError(ShmSyncError, ValueError):
+    """A store file, or a layout a peer sent, failed a check: a header word or a layout field is
+    out of range. The message names the field and its value; nothing was mapped or written."""
+
+
+class StoreUntrustedError(ShmSyncError, PermissionError):
+    """A store file that someone other than this user could have written: owned by another user,
+    writable by its group (without ``SHMSYNC_TRUST_GROUP=1``) or by anyone, a symbolic link, or
+    not a regular file. It was not opened for use."""
+
+
 class WeightMismatchError(ValueError):
     """Weights do not match the store's layout: a key, shape or dtype differs.
 
@@ -29,5 +40,23 @@ class ReloadTimeoutError(ShmSyncError, TimeoutError):
 class WriterGoneError(ShmSyncError):
     """No live process can publish into this store any more: the version waited for will never come.
 
-    Its creator is dead and no live process holds the writer role (the trainer was killed).
+    Nobody holds its writer role and its creator has let go of it (the trainer was killed).
     """
+
+
+class RelayError(ShmSyncError, ConnectionError):
+    """A relay link failed (see :mod:`shmsync.relay`)."""
+
+
+class AuthenticationError(RelayError):
+    """The peer did not prove that it holds the relay secret (or this side holds another one).
+    Nothing was sent to it beyond the handshake."""
+
+
+class ProtocolError(RelayError):
+    """The peer broke the relay protocol: a message of an unknown kind, or a size or number out of
+    range. The link was dropped; nothing it sent was published."""
+
+
+class TrainerGoneError(RelayError):
+    """The trainer's :class:`~shmsync.relay.RelaySender` went away (closed, or its process died)."""

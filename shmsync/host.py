@@ -1,7 +1,10 @@
 """The stores on this host: listing them and removing the ones nobody can use any more.
 
 Everything here reads headers with ``pread`` and asks the kernel about locks; it never
-attaches, so it cannot keep a store alive or change it.
+attaches, so it cannot keep a store alive or change it. Liveness comes from the kernel's
+locks alone (a store is in use while a process holds it open; it can still be published
+while some process holds its writer role or its creator holds it), never from the pids in
+its header, which may belong to another PID namespace or have been reused.
 """
 
 from __future__ import annotations
@@ -11,25 +14,19 @@ import time
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
 from . import _segment
 from ._header import (
-    FORMAT,
     HEADER_BYTES,
-    MAGIC,
     W_CREATE_NS,
     W_CREATOR_PID,
-    W_CREATOR_START,
-    W_FORMAT,
-    W_MAGIC,
     W_PAYLOAD_BYTES,
     W_PUBLISH_NS,
     W_VERSION,
     W_WRITER_PID,
-    reader_rows,
+    check_words,
+    reader_column,
 )
-from ._processes import pid_alive
+from .errors import ShmSyncError, StoreNotFoundError, StoreUntrustedError
 
 
 @dataclass
@@ -37,96 +34,133 @@ class StoreStatus:
     """What ``shmsync ls`` shows about one store."""
 
     name: str
-    valid: bool  # a complete shmsync header
+    valid: bool  # a complete shmsync header, every field in range
     version: int
     payload_bytes: int
     shm_bytes: int
-    creator_pid: int
-    creator_alive: bool
+    creator_pid: int  # as its header says (possibly of another PID namespace)
+    creator_alive: bool  # its creator still holds it open
     writer_pid: int
+    writer_held: bool  # some process holds its writer role
     readers: list[int]  # pids of live attached readers
     held: bool  # some live process has it open
     last_publish_age_s: float | None
     age_s: float
+    problem: str | None = None  # why it is not valid
+
+    @property
+    def publisher_alive(self) -> bool:
+        """Whether a live process can still publish into it."""
+        return self.writer_held or self.creator_alive
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def _held(name: str) -> bool:
+def status(name: str) -> StoreStatus | None:
+    """The status of store ``name`` (None if it vanished meanwhile).
+
+    Raises:
+        StoreUntrustedError: the file is not one this user could have written alone.
+    """
     try:
-        fd = os.open(_segment.path_of(name), os.O_RDONLY)
-    except FileNotFoundError:
-        return False
+        fd, st = _segment.open_file(_segment.path_of(name), os.O_RDONLY)
+    except StoreNotFoundError:
+        return None
     try:
-        return _segment.conflicting_lock(fd, _segment.HOLDER_LOCK, exclusive=True)
+        raw = os.pread(fd, HEADER_BYTES, 0)
+
+        def locked(byte: int, *, exclusive: bool = False) -> bool:
+            return _segment.conflicting_lock(fd, byte, exclusive=exclusive)
+
+        held = locked(_segment.HOLDER_LOCK, exclusive=True)  # anyone, even a shared holder
+        now = time.time_ns()
+        h = memoryview(raw[: len(raw) // 8 * 8]).cast("q")
+        try:
+            check_words(h, st.st_size, name)
+            problem = None
+        except ShmSyncError as e:
+            problem = str(e)
+        if problem is not None:
+            return StoreStatus(
+                name, False, -1, 0, st.st_size, 0, locked(_segment.CREATOR_LOCK), 0,
+                locked(_segment.WRITER_LOCK), [], held, None, (now - st.st_mtime_ns) / 1e9, problem,
+            )  # fmt: skip
+        pids = reader_column(h, 0)
+        readers = [pid for row, pid in enumerate(pids) if pid and locked(_segment.ROW_LOCKS + row)]
+        published = h[W_PUBLISH_NS]
+        return StoreStatus(
+            name=name,
+            valid=True,
+            version=h[W_VERSION],
+            payload_bytes=h[W_PAYLOAD_BYTES],
+            shm_bytes=st.st_size,
+            creator_pid=h[W_CREATOR_PID],
+            creator_alive=locked(_segment.CREATOR_LOCK),
+            writer_pid=h[W_WRITER_PID],
+            writer_held=locked(_segment.WRITER_LOCK),
+            readers=readers,
+            held=held,
+            last_publish_age_s=(now - published) / 1e9 if published else None,
+            age_s=(now - h[W_CREATE_NS]) / 1e9,
+        )
     finally:
         os.close(fd)
 
 
-def status(name: str) -> StoreStatus | None:
-    """The status of store ``name`` (None if it vanished meanwhile)."""
-    raw = _segment.peek(name, HEADER_BYTES)
-    try:
-        st = os.stat(_segment.path_of(name))
-    except FileNotFoundError:
-        return None
-    now = time.time_ns()
-    if raw is None or len(raw) < HEADER_BYTES or np.frombuffer(raw, np.int64, 1)[0] != MAGIC:
-        return StoreStatus(
-            name, False, -1, 0, st.st_size, 0, False, 0, [], _held(name), None, (now - st.st_mtime_ns) / 1e9
-        )
-    h = np.frombuffer(raw, dtype=np.int64)
-    # Another format lays its reader table out differently: its readers are not listed.
-    readers = [pid for _row, pid, *_ in reader_rows(h) if pid_alive(pid)] if h[W_FORMAT] == FORMAT else []
-    published = int(h[W_PUBLISH_NS])
-    return StoreStatus(
-        name=name,
-        valid=int(h[W_MAGIC]) == MAGIC,
-        version=int(h[W_VERSION]),
-        payload_bytes=int(h[W_PAYLOAD_BYTES]),
-        shm_bytes=st.st_size,
-        creator_pid=int(h[W_CREATOR_PID]),
-        creator_alive=pid_alive(int(h[W_CREATOR_PID]), int(h[W_CREATOR_START])),
-        writer_pid=int(h[W_WRITER_PID]),
-        readers=readers,
-        held=_held(name),
-        last_publish_age_s=(now - published) / 1e9 if published else None,
-        age_s=(now - int(h[W_CREATE_NS])) / 1e9,
-    )
+def scan() -> tuple[list[StoreStatus], list[tuple[str, str]]]:
+    """Every store on this host, oldest first, and ``(name, why)`` for every entry of the store
+    folder that was skipped (not a regular file, another user's, not a valid store name...)."""
+    stores, skipped = [], []
+    for name, problem in _segment.list_entries():
+        if problem is None:
+            try:
+                s = status(name)
+            except (StoreUntrustedError, OSError) as e:
+                skipped.append((name, str(e)))
+                continue
+            if s is not None:
+                stores.append(s)
+        else:
+            skipped.append((name, problem))
+    return stores, skipped
 
 
 def list_stores() -> list[StoreStatus]:
-    """Every store on this host, oldest first."""
-    return [s for s in (status(n) for n in _segment.list_names()) if s is not None]
+    """Every store on this host that this user may look at, oldest first (see :func:`scan`)."""
+    return scan()[0]
 
 
 def is_garbage(s: StoreStatus, min_age_s: float = 5.0) -> bool:
-    """Nobody can use it: its creator is gone and no live process has it open.
+    """Nobody can use it: no live process has it open, whatever its header says.
 
-    A store without a complete header counts once it is older than ``min_age_s`` (its
-    creator died while creating it)."""
+    A store without a valid header counts once it is older than ``min_age_s``."""
     if s.held:
         return False
     if not s.valid:
         return s.age_s > min_age_s
-    return not s.creator_alive
+    return True
 
 
 def is_orphaned(s: StoreStatus) -> bool:
-    """Its creator is dead, yet live processes (readers that outlived the trainer) hold it."""
-    return s.valid and s.held and not s.creator_alive
+    """Live processes (readers that outlived the trainer) hold it, but none can publish: nobody
+    holds its writer role and its creator has let go of it."""
+    return s.valid and s.held and not s.publisher_alive
 
 
 def collect_garbage(
-    dry_run: bool = False, orphaned: bool = False, names: Collection[str] | None = None
+    dry_run: bool = False,
+    orphaned: bool = False,
+    names: Collection[str] | None = None,
+    stores: list[StoreStatus] | None = None,
 ) -> list[StoreStatus]:
     """Remove (or, with ``dry_run``, only list) every store :func:`is_garbage` says is garbage,
     and with ``orphaned`` also the :func:`is_orphaned` ones (their readers keep their mapping
     and the weights they loaded; nothing new can reach them). ``names`` limits it to those
-    stores."""
+    stores; ``stores`` is what :func:`scan` found, if the caller has it already. A store whose
+    writer role or creator is alive is never removed."""
     removed = []
-    for s in list_stores():
+    for s in list_stores() if stores is None else stores:
         if names is not None and s.name not in names:
             continue
         if is_garbage(s) or (orphaned and is_orphaned(s)):

@@ -123,8 +123,11 @@ class WeightReader:
         Returns:
             True if the module was reloaded, False if it already held the latest version.
         """
-        if self._hdr[W_VERSION] == self._version:
-            return False
+        try:
+            if self._hdr[W_VERSION] == self._version:
+                return False
+        except ValueError:  # the header's mapping was released: the store was closed here
+            raise ShmSyncError(f"store {self.store.name!r} is closed in this process") from None
         return self.reload()
 
     def reload(self) -> bool:
@@ -225,7 +228,7 @@ class WeightReader:
             self._param_names = [".".join(layout.entries[indices[i]].key) for i in params]
             self._buffers = [targets[i] for i in order[len(params) :]]
             self._views = [[views[indices[i]] for i in order] for views in memory.readonly_slots()]
-            memory.viewers.add(self)
+            self.store.add_dependent(self)
 
     def _copy(self, slot: int) -> None:
         copy_all(self._targets, self._sources[slot], self._on_cpu)

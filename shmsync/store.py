@@ -15,7 +15,7 @@ import os
 import secrets
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -26,6 +26,7 @@ from . import _fence
 from ._copy import copy_all
 from ._header import (
     FORMAT,
+    HEADER_BYTES,
     MAGIC,
     MAX_SLOTS,
     W_CREATE_NS,
@@ -43,16 +44,17 @@ from ._header import (
     W_SLOT_BYTES,
     W_VERSION,
     W_WRITER_PID,
+    check_words,
     header_view,
     reader_rows,
 )
 from ._layout import Layout, segment_bytes
 from ._memory import StoreMemory
-from ._processes import pid_alive, process_start_ns
+from ._processes import process_start_ns
 from ._protocol import initialize, lease_word
-from ._segment import WRITER_LOCK, Segment, conflicting_lock
+from ._segment import CREATOR_LOCK, WRITER_LOCK, Segment, validate_name
 from ._source import as_tensordict, module_weights
-from .errors import ShmSyncError, StoreNotFoundError, WeightMismatchError, WriterBusyError
+from .errors import ShmSyncError, StoreCorruptError, WeightMismatchError, WriterBusyError
 
 
 class Snapshot(NamedTuple):
@@ -86,23 +88,18 @@ class WeightStore:
         raise TypeError("make a store with WeightStore.create(source) or open one with WeightStore.attach(name)")
 
     @classmethod
-    def _open(cls, segment: Segment, *, owner: bool, unlink_at_exit: bool) -> WeightStore:
+    def _open(
+        cls, segment: Segment, layout: Layout, destinations: Any, *, owner: bool, unlink_at_exit: bool
+    ) -> WeightStore:
         self = cls.__new__(cls)
-        buf = segment.buf
-        h = header_view(buf)
-        magic, fmt = h[W_MAGIC], h[W_FORMAT]
-        if magic != MAGIC or fmt != FORMAT:
-            h.release()  # so the caller can unmap
-            if magic != MAGIC:
-                raise StoreNotFoundError(f"{segment.name!r} is not a shmsync store, or it is still being created")
-            raise ShmSyncError(f"store {segment.name!r} has format {fmt}, this shmsync reads {FORMAT}")
-        lo, ln = h[W_LAYOUT_OFFSET], h[W_LAYOUT_BYTES]
-        layout, destinations = Layout.from_json(bytes(buf[lo : lo + ln]))
-        self.memory = StoreMemory(segment, h, layout, destinations, unlink_at_exit=owner and unlink_at_exit)
+        self.memory = StoreMemory(
+            segment, header_view(segment.buf), layout, destinations, unlink_at_exit=owner and unlink_at_exit
+        )
         self._owner = owner
         self.publish_seconds = 0.0  # time spent in publish() by this process
         self._cuda_publisher = None
         self._plans: dict = {}  # (id(module), prefix) -> what _match_module checked last time
+        self._dependents: weakref.WeakSet = weakref.WeakSet()  # closed before the memory goes
         return self
 
     # -- construction ---------------------------------------------------------------------------
@@ -123,8 +120,8 @@ class WeightStore:
                 mapping ``{destination: module or TensorDict}``. Several destinations live
                 in one store and are published together under one version. Tensors may be
                 on any device; the store always lives in host shared memory.
-            name: a name to attach by. Default: a unique name, so concurrent test
-                processes never collide.
+            name: a name to attach by: 1 to 200 letters, digits, ``_``, ``.`` and ``-``.
+                Default: a unique name, so concurrent test processes never collide.
             num_slots: copies kept. 3 (the default) guarantees that no reader starves
                 however fast the writer publishes; 2 saves memory but readers may have to
                 wait for a pause in publishing. Zero-copy readers (see
@@ -137,24 +134,85 @@ class WeightStore:
 
         Returns:
             The store, open in this process, at ``version``; this process holds its writer role.
+            Only this user may open it (and its group, with ``SHMSYNC_TRUST_GROUP=1``).
 
         Raises:
             FileExistsError: ``name`` is taken.
+            ValueError: ``name`` is not a valid store name.
             WeightMismatchError: ``source`` holds no tensors, or tensors on ``meta``.
         """
-        if not 2 <= num_slots <= MAX_SLOTS:
-            raise ValueError(f"num_slots must be between 2 and {MAX_SLOTS}, got {num_slots}")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be an int >= 0, got {version!r}")
+        _check_version(version)
         td, destinations = as_tensordict(source, "WeightStore.create() source")
         layout = Layout.from_tensordict(td)
         tensors = layout.match(td, "weights given to WeightStore.create()")
+        name = f"{os.getpid()}-{secrets.token_hex(6)}" if name is None else name
+        store = cls._make(layout, destinations, Segment.create, name, num_slots, unlink_at_exit)
+        # The creator keeps the writer role: no other process can lock the trainer out by
+        # publishing first. It publishes from elsewhere after release_writer() here.
+        try:
+            store._write(tensors, version=version)
+        except BaseException:
+            store.unlink()
+            store.close()
+            raise
+        return store
+
+    @classmethod
+    def create_from_bytes(
+        cls,
+        layout_description: bytes,
+        fill: Callable[[torch.Tensor], None],
+        *,
+        version: int,
+        name: str,
+        num_slots: int = 3,
+        unlink_at_exit: bool = True,
+    ) -> WeightStore:
+        """A store laid out as ``layout_description`` says (:attr:`layout_description` of another
+        store), whose first version's bytes ``fill(view)`` writes straight into a slot: how a relay
+        makes the store of a host from the trainer's first version, with no copy in between.
+
+        The store gets its name only once it holds that version, in one step: no process can
+        attach to it before, so nothing on this host ever reads any other first version.
+
+        Raises:
+            StoreCorruptError: the description fails a check (naming the field).
+            FileExistsError: ``name`` was taken meanwhile (nothing is left behind).
+            Exception: whatever ``fill`` raised (nothing is left behind).
+        """
+        _check_version(version)
+        validate_name(name)
+        layout, destinations = Layout.from_json(layout_description, "the layout to make a store from")
+        store = cls._make(
+            layout,
+            destinations,
+            lambda _name, size, track: Segment.create_incoming(size, track=track),
+            name,
+            num_slots,
+            unlink_at_exit,
+        )
+        try:
+            store.publish_bytes(fill, version=version)
+            store.memory.segment.link(name)
+        except BaseException:
+            store.unlink()
+            store.close()
+            raise
+        return store
+
+    @classmethod
+    def _make(
+        cls, layout: Layout, destinations: Any, make_segment: Callable, name: str, num_slots: int, unlink_at_exit: bool
+    ) -> WeightStore:
+        """A new store with no version yet, this process its creator and writer."""
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or not 2 <= num_slots <= MAX_SLOTS:
+            raise ValueError(f"num_slots must be an int between 2 and {MAX_SLOTS}, got {num_slots!r}")
         doc = layout.to_json(destinations)
         layout_offset, data_offset, size = segment_bytes(doc, layout.slot_bytes, num_slots)
-        name = f"{os.getpid()}-{secrets.token_hex(6)}" if name is None else name
-        segment = Segment.create(name, size, track=unlink_at_exit)
+        segment = make_segment(name, size, track=unlink_at_exit)
         h = header_view(segment.buf)
         try:
+            segment.lock(CREATOR_LOCK, exclusive=True, wait=False)
             segment.buf[layout_offset : layout_offset + len(doc)] = doc
             pid = os.getpid()
             for word, value in (
@@ -174,28 +232,47 @@ class WeightStore:
             _fence.ordering()[1]()  # everything above before the magic word
             h[W_MAGIC] = MAGIC  # last: attach() refuses a half-initialised header
             h.release()
-            store = cls._open(segment, owner=True, unlink_at_exit=unlink_at_exit)
+            store = cls._open(segment, layout, destinations, owner=True, unlink_at_exit=unlink_at_exit)
+            store._acquire_writer()
         except BaseException:
             h.release()
             segment.unlink()
             segment.close()
             raise
-        # The creator keeps the writer role: no other process can lock the trainer out by
-        # publishing first. It publishes from elsewhere after release_writer() here.
-        with store._writer_role(keep=True):
-            store._write(tensors, version=version)
         return store
 
     @classmethod
     def attach(cls, name: str) -> WeightStore:
         """Open the store called ``name`` from any process on this host.
 
+        The file is checked before it is mapped: a regular file (no link followed) that only this
+        user may write (and its group, with ``SHMSYNC_TRUST_GROUP=1``), whose every header and
+        layout field is in range for its size.
+
         Raises:
             StoreNotFoundError: there is no such store (or it was unlinked).
+            StoreUntrustedError: the file is not one this user alone could have written.
+            StoreCorruptError: a header or layout field is out of range (naming it).
+            ValueError: ``name`` is not a valid store name.
         """
-        segment = Segment.open(name)
+
+        def inspect(fd: int, st: os.stat_result) -> tuple[Layout, Any]:
+            if st.st_size < HEADER_BYTES:
+                check_words((), st.st_size, name)  # raises, saying why
+            h = memoryview(os.pread(fd, HEADER_BYTES, 0)).cast("q")
+            lo, ln = check_words(h, st.st_size, name)
+            raw = os.pread(fd, ln, lo)
+            layout, destinations = Layout.from_json(raw, f"store {name!r}: layout")
+            if layout.payload_bytes != h[W_PAYLOAD_BYTES]:
+                raise StoreCorruptError(
+                    f"store {name!r}: header field payload_bytes is {h[W_PAYLOAD_BYTES]}, its layout holds "
+                    f"{layout.payload_bytes} bytes; the store was not opened"
+                )
+            return layout, destinations
+
+        segment, (layout, destinations) = Segment.open(name, inspect)
         try:
-            return cls._open(segment, owner=False, unlink_at_exit=False)
+            return cls._open(segment, layout, destinations, owner=False, unlink_at_exit=False)
         except BaseException:
             segment.close()
             raise
@@ -483,22 +560,6 @@ class WeightStore:
                 "that process, or call release_writer()/close() there first"
             )
 
-    class _WriterRole:
-        def __init__(self, store: WeightStore, keep: bool) -> None:
-            self.store, self.keep = store, keep
-
-        def __enter__(self) -> None:
-            self.had = self.store.memory.segment.held(WRITER_LOCK)
-            if not self.had:
-                self.store._acquire_writer()
-
-        def __exit__(self, *exc) -> None:
-            if not self.had and not self.keep:
-                self.store.release_writer()
-
-    def _writer_role(self, keep: bool) -> WeightStore._WriterRole:
-        return WeightStore._WriterRole(self, keep)
-
     def _write(self, tensors: list[torch.Tensor], on_cpu: bool | None = None, version: int | None = None) -> int:
         protocol = self.memory.protocol
         write = protocol.begin_write()
@@ -516,25 +577,33 @@ class WeightStore:
         two stores with equal descriptions hold their versions as the same bytes."""
         return self.memory.layout.to_json(self.memory.destinations)
 
-    def read_bytes(self, out: torch.Tensor, timeout: float = 60.0) -> int:
+    def read_bytes(self, out: Any, timeout: float = 60.0) -> int:
         """Copy the newest complete version's bytes (:attr:`nbytes` of them, in this store's
-        layout) into the flat ``uint8`` CPU tensor ``out``; returns its version.
+        layout) into ``out``, a writable buffer (a ``bytearray``, a memoryview); returns its version.
 
         Raises:
-            ValueError: ``out`` is not a contiguous uint8 CPU tensor of :attr:`nbytes` bytes.
+            ValueError: ``out`` is not a writable buffer of :attr:`nbytes` bytes.
             ReloadTimeoutError: no complete copy could be made within ``timeout`` seconds.
         """
         self._check_open()
-        self._check_bytes(out, "read_bytes(out)")
+        target = memoryview(out).cast("B")
+        if target.readonly or target.nbytes != self.nbytes:
+            raise ValueError(f"read_bytes(out): want a writable buffer of {self.nbytes} bytes, got {target.nbytes}")
         memory = self.memory
-        return memory.protocol.read(lambda slot: copy_all([out], [memory.slot_bytes(slot)]), timeout=timeout)
 
-    def publish_bytes(self, fill: Any, *, version: int) -> int:
-        """Publish a version whose bytes ``fill(view)`` writes straight into a free slot.
+        def copy(slot: int) -> None:
+            with memory.slot_buffer(slot) as source:
+                target[:] = source
 
-        ``view`` is a flat ``uint8`` tensor of :attr:`nbytes` bytes in this store's layout (see
-        :attr:`layout_description`): a relay receives another host's version into it, with no
-        copy in between. If ``fill`` raises, the slot is left empty and nothing is published.
+        return memory.protocol.read(copy, timeout=timeout)
+
+    def publish_bytes(self, fill: Callable[[memoryview], None], *, version: int) -> int:
+        """Publish a version whose bytes ``fill(buffer)`` writes straight into a free slot.
+
+        ``buffer`` is a writable memoryview of :attr:`nbytes` bytes in this store's layout (see
+        :attr:`layout_description`), valid while ``fill`` runs: a relay receives another host's
+        version into it, with no copy in between. If ``fill`` raises, the slot is left empty and
+        nothing is published.
 
         Returns:
             ``version``.
@@ -552,22 +621,23 @@ class WeightStore:
         protocol = self.memory.protocol
         write = protocol.begin_write()
         try:
-            fill(self.memory.slot_bytes(write.slot))
+            with self.memory.slot_buffer(write.slot, writable=True) as buffer:
+                fill(buffer)
         except BaseException:
             protocol.abort(write)
             raise
         return protocol.commit(write, version)
 
-    def _check_bytes(self, out: torch.Tensor, what: str) -> None:
-        if not (
-            isinstance(out, torch.Tensor)
-            and out.dtype == torch.uint8
-            and out.device.type == "cpu"
-            and out.is_contiguous()
-            and out.numel() == self.nbytes
-        ):
-            got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out)
-            raise ValueError(f"{what}: want a contiguous uint8 CPU tensor of {self.nbytes} bytes, got {got}")
+    def add_publish_listener(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(version)`` each time a version published from this process becomes
+        visible, in the thread that made it visible, right after (a relay's sender wakes on it
+        instead of polling). It must return at once and never raise."""
+        self.memory.protocol.listeners.append(listener)
+
+    def remove_publish_listener(self, listener: Callable[[int], None]) -> None:
+        """Undo :meth:`add_publish_listener`."""
+        if listener in self.memory.protocol.listeners:
+            self.memory.protocol.listeners.remove(listener)
 
     # -- reading --------------------------------------------------------------------------------
     def snapshot(self, timeout: float = 60.0) -> Snapshot:
@@ -600,7 +670,7 @@ class WeightStore:
         """Readers attached to this store in live processes: pid, loaded version, reloads,
         the wall-clock time of their last reload (ns), and whether their module views the
         store's memory in place (``zero_copy``)."""
-        h = self.memory.header
+        h, locks = self.memory.header, self.memory.protocol.locks
         return [
             {
                 "pid": pid,
@@ -610,12 +680,13 @@ class WeightStore:
                 "zero_copy": bool(h[lease_word(row)]),
             }
             for row, pid, version, reloads, last in reader_rows(h)
-            if pid_alive(pid)
+            if locks.row_alive(row)
         ]
 
     def publisher_alive(self) -> bool:
-        """Whether a live process can still publish: this one holds the writer role, another
-        live process does, or the creator lives. False once the trainer is gone for good.
+        """Whether a live process can still publish: some process holds the writer role, or the
+        creator still has the store open. False once the trainer is gone for good. Told by the
+        kernel's locks, whatever PID namespace the trainer runs in.
 
         Examples:
             >>> import torch
@@ -627,10 +698,7 @@ class WeightStore:
         if self.closed:
             return False
         segment = self.memory.segment
-        if segment.held(WRITER_LOCK) or conflicting_lock(segment.fd, WRITER_LOCK):
-            return True
-        h = self.memory.header
-        return pid_alive(h[W_CREATOR_PID], h[W_CREATOR_START])
+        return segment.held_anywhere(WRITER_LOCK) or segment.held_anywhere(CREATOR_LOCK)
 
     # -- lifetime -------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -642,12 +710,17 @@ class WeightStore:
         ``unlink_at_exit=True``). Other processes keep their mapping. Waits for a CUDA publish
         still in flight; ``version`` and :meth:`info` still tell the last state afterwards."""
         if not self.closed:
-            for reader in list(self.memory.viewers):
-                reader.close()  # private copies, leases given back, while the header is mapped
+            for dependent in list(self._dependents):
+                dependent.close()  # say, readers: private copies, leases given back, while mapped
             if self._cuda_publisher is not None:
                 self._cuda_publisher.wait()
                 self._cuda_publisher = None
             self.memory.close()
+
+    def add_dependent(self, obj: Any) -> None:
+        """Call ``obj.close()`` when this store is closed, before its memory goes (``obj`` is held
+        weakly): for objects that view the store's memory, such as zero-copy readers."""
+        self._dependents.add(obj)
 
     def unlink(self) -> None:
         """Remove the store's name from the host: no new process can attach. Mappings that
@@ -661,6 +734,11 @@ class WeightStore:
         if self._owner:
             self.unlink()
         self.close()
+
+
+def _check_version(version: Any) -> None:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"version must be an int >= 0, got {version!r}")
 
 
 def _owned_tensors(module: nn.Module) -> list[torch.Tensor]:

@@ -215,18 +215,19 @@ def pool_parent(conn) -> None:
     time.sleep(3600)
 
 
-def _watching_child(parent: int) -> None:
+def _watching_child(parent: int, conn) -> None:
     from shmsync import exit_with_parent
 
     exit_with_parent(parent)  # explicit: the parent may be gone before this line runs
+    conn.send(("watching", os.getpid()))
     time.sleep(3600)
 
 
 def parent_of_a_watching_child(conn) -> None:
-    """Starts a child that calls exit_with_parent(), then waits to be killed (the child must follow)."""
+    """Starts a child that calls exit_with_parent() and tells ``conn`` it watches, then waits to
+    be killed (the child must follow)."""
     import multiprocessing as mp
 
-    child = mp.get_context("spawn").Process(target=_watching_child, args=(os.getpid(),), daemon=False)
+    child = mp.get_context("spawn").Process(target=_watching_child, args=(os.getpid(), conn), daemon=False)
     child.start()
-    conn.send(("started", child.pid))
     time.sleep(3600)

@@ -118,17 +118,25 @@ def test_orphaned_reader_learns_the_writer_is_gone(start):
 
 def test_exit_with_parent(start):
     parent = start(parent_of_a_watching_child, daemon=False)
-    (pid,) = parent.expect("started", timeout=60)
-    time.sleep(1.0)  # the child is up and watching
+    (pid,) = parent.expect("watching", timeout=120)  # the handshake: its watch has begun
+    child = psutil.Process(pid)
     os.kill(parent.pid, signal.SIGKILL)
     parent.proc.join(10)
+    deadline = time.monotonic() + 30  # its watch wakes every 0.2 s; a busy machine may delay it
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    outlived = _running(child)
+    if outlived:  # re-parented away from us: no fixture would find it
+        child.kill()
+    assert not outlived, "the child outlived its parent"
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Alive and not a zombie (an exited child nobody reaped yet is not running)."""
     try:
-        _, alive = psutil.wait_procs([psutil.Process(pid)], timeout=5)
+        return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
-        alive = []
-    for p in alive:  # re-parented to init: no fixture would find it
-        p.kill()
-    assert not alive, "the child outlived its parent"
+        return False
 
 
 def test_ls_table(store_factory):

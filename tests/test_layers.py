@@ -12,13 +12,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A module may import modules of its own layer or below, never above.
 LAYERS = [
     {"errors", "_header", "_processes", "_fence", "_paths"},  # words, processes, fences
-    {"_segment", "_protocol", "_layout", "_source", "_cuda", "_viewing", "_copy"},  # memory and protocol
+    {"_segment", "_protocol", "_layout", "_source", "_pinning", "_viewing", "_copy"},  # memory and protocol
     {"_memory"},  # one store's mapping
-    {"store", "tagging", "versions", "lifetime", "host"},  # the store
+    {"store", "_cuda", "tagging", "versions", "lifetime", "host"},  # the store, the CUDA publisher beside it
     {"reader", "sender", "cli", "testing"},  # its clients
     # TorchRL, and other hosts
     {"hook", "scheme", "_scheme_sender", "_scheme_worker", "_registration", "_torchrl_compat", "_distributed"}
-    | {"relay"},
+    | {"relay", "_wire"},
     {"workers"},  # worker processes
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
@@ -31,19 +31,11 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path, package: str) -> set[str]:
-    """shmsync modules ``path`` imports at run time (function-level imports too; not those
-    under ``if TYPE_CHECKING:``)."""
+    """shmsync modules ``path`` imports: at the top, inside functions, and under
+    ``if TYPE_CHECKING:`` alike (a typing import is a dependency too)."""
     tree = ast.parse(path.read_text())
-    skip = {
-        id(n)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
-        for n in ast.walk(node)
-    }
     out = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.ImportFrom) and node.level == 1:  # from .x import y / from . import x
             names = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
             out.update(n if package == "shmsync" else f"workers.{n}" for n in names)

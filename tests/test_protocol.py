@@ -252,19 +252,21 @@ def test_an_aborted_write_is_never_read():
 def test_the_reader_table_holds_1024_readers_and_a_reader_without_a_row_never_leases():
     assert MAX_READERS >= 1024
     store = Store(4)
-    readers = [store.protocol(10 + i, alive=lambda pid: True) for i in range(MAX_READERS)]
+    readers = [store.protocol(10 + i) for i in range(MAX_READERS)]
     rows = [r.claim_row() for r in readers]
     assert sorted(rows) == list(range(MAX_READERS))
-    late = store.protocol(99_999, alive=lambda pid: True)
+    late = store.protocol(99_999)
     assert late.claim_row() == -1
     before = list(store.h)
     assert late.lease_latest(-1) is None
     late.release_lease(-1)
     assert store.h == before, "a reader without a row wrote into the header"
-    # A dead reader's row is reclaimed once the table is full.
-    dead = readers[7].pid
-    again = store.protocol(123_456, alive=lambda pid: pid != dead)
+    # A dead reader's row (its lock dropped, its pid still written) is reclaimed once the table
+    # is full; a live reader's row never is, whatever its pid says.
+    store.locks.rows.discard(rows[7])
+    again = store.protocol(123_456)
     assert again.claim_row() == rows[7]
+    assert store.protocol(7).claim_row() == -1
 
 
 def test_a_lease_taken_while_the_writer_starts_on_that_slot_is_refused_or_seen():
@@ -298,7 +300,7 @@ def test_a_lease_taken_while_the_writer_starts_on_that_slot_is_refused_or_seen()
             store.publish(1)  # the leased slot is no longer latest
             writes.append(store.writer.begin_write())
 
-    reader = Protocol(store.h, Hooked(writer_moves), pid=2, alive=lambda pid: True)
+    reader = Protocol(store.h, Hooked(writer_moves), pid=2)
     row = reader.claim_row()
     armed.append(True)
     leased = reader.lease_latest(row)
@@ -309,7 +311,7 @@ def test_a_lease_taken_while_the_writer_starts_on_that_slot_is_refused_or_seen()
 
 def test_leases_leave_the_writer_a_free_slot():
     store = Store(3)
-    a, b = (store.protocol(pid, alive=lambda pid: True) for pid in (2, 3))
+    a, b = (store.protocol(pid) for pid in (2, 3))
     ra, rb = a.claim_row(), b.claim_row()
     slot, _ = a.lease_latest(ra)
     store.publish(1)

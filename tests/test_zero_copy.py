@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from shmsync import WeightReader, _segment
+from shmsync import WeightReader, WeightStore, _segment
 
 from procs import (
     STRESS_SIZES,
@@ -80,9 +80,9 @@ def test_a_viewing_reader_that_cannot_lease_copies_into_private_memory(store_fac
     reader = WeightReader(store, module, zero_copy=True)
     assert reader.poll() and reader.viewing
     _publish(store, 1.0)
-    other = _segment.Segment.open(store.name)  # another open file description: its lock conflicts
+    other = WeightStore.attach(store.name)  # another open file description: its lock conflicts
     try:
-        assert other.lock(_segment.TABLE_LOCK, exclusive=True, wait=False)
+        assert other.memory.segment.lock(_segment.TABLE_LOCK, exclusive=True, wait=False)
         assert reader.poll() and not reader.viewing
     finally:
         other.close()

@@ -1,0 +1,141 @@
+"""Store files as untrusted input: names, file types, owners and modes, checked before anything
+is mapped; every refusal a shmsync error naming what is wrong, with no descriptor left open."""
+
+import os
+import socket
+import stat
+
+import pytest
+import torch
+
+from shmsync import WeightStore, _segment
+from shmsync.errors import StoreUntrustedError
+
+from helpers import open_fds
+
+
+@pytest.fixture
+def store_dir(tmp_path, monkeypatch):
+    """A store folder of this test's own (``SHMSYNC_DIR``)."""
+    path = tmp_path / "shm"
+    path.mkdir()
+    monkeypatch.setattr(_segment, "SHM_DIR", str(path))
+    monkeypatch.delenv("SHMSYNC_TRUST_GROUP", raising=False)
+    return path
+
+
+def _a_store_file(store_dir, name="victim"):
+    """A valid store's file, no longer held by this process."""
+    store = WeightStore.create(torch.nn.Linear(4, 2), name=name, unlink_at_exit=False)
+    store.close()
+    return store_dir / f"shmsync-{name}"
+
+
+@pytest.mark.parametrize(
+    "name", ["", "a/b", "caf\u00e9", "a:b", "new\nline", ".hidden", "-dash", "x" * 201, "tab\there", "\x1b[31m"]
+)
+def test_names_outside_the_safe_set_are_refused_on_create_and_attach(store_dir, name):
+    with pytest.raises(ValueError, match="invalid store name"):
+        WeightStore.create(torch.nn.Linear(1, 1), name=name)
+    with pytest.raises(ValueError, match="invalid store name"):
+        WeightStore.attach(name)
+    assert os.listdir(store_dir) == []
+
+
+def test_the_safe_set_takes_what_stores_are_named_by(store_dir):
+    for name in ["policy", "torchrl-3f2a9c01b7e4-w0", "1234-abcdef", "a.b_c-d", "_x", "x" * 200]:
+        with WeightStore.create(torch.nn.Linear(1, 1), name=name) as store:
+            assert WeightStore.attach(name).version == store.version == 0
+
+
+def _fifo(path):
+    os.mkfifo(path)
+
+
+def _directory(path):
+    path.mkdir()
+
+
+def _socket(path):
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(path))
+    return sock
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("make, kind", [(_fifo, "a FIFO"), (_directory, "a directory"), (_socket, "a socket")])
+def test_a_file_of_another_kind_is_refused_without_blocking(store_dir, make, kind):
+    keep = make(store_dir / "shmsync-policy")
+    before = open_fds()
+    with pytest.raises(StoreUntrustedError, match=kind):
+        WeightStore.attach("policy")
+    assert open_fds() == before
+    del keep
+
+
+def test_a_symbolic_link_is_not_followed(store_dir):
+    target = _a_store_file(store_dir, "real")
+    os.symlink(target, store_dir / "shmsync-policy")
+    before = open_fds()
+    with pytest.raises(StoreUntrustedError, match="symbolic link"):
+        WeightStore.attach("policy")
+    assert open_fds() == before
+    assert WeightStore.attach("real").version == 0  # the store itself is fine
+
+
+@pytest.mark.parametrize("mode, why", [(0o666, "every user of this host may write it"), (0o620, "its group may write")])
+def test_a_file_others_may_write_is_refused(store_dir, mode, why):
+    path = _a_store_file(store_dir)
+    os.chmod(path, mode)
+    before = open_fds()
+    with pytest.raises(StoreUntrustedError, match=why):
+        WeightStore.attach("victim")
+    assert open_fds() == before
+
+
+def test_a_group_shared_store_needs_the_opt_in_on_both_sides(store_dir, monkeypatch):
+    monkeypatch.setenv("SHMSYNC_TRUST_GROUP", "1")
+    with WeightStore.create(torch.nn.Linear(4, 2), name="shared") as store:
+        path = store_dir / "shmsync-shared"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o660
+        assert WeightStore.attach("shared").version == store.version
+        monkeypatch.delenv("SHMSYNC_TRUST_GROUP")
+        with pytest.raises(StoreUntrustedError, match="SHMSYNC_TRUST_GROUP=1"):
+            WeightStore.attach("shared")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a file of another user")
+def test_a_file_of_another_user_is_refused(store_dir, monkeypatch):
+    path = _a_store_file(store_dir)
+    os.chown(path, 65534, 65534)  # nobody
+    with pytest.raises(StoreUntrustedError, match="owned by uid 65534"):
+        WeightStore.attach("victim")
+    monkeypatch.setenv("SHMSYNC_TRUST_GROUP", "1")  # nobody's group is not ours either
+    with pytest.raises(StoreUntrustedError, match="owned by uid 65534"):
+        WeightStore.attach("victim")
+
+
+def test_a_store_made_under_a_temporary_name_appears_whole_or_not_at_all(store_dir):
+    source = WeightStore.create(torch.nn.Linear(4, 2), name="source")
+    seen = []
+
+    def fill(buffer):
+        seen.append(os.listdir(store_dir))
+        buffer[:] = b"\x01" * len(buffer)
+
+    store = WeightStore.create_from_bytes(source.layout_description, fill, version=7, name="made")
+    try:
+        (incoming,) = set(seen[0]) - {"shmsync-source"}  # mid-fill: only a temporary name
+        assert incoming.startswith("shmsync-.incoming-")
+        assert sorted(os.listdir(store_dir)) == ["shmsync-made", "shmsync-source"]
+        assert WeightStore.attach("made").version == 7
+    finally:
+        store.close()
+        source.close()
+
+    def failing(buffer):
+        raise RuntimeError("the peer went away")
+
+    with pytest.raises(RuntimeError, match="went away"):
+        WeightStore.create_from_bytes(source.layout_description, failing, version=1, name="never")
+    assert os.listdir(store_dir) == []
