@@ -1,95 +1,441 @@
-"""Weights beyond one host: the trainer's store relayed over torch.distributed to one relay
-process per host, which publishes each version into that host's store under the trainer's
-version number.
+"""Weights beyond one host: the trainer's store relayed over TCP to one relay process per host,
+which publishes each version into that host's store under the trainer's version number.
 
-Trainer host: a :class:`RelaySender` beside the trainer's store listens for relays (a
-``TCPStore`` at ``address:port``). Each relay that joins gets a thread and a two-rank gloo
-process group of its own. The thread sends the store's layout once; then, whenever the store
-holds a newer version than that relay has, it sends the newest version's bytes, once per host
-however many workers the host runs: a header (version, layout fingerprint, byte count, bucket size)
-and the payload in buckets. A slow host delays only its own thread, and skips the versions it had no
-time for (latest wins); the trainer's ``publish()`` never waits for any of it.
+The relays form a tree rooted at the trainer: the trainer's :class:`RelaySender` takes at most
+``fanout`` relays itself and points every further one at a relay below it, so the trainer
+sends each version ``fanout`` times however many hosts there are. A relay receives a version
+straight into a free slot of its host's store and forwards each piece to the relays below it
+as soon as it has arrived (pipelined, not stored and forwarded); it commits the version under
+the trainer's number once the last byte is in. ``fanout=1`` makes a chain.
 
-Other hosts: one :class:`Relay` joins, checks the host's store against the trainer's layout
-(or creates it from the first version it receives), and receives each version straight into a
-free slot of it (:meth:`WeightStore.publish_bytes`), committed under the trainer's version.
-Until then the host's readers keep the previous version. A relay killed mid-receive leaves a
-slot that is never read; a new relay takes the writer role and catches up. When the trainer
-goes, its relays' receives fail at once and :meth:`Relay.run` raises :class:`TrainerGoneError`.
+Every link starts with the handshake of :mod:`shmsync._wire` (both ends prove the relay
+secret), binds only to the address it is given, and checks every size a peer sends against
+the store's layout before it receives a byte into memory. A peer that breaks the protocol is
+dropped and logged (``logging.getLogger("shmsync.relay")``); nothing it sent is published.
+
+Per host, latest wins: a link that is busy sending one version sends the newest one next and
+skips those in between. A slow or stalled relay delays only the relays below it; a dead one
+cuts them off until they re-attach: each relay that loses its parent goes back to the trainer,
+which points it at a relay with room, and continues from the version its host holds. When
+the trainer closes its sender, every relay ends (``run()`` returns); when the trainer dies,
+they raise :class:`~shmsync.errors.TrainerGoneError`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
+import logging
+import secrets
+import socket
+import struct
+import sys
 import threading
-from datetime import timedelta
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
+from . import _wire
+from ._header import MAX_LAYOUT_BYTES
 from ._layout import Layout, key_str
-from .errors import ShmSyncError, StoreNotFoundError, WeightMismatchError
+from ._protocol import Write
+from ._wire import read_secret_file
+from .errors import (
+    AuthenticationError,
+    ProtocolError,
+    RelayError,
+    ShmSyncError,
+    StoreCorruptError,
+    StoreNotFoundError,
+    TrainerGoneError,
+    WeightMismatchError,
+)
 from .store import WeightStore
 
-JOINED = "relay/joined"
-HEADER, PAYLOAD, HELLO = 0, 1, 2  # message tags
-STOP = -1  # a header's version when the sender closes
-BUCKET_BYTES = 16 << 20
+log = logging.getLogger("shmsync.relay")
+
+# Message kinds (see _wire for the framing). Relay -> server: JOIN, then HAVE or MISM.
+# Server -> relay: REDI (go there instead), or LYOT and CONF; then per version VERS, DATA...,
+# CNCL (that version will not complete), and at the end STOP (the trainer closed: end) or BYE
+# (this server leaves: re-attach through the trainer).
+JOIN, HAVE, MISM = b"JOIN", b"HAVE", b"MISM"
+REDI, LYOT, CONF = b"REDI", b"LYOT", b"CONF"
+VERS, DATA, CNCL, STOP, BYE = b"VERS", b"DATA", b"CNCL", b"STOP", b"BYE_"
+VERSION = struct.Struct(">qQ")  # version, payload bytes
+
+FANOUT = 2
+BUCKET_BYTES = 1 << 20
+MAX_FANOUT = 64
+MAX_PENDING = 16  # handshakes under way at once; more connections are closed at once
+MAX_LINKS = 256  # relays one server feeds, overflow included
+MAX_HOPS = 16  # redirects followed before giving up
+MAX_DEPTH = 256
+CLOSE_WITHIN = 2.0  # close() returns within this many seconds, whatever the peers do
+
+__all__ = ["Relay", "RelaySender", "TrainerGoneError", "describe_difference", "read_secret_file"]
 
 
-class TrainerGoneError(ShmSyncError, ConnectionError):
-    """The trainer's :class:`RelaySender` went away (closed, or its process died)."""
+@dataclass
+class _Forwarding:
+    """A version a relay is receiving: its children send its bytes as they arrive."""
+
+    version: int
+    nbytes: int
+    write: Write
+    received: int = 0
+    state: str = "receiving"  # then "complete" or "cancelled"
 
 
-def fingerprint(layout_description: bytes) -> int:
-    """A 63-bit digest of a store layout (what a version's header carries)."""
-    return int.from_bytes(hashlib.blake2b(layout_description, digest_size=8).digest(), "little") >> 1
+@dataclass
+class _Child:
+    id: int
+    node: str  # the relay's own random id (for cycle checks)
+    link: _wire.Link
+    serve: tuple[str, int] | None
+    sent: int
+    thread: threading.Thread | None = field(default=None, repr=False)
 
 
-def _group(tcp: dist.Store, relay_id: int, rank: int, timeout: float) -> dist.ProcessGroup:
-    """The two-rank gloo group of one relay and the sender (loopback or any host address)."""
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timedelta(seconds=timeout)
-    host = os.environ.get("SHMSYNC_RELAY_INTERFACE_ADDR", "")
-    device = (
-        dist.ProcessGroupGloo.create_device(hostname=host) if host else dist.ProcessGroupGloo.create_default_device()
-    )
-    opts._devices = [device]
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"relay/{relay_id}/", tcp), rank, 2, opts)
+class _Server:
+    """Feeds the relays that attach to one node of the tree (the trainer, or a relay): accepts,
+    authenticates, admits up to ``fanout`` and points the rest further down, and runs one thread
+    per admitted relay that sends it the newest version whenever there is a newer one."""
+
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        *,
+        secret: bytes,
+        node: str,
+        bucket_bytes: int,
+        timeout: float,
+        handshake_timeout: float,
+    ) -> None:
+        self.secret, self.node = secret, node
+        self.bucket_bytes = int(bucket_bytes)
+        if not 1 <= self.bucket_bytes <= 1 << 30:
+            raise ValueError(f"bucket_bytes must be between 1 and 2**30, got {bucket_bytes}")
+        self.timeout, self.handshake_timeout = timeout, handshake_timeout
+        self.fanout = FANOUT
+        self.path: list[str] = []  # node ids from the trainer down to this node
+        self.description: bytes | None = None
+        self.store: WeightStore | None = None
+        self.forwarding: _Forwarding | None = None
+        self.children: dict[int, _Child] = {}
+        self.dropped: dict[int, str] = {}
+        self.refused = 0  # connections that did not prove the secret, or broke the handshake
+        self.changed = threading.Condition()
+        self._pending = threading.BoundedSemaphore(MAX_PENDING)
+        self._next_id, self._turn = 1, 0
+        self._admitting: dict[int, tuple[str, int] | None] = {}  # seated, handshake under way: where they serve
+        self._stop = threading.Event()
+        self._final = STOP
+        self._warned_overflow = False
+        self.sock = socket.create_server((address, port), backlog=64)
+        self.sock.settimeout(0.2)  # the accept loop looks at the stop flag this often
+        self.address = self.sock.getsockname()[:2]
+        self._accept: threading.Thread | None = None
+
+    def start(self, description: bytes, path: list[str], fanout: int) -> None:
+        """Serve ``description``'s versions (from :meth:`set_store`'s store) from now on."""
+        with self.changed:
+            self.description, self.path, self.fanout = description, path, fanout
+        if self._accept is None:
+            self._accept = threading.Thread(target=self._accept_loop, name="shmsync-relay-accept", daemon=True)
+            self._accept.start()
+
+    def set_store(self, store: WeightStore) -> None:
+        """Send ``store``'s versions, waking on each one this process publishes into it."""
+        with self.changed:
+            if self.store is store:
+                return
+            self.store = store
+            self.changed.notify_all()
+        store.add_publish_listener(self.notify)
+
+    def notify(self, *_: Any) -> None:
+        with self.changed:
+            self.changed.notify_all()
+
+    # -- admitting relays ------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, peer = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                continue
+            if not self._pending.acquire(blocking=False):
+                self._refuse(f"refused {peer[0]}:{peer[1]}: {MAX_PENDING} handshakes are already under way")
+                sock.close()
+                continue
+            threading.Thread(target=self._admit, args=(sock, f"{peer[0]}:{peer[1]}"), daemon=True).start()
+
+    def _admit(self, sock: socket.socket, peer: str) -> None:
+        link, owned, seated = None, False, None
+        try:
+            _wire.tune(sock)
+            _wire.server_handshake(sock, self.secret, self.handshake_timeout)
+            link = _wire.Link(sock, peer)
+            _, doc = link.recv_json({JOIN: _wire.MAX_JSON_BYTES}, self.handshake_timeout)
+            node, serve = _check_join(doc, peer)
+            with self.changed:
+                target = self._redirect_target()
+                if target is None and len(self.children) + len(self._admitting) >= MAX_LINKS:
+                    raise ProtocolError(f"{MAX_LINKS} relays are linked here already")
+                if target is None:
+                    seated = id(sock)
+                    self._admitting[seated] = serve
+            if target is not None:
+                link.send_json(REDI, {"to": list(target)})
+                link.close()
+                return
+            link.send(LYOT, self.description)
+            link.send_json(CONF, {"fanout": self.fanout, "path": [*self.path, self.node]})
+            kind, doc = link.recv_json({HAVE: _wire.MAX_JSON_BYTES, MISM: _wire.MAX_JSON_BYTES}, self.handshake_timeout)
+            with self.changed:
+                relay_id, self._next_id = self._next_id, self._next_id + 1
+            if kind == MISM:
+                why = str(doc.get("why", "?"))[:500] if isinstance(doc, dict) else "?"
+                self._drop(relay_id, f"WeightMismatchError: its host's store holds another model: {why}")
+                link.close()
+                return
+            have = doc.get("version") if isinstance(doc, dict) else None
+            if not (isinstance(have, int) and not isinstance(have, bool) and have >= -1):
+                raise ProtocolError(f"{peer} answered the layout with {str(doc)[:100]}, not {{'version': int}}")
+            child = _Child(relay_id, node, link, serve, have)
+            child.thread = threading.Thread(target=self._feed, args=(child,), name=f"shmsync-relay-{relay_id}")
+            child.thread.daemon = True
+            with self.changed:
+                if self._stop.is_set():
+                    raise EOFError("closing")
+                self.children[relay_id] = child
+                self._admitting.pop(seated, None)
+                seated = None
+            child.thread.start()
+            owned = True  # the feeding thread closes it
+        except AuthenticationError as e:
+            self._refuse(f"refused {peer}: {e}")
+        except (ProtocolError, EOFError, OSError, ValueError) as e:
+            self._refuse(f"dropped {peer} during its handshake: {e}")
+        finally:
+            if seated is not None:
+                with self.changed:
+                    self._admitting.pop(seated, None)
+            if not owned:
+                (link or _wire.Link(sock, peer)).close()
+            self._pending.release()
+
+    def _refuse(self, why: str) -> None:
+        log.warning("%s", why)
+        with self.changed:
+            self.refused += 1
+
+    def _redirect_target(self) -> tuple[str, int] | None:
+        """With ``changed`` held: where to point a relay that joins now, or None to admit it."""
+        if len(self.children) + len(self._admitting) < self.fanout:
+            return None
+        serving = [c.serve for c in self.children.values() if c.serve is not None]
+        serving += [serve for serve in self._admitting.values() if serve is not None]
+        if not serving:  # nobody below can take it: admit it anyway, and say so once
+            if not self._warned_overflow:
+                self._warned_overflow = True
+                log.warning(
+                    "more than %d relays joined here and none below takes relays of its own (started with "
+                    "listen=None): this node now sends each version to each of them",
+                    self.fanout,
+                )
+            return None
+        self._turn += 1
+        return serving[self._turn % len(serving)]
+
+    # -- feeding one relay ----------------------------------------------------------------------
+    def _feed(self, child: _Child) -> None:
+        row = -1
+        buffer = None  # a private copy, for when no slot can be leased
+        store = None
+        try:
+            while True:
+                with self.changed:
+                    while not self._stop.is_set() and not self._newer(child.sent):
+                        self.changed.wait(0.05)  # also sees publishes of other processes
+                    if self._stop.is_set():
+                        break
+                    store, fwd = self.store, self.forwarding
+                protocol = store.memory.protocol
+                if row < 0:
+                    row = protocol.claim_row()
+                in_flight = fwd is not None and fwd.state != "cancelled" and fwd.version > store.version
+                if in_flight and fwd.version > child.sent:
+                    # Still arriving (or not committed yet): forward what is there, then follow.
+                    if protocol.lease_written(row, fwd.write):
+                        try:
+                            with store.memory.slot_buffer(fwd.write.slot) as view:
+                                if self._send(child, fwd.version, view, fwd):
+                                    child.sent = fwd.version
+                        finally:
+                            protocol.release_lease(row)
+                    else:  # no lease to be had: wait for the commit, then send it whole
+                        with self.changed:
+                            while fwd.state == "receiving" and not self._stop.is_set():
+                                self.changed.wait(0.05)
+                    continue
+                leased = protocol.lease_latest(row)
+                try:
+                    if leased is not None:
+                        slot, version = leased
+                        if version > child.sent:
+                            with store.memory.slot_buffer(slot) as view:
+                                if self._send(child, version, view, None):
+                                    child.sent = version
+                        continue
+                finally:
+                    protocol.release_lease(row)
+                if buffer is None:
+                    buffer = bytearray(store.nbytes)
+                version = store.read_bytes(buffer, timeout=self.timeout)
+                if version > child.sent:
+                    with memoryview(buffer) as view:
+                        if self._send(child, version, view, None):
+                            child.sent = version
+            self._say_goodbye(child)
+        except (OSError, EOFError, ShmSyncError) as e:
+            if not self._stop.is_set():
+                self._drop(child.id, f"{type(e).__name__}: {e}")
+        finally:
+            if store is not None and row >= 0 and not store.closed:
+                store.memory.protocol.release_lease(row)
+                store.memory.protocol.release_row(row)
+            with self.changed:
+                self.children.pop(child.id, None)
+            child.link.close()
+
+    def _newer(self, sent: int) -> bool:
+        """With ``changed`` held: whether a version newer than ``sent`` can be sent now."""
+        if self.store is None or self.store.closed:
+            return False
+        fwd = self.forwarding
+        if fwd is not None and fwd.state != "cancelled" and fwd.version > max(sent, self.store.version):
+            return True
+        return self.store.version > sent
+
+    def _send(self, child: _Child, version: int, view: memoryview, fwd: _Forwarding | None) -> bool:
+        """Send one version from ``view`` (as far as ``fwd`` has received it, if given); False if it
+        was cut short (cancelled upstream, or this server closes)."""
+        link, n = child.link, len(view)
+        link.send(VERS, VERSION.pack(version, n))
+        offset = 0
+        while offset < n:
+            available = n
+            if fwd is not None:
+                with self.changed:
+                    while fwd.received <= offset and fwd.state == "receiving" and not self._stop.is_set():
+                        self.changed.wait(0.05)
+                    available = fwd.received if fwd.state != "cancelled" else -1
+            if self._stop.is_set() or available < 0:
+                link.send(CNCL)
+                return False
+            end = min(available, offset + self.bucket_bytes)
+            link.send(DATA, view[offset:end])
+            offset = end
+        return True
+
+    def _say_goodbye(self, child: _Child) -> None:
+        child.link.sock.settimeout(0.5)  # a relay that stopped reading must not hold close() up
+        try:
+            child.link.send(self._final)
+        except OSError:
+            pass
+
+    def _drop(self, relay_id: int, why: str) -> None:
+        log.warning("dropped relay %d: %s", relay_id, why)
+        with self.changed:
+            self.dropped[relay_id] = why
+
+    # -- forwarding (a relay's server) ----------------------------------------------------------
+    def begin(self, version: int, nbytes: int, write: Write) -> _Forwarding:
+        fwd = _Forwarding(version, nbytes, write)
+        with self.changed:
+            self.forwarding = fwd
+            self.changed.notify_all()
+        return fwd
+
+    def advance(self, fwd: _Forwarding, received: int) -> None:
+        with self.changed:
+            fwd.received = received
+            self.changed.notify_all()
+
+    def end(self, fwd: _Forwarding, complete: bool) -> None:
+        with self.changed:
+            fwd.state = "complete" if complete else "cancelled"
+            self.changed.notify_all()
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def close(self, final: bytes = STOP) -> None:
+        """Stop accepting, tell every linked relay ``final`` (STOP: end; BYE: re-attach elsewhere),
+        and return within :data:`CLOSE_WITHIN` seconds whatever they do."""
+        deadline = time.monotonic() + CLOSE_WITHIN
+        with self.changed:
+            if self._stop.is_set():
+                return
+            self._final = final
+            self._stop.set()
+            self.changed.notify_all()
+            children, store = list(self.children.values()), self.store
+        if store is not None:
+            store.remove_publish_listener(self.notify)
+        self.sock.close()
+        for child in children:
+            child.thread.join(max(0.0, deadline - time.monotonic() - 0.2))
+        for child in children:
+            child.link.close()  # a thread still blocked in a send to a stalled relay wakes up
+        if self._accept is not None:
+            self._accept.join(max(0.0, deadline - time.monotonic()))
 
 
-def _send(pg: dist.ProcessGroup, tensor: torch.Tensor, peer: int, tag: int) -> None:
-    pg.send([tensor], peer, tag).wait()
-
-
-def _recv(pg: dist.ProcessGroup, tensor: torch.Tensor, peer: int, tag: int) -> None:
-    pg.recv([tensor], peer, tag).wait()
-
-
-def _buckets(flat: torch.Tensor, size: int):
-    for start in range(0, flat.numel(), size):
-        yield flat[start : start + size]
+def _check_join(doc: Any, peer: str) -> tuple[str, tuple[str, int] | None]:
+    if not isinstance(doc, dict) or set(doc) != {"node", "serve"}:
+        raise ProtocolError(f"{peer} joined with {str(doc)[:100]}, not {{'node': ..., 'serve': ...}}")
+    node = doc["node"]
+    if not (isinstance(node, str) and len(node) == 16 and all(c in "0123456789abcdef" for c in node)):
+        raise ProtocolError(f"{peer} joined with node id {str(node)[:40]!r}, not 16 hex digits")
+    serve = None if doc["serve"] is None else _wire.address(doc["serve"], f"{peer}'s serving address")
+    return node, serve
 
 
 class RelaySender:
     """Trainer side: relays every new version of ``store`` to the relays that join.
 
+    It takes at most ``fanout`` relays itself and points the others at relays below them
+    (see :mod:`shmsync.relay`); each linked relay gets a thread that sends it the newest
+    version straight from its slot of the store (leased, so the trainer does not rewrite it
+    meanwhile), waking on each publish. ``publish()`` never waits for any of it.
+
     Args:
         store: the trainer's store (this process publishes into it).
-        address: the address relays connect to (``127.0.0.1`` for relays on this machine).
-        port: the TCP port relays connect to.
-        bucket_bytes: a version travels in pieces of at most this many bytes.
-        timeout: seconds a send may stall before that relay is dropped.
+        address: the address to listen on, and only that one: ``127.0.0.1`` (the default) for
+            relays on this machine; this host's address on the network relays reach it by, to
+            serve other hosts.
+        port: the TCP port (0: any free one, see :attr:`port`).
+        secret: the relay secret every relay must prove (at least 16 bytes). Default:
+            ``$SHMSYNC_RELAY_SECRET``, else the file ``$SHMSYNC_RELAY_SECRET_FILE``, else a new
+            random one, printed once to stderr (and in :attr:`secret`).
+        fanout: relays this sender, and each relay, feeds directly (1: a chain).
+        bucket_bytes: a version travels in messages of at most this many bytes (pieces a relay
+            forwards as soon as they arrive).
+        timeout: seconds a link may stall in the middle of a version before it is dropped.
+        handshake_timeout: seconds a connecting relay has to prove the secret and say hello.
 
     Example:
         >>> import torch
         >>> from shmsync import WeightStore
         >>> from shmsync.relay import RelaySender
         >>> policy = torch.nn.Linear(4, 2)
-        >>> with WeightStore.create(policy) as store, RelaySender(store, "127.0.0.1", 29631) as sender:
+        >>> secret = "a secret of at least sixteen bytes"
+        >>> with WeightStore.create(policy) as store, RelaySender(store, "127.0.0.1", 0, secret=secret) as sender:
         ...     store.publish(policy)  # relays on other hosts receive version 1
         ...     sender.relays  # none joined in this example
         1
@@ -102,98 +448,71 @@ class RelaySender:
         address: str = "127.0.0.1",
         port: int = 29600,
         *,
+        secret: str | bytes | None = None,
+        fanout: int = FANOUT,
         bucket_bytes: int = BUCKET_BYTES,
         timeout: float = 60.0,
+        handshake_timeout: float = 5.0,
     ) -> None:
+        if isinstance(fanout, bool) or not isinstance(fanout, int) or not 1 <= fanout <= MAX_FANOUT:
+            raise ValueError(f"fanout must be an int between 1 and {MAX_FANOUT}, got {fanout!r}")
+        raw, generated = _wire.resolve_secret(secret, generate=True)
+        self.secret = raw.decode(errors="replace")
         self.store = store
-        self.bucket_bytes = int(bucket_bytes)
-        self.timeout = timeout
-        self._description = store.layout_description
-        self._fingerprint = fingerprint(self._description)
-        self._tcp = dist.TCPStore(address, port, None, True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._sent: dict[int, int] = {}
-        self._bytes: dict[int, int] = {}
-        self._errors: dict[int, str] = {}
-        self._links: list[threading.Thread] = []
-        self._accept = threading.Thread(target=self._accept_loop, name="shmsync-relay-accept", daemon=True)
-        self._accept.start()
+        self._server = _Server(
+            address,
+            port,
+            secret=raw,
+            node=secrets.token_hex(8),
+            bucket_bytes=bucket_bytes,
+            timeout=timeout,
+            handshake_timeout=handshake_timeout,
+        )
+        if generated:
+            print(
+                f"shmsync.relay: no relay secret was given; this run's is {self.secret}\n"
+                f"  pass it to each relay: {_wire.SECRET_ENV}=... or a file only you can read, named in "
+                f"{_wire.SECRET_FILE_ENV}",
+                file=sys.stderr,
+            )
+        self._server.set_store(store)
+        self._server.start(store.layout_description, [], fanout)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The address and port it listens on."""
+        return self._server.address
+
+    @property
+    def port(self) -> int:
+        return self._server.address[1]
 
     @property
     def relays(self) -> dict[int, int]:
-        """Relays linked now: relay id -> the last version sent to it."""
-        with self._lock:
-            return dict(self._sent)
+        """Relays this sender feeds directly now: relay id -> the last version sent to it."""
+        with self._server.changed:
+            return {i: c.sent for i, c in self._server.children.items()}
 
     @property
     def bytes_sent(self) -> dict[int, int]:
-        """Bytes sent to each relay so far (headers and payloads), by relay id."""
-        with self._lock:
-            return dict(self._bytes)
+        """Bytes sent to each relay fed directly now (messages and payloads), by relay id."""
+        with self._server.changed:
+            return {i: c.link.bytes_sent for i, c in self._server.children.items()}
 
     @property
     def dropped(self) -> dict[int, str]:
-        """Relays dropped: relay id -> why (it went away, or holds another model)."""
-        with self._lock:
-            return dict(self._errors)
+        """Relays dropped: relay id -> why (it went away, broke the protocol, holds another model)."""
+        with self._server.changed:
+            return dict(self._server.dropped)
 
-    def _accept_loop(self) -> None:
-        known = 0
-        while not self._stop.wait(0.02):
-            joined = self._tcp.add(JOINED, 0)
-            for relay_id in range(known + 1, joined + 1):
-                link = threading.Thread(
-                    target=self._link, args=(relay_id,), name=f"shmsync-relay-{relay_id}", daemon=True
-                )
-                self._links.append(link)
-                link.start()
-            known = max(known, joined)
+    @property
+    def refused(self) -> int:
+        """Connections refused before they became a relay (no secret, a broken handshake, too many)."""
+        return self._server.refused
 
-    def _link(self, relay_id: int) -> None:
-        reader = WeightStore.attach(self.store.name)  # its own reader state, apart from the trainer's
-        try:
-            pg = _group(self._tcp, relay_id, 0, self.timeout)
-            doc = torch.frombuffer(bytearray(self._description), dtype=torch.uint8)
-            _send(pg, torch.tensor([doc.numel()]), 1, HELLO)
-            _send(pg, doc, 1, HELLO)
-            answer = torch.zeros(2, dtype=torch.int64)  # [accepted, version it holds]
-            _recv(pg, answer, 1, HELLO)
-            if not answer[0]:
-                raise WeightMismatchError(f"relay {relay_id} holds another model (it says which)")
-            sent = int(answer[1])
-            with self._lock:
-                self._sent[relay_id] = sent
-            buf = torch.empty(reader.nbytes, dtype=torch.uint8)
-            while not self._stop.is_set():
-                if reader.version <= sent:
-                    self._stop.wait(0.0001)
-                    continue
-                version = reader.read_bytes(buf)
-                header = torch.tensor([version, self._fingerprint, buf.numel(), self.bucket_bytes])
-                _send(pg, header, 1, HEADER)
-                for piece in _buckets(buf, self.bucket_bytes):
-                    _send(pg, piece, 1, PAYLOAD)
-                sent = version
-                with self._lock:
-                    self._sent[relay_id] = sent
-                    self._bytes[relay_id] = self._bytes.get(relay_id, 0) + header.numel() * 8 + buf.numel()
-            _send(pg, torch.tensor([STOP, self._fingerprint, 0, 0]), 1, HEADER)
-        except Exception as e:  # the relay went away, or refused: only this link ends
-            with self._lock:
-                self._errors[relay_id] = f"{type(e).__name__}: {e}"
-        finally:
-            with self._lock:
-                self._sent.pop(relay_id, None)
-            reader.close()
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Tell every relay to stop, and stop listening."""
-        self._stop.set()
-        self._accept.join(timeout)
-        for link in self._links:
-            link.join(timeout)
-        self._tcp = None
+    def close(self) -> None:
+        """Tell every relay to stop, and stop listening; returns within 2 seconds."""
+        self._server.close(STOP)
 
     def __enter__(self) -> RelaySender:
         return self
@@ -203,96 +522,286 @@ class RelaySender:
 
 
 class Relay:
-    """Host side: joins a :class:`RelaySender` and publishes each version it relays into this
-    host's store, under the trainer's version number.
+    """Host side: joins the trainer's :class:`RelaySender` (directly, or through the relay it is
+    pointed at) and publishes each version it receives into this host's store, under the
+    trainer's version number; relays below it get each piece as it arrives.
 
     Args:
         address, port: where the trainer's :class:`RelaySender` listens.
         store: the name of this host's store. If it exists, its layout must be the trainer's
             (else :class:`~shmsync.WeightMismatchError`, nothing written); if not, it is created
             from the first version received (so readers here never see any other first version).
-        num_slots: slots of a store created here.
-        timeout: seconds to wait for the sender, and for a stalled receive.
+        secret: the relay secret (default: ``$SHMSYNC_RELAY_SECRET``, else the file
+            ``$SHMSYNC_RELAY_SECRET_FILE``).
+        listen: ``(address, port)`` to take relays of its own on. Default ``"auto"``: this
+            host's address towards the trainer, any free port. None: take none (a leaf).
+        num_slots: slots of a store created here (4: one for the relays below to send from
+            while the next version arrives).
+        timeout: seconds to keep trying to reach the trainer, and that a link may stall in the
+            middle of a version.
+        handshake_timeout: seconds each handshake may take.
 
     Example:
         >>> relay = Relay("10.0.0.1", 29600, store="policy")  # doctest: +SKIP
         >>> relay.run()  # until the trainer closes its sender; TrainerGoneError if it dies  # doctest: +SKIP
     """
 
-    def __init__(self, address: str, port: int, *, store: str, num_slots: int = 3, timeout: float = 60.0) -> None:
-        self.address, self.port, self.name = address, int(port), store
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        *,
+        store: str,
+        secret: str | bytes | None = None,
+        listen: tuple[str, int] | str | None = "auto",
+        num_slots: int = 4,
+        bucket_bytes: int = BUCKET_BYTES,
+        timeout: float = 60.0,
+        handshake_timeout: float = 5.0,
+    ) -> None:
+        self.root = (address, int(port))
+        self.name = store
+        self.secret, _ = _wire.resolve_secret(secret)
+        self.listen = listen
         self.num_slots = num_slots
-        self.timeout = timeout
+        self.bucket_bytes = bucket_bytes
+        self.timeout, self.handshake_timeout = timeout, handshake_timeout
+        self.node = secrets.token_hex(8)
         self.store: WeightStore | None = None
         self.received = 0
+        self.parent: tuple[str, int] | None = None  # where versions come from now
+        self.attachments = 0  # how many times it (re-)attached
+        self._server: _Server | None = None
+        self._description: bytes | None = None
+        self._layout: Layout | None = None
+        self._closed = False
+
+    @property
+    def serving(self) -> tuple[str, int] | None:
+        """The address relays below this one attach to (None for a leaf, or before :meth:`run`)."""
+        return self._server.address if self._server is not None else None
 
     def run(self, max_versions: int | None = None) -> None:
-        """Receive until the sender stops (or ``max_versions`` were published here).
+        """Receive until the trainer closes its sender (or ``max_versions`` were published here),
+        re-attaching through the trainer whenever the relay it receives from goes away.
 
         Raises:
-            TrainerGoneError: the sender's process went away mid-run.
+            TrainerGoneError: the trainer cannot be reached any more (its process died).
             WeightMismatchError: this host's store holds another model; nothing written.
+            AuthenticationError: the trainer (or a relay it pointed at) holds another secret.
         """
-        tcp = dist.TCPStore(self.address, self.port, None, False, timeout=timedelta(seconds=self.timeout))
-        relay_id = tcp.add(JOINED, 1)
         try:
-            pg = _group(tcp, relay_id, 1, self.timeout)
-            description = self._hello(pg)
-            layout, destinations = Layout.from_json(description)
-            expected = fingerprint(description)
             while max_versions is None or self.received < max_versions:
-                header = torch.zeros(4, dtype=torch.int64)
-                _recv(pg, header, 0, HEADER)
-                version, print_, nbytes, bucket = (int(x) for x in header)
-                if version == STOP:
+                link = self._attach()
+                try:
+                    if self._follow(link, max_versions) == "stopped" and self._server is not None:
+                        self._server.close(STOP)  # the trainer closed its sender: the tree ends
                     return
-                if print_ != expected or nbytes != layout.payload_bytes:
-                    raise WeightMismatchError(f"relay: a version arrived for another layout ({nbytes} bytes)")
-                self._receive(pg, version, layout, destinations, bucket)
-                self.received += 1
-        except RuntimeError as e:  # gloo: the peer's connection closed
-            if isinstance(e, ShmSyncError):
-                raise
-            raise TrainerGoneError(f"relay {self.name!r}: the trainer's sender went away ({e})") from e
+                except (EOFError, OSError, ProtocolError, _Left) as e:
+                    log.warning("relay %r: lost %s (%s); re-attaching through the trainer", self.name, link.peer, e)
+                finally:
+                    link.close()
+        except BaseException:
+            if self._server is not None:
+                self._server.close(BYE)  # the relays below find another parent
+            raise
 
-    def _hello(self, pg: dist.ProcessGroup) -> bytes:
-        size = torch.zeros(1, dtype=torch.int64)
-        _recv(pg, size, 0, HELLO)
-        raw = bytearray(int(size))
-        _recv(pg, torch.frombuffer(raw, dtype=torch.uint8), 0, HELLO)
-        description = bytes(raw)
+    # -- attaching ------------------------------------------------------------------------------
+    def _attach(self) -> _wire.Link:
+        """An admitted link to a node of the tree: the trainer, or where it points."""
+        deadline = time.monotonic() + self.timeout
+        target, hops = self.root, 0
+        while True:
+            try:
+                link = _wire.connect(*target, self.secret, self.handshake_timeout)
+            except ConnectionRefusedError as e:
+                if target == self.root:
+                    raise TrainerGoneError(f"relay {self.name!r}: nobody listens at {target[0]}:{target[1]}") from e
+                target, hops = self.root, 0  # the relay it was pointed at is gone: ask again
+                continue
+            except AuthenticationError:
+                raise
+            except (RelayError, OSError) as e:
+                self._give_up_after(deadline, e)
+                time.sleep(0.2)
+                target, hops = self.root, 0
+                continue
+            try:
+                if self._server is None and self.listen is not None:
+                    self._server = self._make_server(link)
+                link.send_json(JOIN, {"node": self.node, "serve": self.serving and list(self.serving)})
+                allowed = {REDI: _wire.MAX_JSON_BYTES, LYOT: MAX_LAYOUT_BYTES}
+                kind, length = link.recv_frame(allowed, self.handshake_timeout)
+                if kind == REDI:
+                    doc = link.recv_payload_json(kind, length, self.handshake_timeout)
+                    link.close()
+                    target = _wire.address(doc.get("to") if isinstance(doc, dict) else None, "a redirect")
+                    hops += 1
+                    if hops > MAX_HOPS:
+                        raise ProtocolError(f"pointed from relay to relay {MAX_HOPS} times without being admitted")
+                    continue
+                if self._admitted(link, link.recv_bytes(length, self.handshake_timeout)):
+                    self.parent = target
+                    self.attachments += 1
+                    return link
+                link.close()  # a cycle: the trainer points it elsewhere next time
+            except WeightMismatchError:
+                link.close()
+                raise
+            except (ProtocolError, EOFError, OSError, ValueError) as e:
+                link.close()
+                self._give_up_after(deadline, e)
+                log.warning("relay %r: attaching through %s:%s failed (%s); trying the trainer", self.name, *target, e)
+            time.sleep(0.05)
+            target, hops = self.root, 0
+
+    def _give_up_after(self, deadline: float, error: BaseException) -> None:
+        if time.monotonic() > deadline:
+            raise TrainerGoneError(
+                f"relay {self.name!r}: could not attach to the trainer's tree within {self.timeout} s ({error})"
+            ) from error
+
+    def _make_server(self, link: _wire.Link) -> _Server:
+        host, port = (link.sock.getsockname()[0], 0) if self.listen == "auto" else self.listen
+        return _Server(
+            host,
+            port,
+            secret=self.secret,
+            node=self.node,
+            bucket_bytes=self.bucket_bytes,
+            timeout=self.timeout,
+            handshake_timeout=self.handshake_timeout,
+        )
+
+    def _admitted(self, link: _wire.Link, description: bytes) -> bool:
+        """Check the layout and the tree path the parent sent, answer with the version this host
+        holds; False if admitting would make a cycle. Raises WeightMismatchError (after telling
+        the parent) when this host's store holds another model."""
         try:
-            self.store = WeightStore.attach(self.name)
-        except StoreNotFoundError:
-            self.store = None
+            layout, _ = Layout.from_json(description, f"the layout {link.peer} sent")
+        except StoreCorruptError as e:
+            raise ProtocolError(str(e)) from None
+        _, conf = link.recv_json({CONF: _wire.MAX_JSON_BYTES}, self.handshake_timeout)
+        fanout = conf.get("fanout") if isinstance(conf, dict) else None
+        path = conf.get("path") if isinstance(conf, dict) else None
+        if not (
+            isinstance(fanout, int)
+            and not isinstance(fanout, bool)
+            and 1 <= fanout <= MAX_FANOUT
+            and isinstance(path, list)
+            and 0 < len(path) <= MAX_DEPTH
+            and all(isinstance(p, str) and len(p) == 16 for p in path)
+        ):
+            raise ProtocolError(f"{link.peer} sent the tree's settings as {str(conf)[:100]}")
+        if self.node in path:
+            return False
+        if self._description is not None and description != self._description:
+            raise ProtocolError(f"{link.peer} serves another layout than the one this relay had")
+        if self.store is None:
+            try:
+                self.store = WeightStore.attach(self.name)
+            except StoreNotFoundError:
+                self.store = None
         if self.store is not None and self.store.layout_description != description:
             why = describe_difference(self.store.layout_description, description)
-            _send(pg, torch.tensor([0, -1]), 0, HELLO)
+            link.send_json(MISM, {"why": why})
             raise WeightMismatchError(
                 f"relay: this host's store {self.name!r} holds another model than the trainer's: {why}; nothing written"
             )
-        have = self.store.version if self.store is not None else -1
-        _send(pg, torch.tensor([1, have]), 0, HELLO)
-        return description
+        link.send_json(HAVE, {"version": self.store.version if self.store is not None else -1})
+        self._description, self._layout = description, layout
+        if self._server is not None:
+            if self.store is not None:
+                self._server.set_store(self.store)
+            self._server.start(description, path, fanout)
+        return True
 
-    def _receive(self, pg: dist.ProcessGroup, version: int, layout: Layout, destinations: Any, bucket: int) -> None:
-        def fill(view: torch.Tensor) -> None:
-            for piece in _buckets(view, bucket):
-                _recv(pg, piece, 0, PAYLOAD)
+    # -- receiving ------------------------------------------------------------------------------
+    def _follow(self, link: _wire.Link, max_versions: int | None) -> str:
+        """Receive versions from ``link`` until the trainer closed its sender (``"stopped"``) or
+        ``max_versions`` were published here (``"enough"``)."""
+        nbytes = self._layout.payload_bytes
+        while max_versions is None or self.received < max_versions:
+            kind, length = link.recv_frame({VERS: VERSION.size, STOP: 0, BYE: 0})
+            if kind == STOP:
+                return "stopped"
+            if kind == BYE:
+                raise _Left(f"{link.peer} left the tree")
+            version, size = VERSION.unpack(link.recv_bytes(VERSION.size, self.timeout))
+            held = self.store.version if self.store is not None else -1
+            if version < 0 or version <= held:
+                raise ProtocolError(f"{link.peer} sent version {version}; this host holds {held} (versions only go up)")
+            if size != nbytes:
+                raise ProtocolError(f"{link.peer} announced {size} bytes for version {version}, the layout {nbytes}")
+            if self._receive(link, version):
+                self.received += 1
+        return "enough"
 
-        if self.store is not None:
-            self.store.publish_bytes(fill, version=version)
-            return
-        # The first version makes the store: it never holds anything but the trainer's versions.
-        raw = bytearray(layout.payload_bytes)
-        fill(torch.frombuffer(raw, dtype=torch.uint8))
-        td = layout.as_tensordict(layout.slot_views(raw, 0))
-        source = {d: td[d] for d in destinations} if destinations else td
-        self.store = WeightStore.create(source, name=self.name, num_slots=self.num_slots, version=version)
+    def _receive(self, link: _wire.Link, version: int) -> bool:
+        """Receive one version into a free slot and commit it; False if the sender cancelled it."""
+        cancelled = []
+
+        def fill(buffer: memoryview) -> None:
+            fwd = None
+            if self._server is not None and self.store is not None:
+                fwd = self._server.begin(version, len(buffer), self.store.memory.protocol.writing)
+            try:
+                self._fill(link, buffer, fwd)
+            except _Cancelled:
+                cancelled.append(True)
+                raise
+            except BaseException:
+                if fwd is not None:
+                    self._server.end(fwd, complete=False)
+                raise
+            if fwd is not None:
+                self._server.end(fwd, complete=True)
+
+        try:
+            if self.store is None:
+                self.store = WeightStore.create_from_bytes(
+                    self._description, fill, version=version, name=self.name, num_slots=self.num_slots
+                )
+                if self._server is not None:
+                    self._server.set_store(self.store)
+            else:
+                self.store.publish_bytes(fill, version=version)
+        except _Cancelled:
+            return False
+        return True
+
+    def _fill(self, link: _wire.Link, buffer: memoryview, fwd: _Forwarding | None) -> None:
+        n, got = len(buffer), 0
+        while got < n:
+            kind, length = link.recv_frame({DATA: n - got, CNCL: 0, STOP: 0, BYE: 0}, self.timeout)
+            if kind in (CNCL, STOP, BYE):
+                if fwd is not None:
+                    self._server.end(fwd, complete=False)
+                if kind == CNCL:
+                    raise _Cancelled()
+                raise _Left(f"{link.peer} stopped in the middle of a version")
+            if length == 0:
+                raise ProtocolError(f"{link.peer} sent an empty piece of a version")
+            end = got + length
+            while got < end:
+                got += link.recv_into(buffer[got:end], self.timeout)
+                if fwd is not None:
+                    self._server.advance(fwd, got)
 
     def close(self) -> None:
+        """Stop feeding relays below (they re-attach elsewhere) and let go of this host's store."""
+        if self._server is not None:
+            self._server.close(BYE)
         if self.store is not None:
             self.store.close()
+
+
+class _Cancelled(Exception):
+    """The parent cancelled the version being received (it will send a newer one)."""
+
+
+class _Left(Exception):
+    """The parent stopped feeding this relay (it is leaving the tree): attach elsewhere."""
 
 
 def describe_difference(ours: bytes, theirs: bytes) -> str:

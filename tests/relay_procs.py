@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+SECRET = "the relay tests' secret, 32 bytes"
+
 
 def on_host(host_dir: str) -> None:
     """Make this process see ``host_dir`` as its host's shared memory."""
@@ -24,7 +26,7 @@ def run_relay(host_dir: str, port: int, name: str, max_versions, precreate, conn
     if precreate is not None:  # this host's store, built here from another model
         existing = WeightStore.create(blob_weights(precreate, 5.0), name=name)
         existing.release_writer()
-    relay = Relay("127.0.0.1", port, store=name, timeout=30)
+    relay = Relay("127.0.0.1", port, store=name, secret=SECRET, timeout=30)
     conn.send(("started",))
     try:
         relay.run(max_versions)
@@ -72,7 +74,7 @@ def follow(host_dir: str, name: str, sizes, last: int, conn) -> None:
     store.close()
 
 
-def trainer(port: int, sizes, conn) -> None:
+def trainer(sizes, conn) -> None:
     """A trainer with a RelaySender, publishing until killed."""
     from shmsync import WeightStore
     from shmsync.relay import RelaySender
@@ -81,8 +83,8 @@ def trainer(port: int, sizes, conn) -> None:
 
     weights = blob_weights(sizes, 0.0)
     store = WeightStore.create(weights)
-    sender = RelaySender(store, "127.0.0.1", port)
-    conn.send(("ready", store.name))
+    sender = RelaySender(store, "127.0.0.1", 0, secret=SECRET)
+    conn.send(("ready", store.name, sender.port))
     version = 0
     while True:
         time.sleep(0.01)
@@ -99,6 +101,7 @@ def host_with_workers(host_dir: str, port: int, name: str, conn) -> None:
     import os
 
     os.environ["SHMSYNC_DIR"] = host_dir  # for the relay and workers it spawns
+    os.environ["SHMSYNC_RELAY_SECRET"] = SECRET
     on_host(host_dir)
     from shmsync.workers.launch import launch
 

@@ -11,13 +11,13 @@ import sys
 import time
 
 import pytest
-import relay_procs
 from test_crash import _cli
-from test_distributed import free_ports
 
 from shmsync.relay import RelaySender
 
+import relay_procs
 from procs import blob_weights, set_all
+from relay_procs import SECRET
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,9 +50,8 @@ def host(tmp_path):
 def test_a_relay_publishes_the_trainers_versions_on_its_host(store_factory, start, host):
     weights = blob_weights(SIZES, 0.0)
     store = store_factory(weights)
-    port = free_ports(1)
-    with RelaySender(store, "127.0.0.1", port, bucket_bytes=256 << 10) as sender:
-        relay = start_relay(start, host, port)
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET, bucket_bytes=256 << 10) as sender:
+        relay = start_relay(start, host, sender.port)
         reader = start(relay_procs.follow, host, "policy", SIZES, 20)
         (first,) = reader.expect("attached")
         assert first == 0  # the trainer's version when the relay joined
@@ -75,9 +74,8 @@ def test_a_host_that_joins_late_starts_at_the_trainers_current_version(store_fac
     weights = blob_weights(SIZES, 7.0)
     store = store_factory(weights)
     store.publish(weights, version=7)
-    port = free_ports(1)
-    with RelaySender(store, "127.0.0.1", port):
-        relay = start_relay(start, host, port)
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET) as sender:
+        relay = start_relay(start, host, sender.port)
         reader = start(relay_procs.follow, host, "policy", SIZES, 7)
         (first,) = reader.expect("attached")
         (seen,) = reader.expect("seen")
@@ -87,10 +85,9 @@ def test_a_host_that_joins_late_starts_at_the_trainers_current_version(store_fac
 
 def test_a_relay_whose_host_store_holds_another_model_writes_nothing(store_factory, start, host):
     store = store_factory(blob_weights(SIZES, 1.0))
-    port = free_ports(1)
     other = {"a": 300_000, "b": 999, "c": 7}
-    with RelaySender(store, "127.0.0.1", port) as sender:
-        relay = start_relay(start, host, port, other)
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET) as sender:
+        relay = start_relay(start, host, sender.port, other)
         kind, message, version, values = relay.expect("error", timeout=60)
         wait_for(lambda: sender.dropped, what="the sender to drop the relay")
     assert kind == "WeightMismatchError"
@@ -99,9 +96,8 @@ def test_a_relay_whose_host_store_holds_another_model_writes_nothing(store_facto
 
 
 def test_relays_exit_soon_after_the_trainer_dies(start, host):
-    port = free_ports(1)
-    trainer = start(relay_procs.trainer, port, SIZES)
-    (name,) = trainer.expect("ready")
+    trainer = start(relay_procs.trainer, SIZES)
+    name, port = trainer.expect("ready")
     relay = start_relay(start, host, port)
     trainer.expect("linked", timeout=60)
     killed = time.monotonic()
@@ -120,9 +116,8 @@ def test_a_relay_killed_mid_receive_leaves_its_host_whole_and_a_new_relay_catche
     big = {"a": 6_000_000, "b": 7}  # 24 MB: a version takes a while to cross
     weights = blob_weights(big, 0.0)
     store = store_factory(weights)
-    port = free_ports(1)
-    with RelaySender(store, "127.0.0.1", port, bucket_bytes=1 << 20) as sender:
-        first = start_relay(start, host, port)
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET, bucket_bytes=1 << 20) as sender:
+        first = start_relay(start, host, sender.port)
         wait_for(lambda: sender.relays.get(1, -1) >= 0, what="the first relay to link")
         version = 0
         deadline = time.monotonic() + 3
@@ -138,7 +133,7 @@ def test_a_relay_killed_mid_receive_leaves_its_host_whole_and_a_new_relay_catche
         ((loaded, values),) = reader.expect("seen")[0]
         assert loaded == held and values == [float(held)], f"version {held} on the host held {values}"
         # A new relay takes the writer role over and catches up to the newest version.
-        second = start_relay(start, host, port)
+        second = start_relay(start, host, sender.port)
         for _ in range(3):
             version += 1
             set_all(weights, version)
@@ -155,9 +150,8 @@ def test_a_stalled_host_slows_neither_the_trainer_nor_the_other_hosts(store_fact
         path.mkdir()
     weights = blob_weights(SIZES, 0.0)
     store = store_factory(weights)
-    port = free_ports(1)
-    with RelaySender(store, "127.0.0.1", port, bucket_bytes=256 << 10) as sender:
-        relays = [start_relay(start, str(h), port) for h in hosts]
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET, bucket_bytes=256 << 10) as sender:
+        relays = [start_relay(start, str(h), sender.port) for h in hosts]
         wait_for(lambda: len(sender.relays) == 2 and min(sender.relays.values()) >= 0, what="both relays to link")
         stalled = relays[1]
         os.kill(stalled.pid, signal.SIGSTOP)  # host C stops receiving, mid-version or between
@@ -185,10 +179,11 @@ def test_the_relay_command_follows_the_trainer_until_it_closes(store_factory, ho
     weights = blob_weights(SIZES, 3.0)
     store = store_factory(weights)
     store.publish(weights, version=3)
-    port = free_ports(1)
     env = {**os.environ, "SHMSYNC_DIR": host}
-    cmd = [sys.executable, "-m", "shmsync.workers.relay", "--connect", f"127.0.0.1:{port}", "--store", "policy"]
-    with RelaySender(store, "127.0.0.1", port) as sender:
+    env["SHMSYNC_RELAY_SECRET"] = SECRET
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET) as sender:
+        connect = f"127.0.0.1:{sender.port}"
+        cmd = [sys.executable, "-m", "shmsync.workers.relay", "--connect", connect, "--store", "policy"]
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
         try:
             wait_for(lambda: sender.relays.get(1) == 3, what="the relay command to link")
@@ -208,9 +203,8 @@ def test_workers_launched_with_a_relay_run_the_trainers_versions_and_stop_with_i
     policy = mlp_policy(GymEnv("CartPole-v1"))
     store = store_factory(policy)
     store.publish(policy, version=5)
-    port = free_ports(1)
-    with RelaySender(store, "127.0.0.1", port):
-        workers = start(relay_procs.host_with_workers, host, port, "policy", daemon=False)
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET) as sender:
+        workers = start(relay_procs.host_with_workers, host, sender.port, "policy", daemon=False)
         (versions,) = workers.expect("batch", timeout=90)
         assert versions == [5], "the host's workers must start at the trainer's version"
         store.publish(policy, version=9)

@@ -41,6 +41,8 @@ class WorkerPool:
             this host's relay first, and stop the workers when it ends (the trainer closed its
             sender: :meth:`batches` ends; the trainer died: it raises).
         relay_timeout: seconds to wait for the relay to create the store.
+        relay_secret: the relay secret (default: ``$SHMSYNC_RELAY_SECRET``, else the file named by
+            ``$SHMSYNC_RELAY_SECRET_FILE``).
 
     Examples:
         >>> pool = WorkerPool(WorkerConfig(store="my-store"), num_workers=2)  # doctest: +SKIP
@@ -57,6 +59,7 @@ class WorkerPool:
         *,
         relay: str | None = None,
         relay_timeout: float = 120.0,
+        relay_secret: str | bytes | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -71,7 +74,7 @@ class WorkerPool:
         self._backlog: list[tuple[str, int, Any]] = []  # batches read while looking for an error
         self._checked = 0.0  # when the workers' liveness was last checked
         self.procs = []
-        self.relay = None if relay is None else start_relay(ctx, relay, config.store, relay_timeout)
+        self.relay = None if relay is None else start_relay(ctx, relay, config.store, relay_timeout, relay_secret)
         for i in range(num_workers):
             cfg = replace(config, device=devices[i]) if devices else config
             proc = ctx.Process(target=run_worker, args=(i, cfg, self.queue, os.getpid()), daemon=False)
@@ -235,8 +238,11 @@ def launch(
     Keyword arguments go to :class:`~shmsync.workers.collector.WorkerConfig` (``frames_per_batch``,
     ``policy``, ``destination``, ``seed``, ``zero_copy``...).
     """
-    relay = config.pop("relay", None)
-    return WorkerPool(WorkerConfig(store=store, env=env, device=device, **config), num_workers, devices, relay=relay)
+    relay, secret = config.pop("relay", None), config.pop("relay_secret", None)
+    return WorkerPool(
+        WorkerConfig(store=store, env=env, device=device, **config), num_workers, devices, relay=relay,
+        relay_secret=secret,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
