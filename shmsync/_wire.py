@@ -148,7 +148,11 @@ def client_handshake(sock: socket.socket, secret: bytes, timeout: float) -> None
         raise AuthenticationError("the server does not speak the shmsync relay protocol")
     theirs, ours = got[len(MAGIC) :], secrets.token_bytes(NONCE_BYTES)
     sock.sendall(MAGIC + ours + _mac(secret, b"client", theirs, ours))
-    proof = _recv_exactly(sock, MAC_BYTES, deadline, "handshake")
+    try:
+        proof = _recv_exactly(sock, MAC_BYTES, deadline, "handshake")
+    except (EOFError, ConnectionResetError):
+        # A server hangs up right here when this side's proof fails: the secrets differ.
+        raise AuthenticationError("the server refused this side's proof: the two hold different secrets") from None
     if not hmac.compare_digest(proof, _mac(secret, b"server", ours, theirs)):
         raise AuthenticationError("the server does not hold the relay secret")
 

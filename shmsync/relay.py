@@ -591,20 +591,39 @@ class Relay:
             AuthenticationError: the trainer (or a relay it pointed at) holds another secret.
         """
         try:
+            lost = []  # when links were lost since the last version received
             while max_versions is None or self.received < max_versions:
                 link = self._attach()
+                received = self.received
                 try:
                     if self._follow(link, max_versions) == "stopped" and self._server is not None:
                         self._server.close(STOP)  # the trainer closed its sender: the tree ends
                     return
-                except (EOFError, OSError, ProtocolError, _Left) as e:
-                    log.warning("relay %r: lost %s (%s); re-attaching through the trainer", self.name, link.peer, e)
+                except ProtocolError:
+                    if self.parent == self.root:
+                        raise  # the trainer itself broke the protocol: no other parent to try
+                    self._lost(link, lost, received, "it broke the protocol")
+                except (EOFError, OSError, _Left) as e:
+                    self._lost(link, lost, received, e)
                 finally:
                     link.close()
         except BaseException:
             if self._server is not None:
                 self._server.close(BYE)  # the relays below find another parent
             raise
+
+    def _lost(self, link: _wire.Link, lost: list[float], received: int, why: Any) -> None:
+        """Note a lost parent; give up once links keep failing for ``timeout`` seconds without a
+        version arriving (a tree that never delivers is as good as a dead trainer)."""
+        now = time.monotonic()
+        if self.received > received:
+            lost.clear()
+        lost.append(now)
+        if now - lost[0] > self.timeout:
+            raise TrainerGoneError(
+                f"relay {self.name!r}: no version arrived for {self.timeout} s while re-attaching ({why})"
+            )
+        log.warning("relay %r: lost %s (%s); re-attaching through the trainer", self.name, link.peer, why)
 
     # -- attaching ------------------------------------------------------------------------------
     def _attach(self) -> _wire.Link:

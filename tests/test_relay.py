@@ -5,31 +5,27 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 from test_crash import _cli
 
+from shmsync import _wire
 from shmsync.relay import RelaySender
 
 import relay_procs
+from helpers import wait_for
 from procs import blob_weights, set_all
 from relay_procs import SECRET
 
 pytestmark = pytest.mark.timeout(120)
 
 SIZES = {"a": 300_000, "b": 1_000, "c": 7}  # ~1.2 MB: several 256 KB buckets
-
-
-def wait_for(condition, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def start_relay(start, host, port, precreate=None):
@@ -222,3 +218,298 @@ def test_workers_launched_with_a_relay_run_the_trainers_versions_and_stop_with_i
     assert relay_code == 0 and all(code == 0 for code in codes.values()), (codes, relay_code)
     workers.proc.join(10)
     assert not os.listdir(host), "the host's store outlived its relay"
+
+
+# -- hostile peers ----------------------------------------------------------------------------
+def _publish_pace(store, weights, n=40):
+    """The slowest of ``n`` publishes, in seconds."""
+    slowest = 0.0
+    for _ in range(n):
+        began = time.perf_counter()
+        store.publish(weights)
+        slowest = max(slowest, time.perf_counter() - began)
+    return slowest
+
+
+def _stranger(port, secret=b"not the relay secret, but long", speak=True):
+    """Connect as someone who does not hold the secret; returns every byte the server sent."""
+    import socket as socket_module
+
+    sock = socket_module.create_connection(("127.0.0.1", port), timeout=10)
+    got = b""
+    try:
+        while len(got) < len(_wire.MAGIC) + 32:
+            got += sock.recv(4096)
+        if speak:
+            ours = os.urandom(32)
+            sock.sendall(_wire.MAGIC + ours + _wire._mac(secret, b"client", got[len(_wire.MAGIC) :], ours))
+            while chunk := sock.recv(65536):
+                got += chunk
+    finally:
+        sock.close()
+    return got
+
+
+def test_a_stranger_gets_a_nonce_and_nothing_else_and_the_trainer_keeps_its_pace(store_factory, start, host):
+    weights = blob_weights(SIZES, 1.0)
+    store = store_factory(weights)
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET) as sender:
+        calm = _publish_pace(store, weights)
+        got = _stranger(sender.port)
+        assert len(got) == len(_wire.MAGIC) + 32, "a peer without the secret was sent more than the nonce"
+        wait_for(lambda: sender.refused == 1, what="the stranger to be refused")
+        # A real relay still links, and the trainer publishes as before.
+        relay = start_relay(start, host, sender.port)
+        wait_for(lambda: sender.relays.get(1, -1) == store.version, what="the real relay to link")
+        assert _publish_pace(store, weights) < max(0.1, 20 * calm)
+        assert sender.dropped == {}
+    relay.expect("done")
+
+
+@pytest.mark.timeout(90)
+def test_a_flood_of_silent_and_garbage_connections_neither_grows_the_trainer_nor_locks_relays_out(
+    store_factory, start, host
+):
+    import socket as socket_module
+    import threading
+
+    weights = blob_weights(SIZES, 1.0)
+    store = store_factory(weights)
+    threads_before = threading.active_count()
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET, handshake_timeout=2.0) as sender:
+        flood = []
+        for i in range(80):
+            sock = socket_module.create_connection(("127.0.0.1", sender.port), timeout=10)
+            if i % 2:
+                sock.sendall(os.urandom(4096))
+            flood.append(sock)
+        time.sleep(0.2)
+        assert threading.active_count() <= threads_before + 2 + 16, "a handshake thread per connection"
+        relay = start_relay(start, host, sender.port)
+        wait_for(lambda: 1 in sender.relays, timeout=45, what="a real relay to get past the flood")
+        assert _publish_pace(store, weights) < 0.25
+        for sock in flood:
+            sock.close()
+        began = time.monotonic()
+    assert time.monotonic() - began < 3.0, "close() took too long"
+    relay.expect("done")
+
+
+def test_it_listens_on_the_address_it_is_given_only(store_factory):
+    import socket as socket_module
+
+    store = store_factory(blob_weights(SIZES, 1.0))
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET) as sender:
+        with pytest.raises(ConnectionRefusedError):
+            socket_module.create_connection(("127.0.0.2", sender.port), timeout=5)  # another loopback address
+        socket_module.create_connection(("127.0.0.1", sender.port), timeout=5).close()
+
+
+def test_a_relay_that_proves_the_secret_but_breaks_the_protocol_is_dropped(store_factory):
+    weights = blob_weights(SIZES, 1.0)
+    store = store_factory(weights)
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET) as sender:
+        for bad in (
+            _wire.FRAME.pack(b"JOIN", 1 << 40),  # a huge announced size: refused before any allocation
+            _wire.FRAME.pack(b"VERS", 16) + b"\0" * 16,  # not what comes first
+            _wire.FRAME.pack(b"JOIN", 9) + b'{"node":1',  # not JSON
+            _wire.FRAME.pack(b"JOIN", 26) + b'{"node":"x","serve":null} ',  # not a node id
+        ):
+            link = _wire.connect("127.0.0.1", sender.port, SECRET.encode(), 5)
+            link.sock.sendall(bad)
+            assert link.sock.recv(1) == b"", "the server kept a link that broke the protocol"
+            link.close()
+        wait_for(lambda: sender.refused == 4, what="each to be dropped")
+        assert _publish_pace(store, weights) < 0.25 and sender.relays == {}
+
+
+@pytest.mark.timeout(60)
+def test_close_returns_in_time_while_a_stalled_relay_is_mid_version(store_factory, start, host):
+    big = {"a": 6_000_000, "b": 7}  # 24 MB
+    weights = blob_weights(big, 0.0)
+    store = store_factory(weights)
+    sender = RelaySender(store, "127.0.0.1", 0, secret=SECRET, bucket_bytes=1 << 20)
+    relay = start_relay(start, host, sender.port)
+    try:
+        wait_for(lambda: sender.relays.get(1, -1) >= 0, what="the relay to link")
+        os.kill(relay.pid, signal.SIGSTOP)
+        for v in range(1, 4):
+            set_all(weights, v)
+            store.publish(weights)  # the link thread blocks in a send the relay does not read
+        time.sleep(0.5)
+        began = time.monotonic()
+        sender.close()
+        assert time.monotonic() - began < 2.5, "close() waited on a stalled relay"
+    finally:
+        os.kill(relay.pid, signal.SIGCONT)
+    kind, *rest = relay.conn.recv() if relay.conn.poll(60) else ("silent",)
+    assert kind in ("done", "error"), kind  # it ends either way, and never publishes a cut version
+
+
+class FakeTrainer:
+    """A server that proves ``secret`` and then runs ``script(link, attempt)`` on each relay that
+    connects: a trainer's sender gone wrong, for the relay's side of the checks."""
+
+    def __init__(self, script, secret=SECRET):
+        import socket as socket_module
+        import threading
+
+        self.script, self.secret = script, secret.encode()
+        self.sock = socket_module.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.attempts = 0
+        self.errors = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                sock, _ = self.sock.accept()
+            except OSError:
+                return
+            self.attempts += 1
+            try:
+                _wire.server_handshake(sock, self.secret, 5)
+                link = _wire.Link(sock, "relay")
+                link.recv_json({b"JOIN": 4096}, 5)
+                self.script(link, self.attempts)
+            except Exception as e:  # the relay hung up on us: what we want
+                self.errors.append(e)
+            finally:
+                sock.close()
+
+    def close(self):
+        self.sock.close()
+
+
+def _description(sizes=SIZES):
+    from shmsync import WeightStore
+
+    store = WeightStore.create(blob_weights(sizes, 0.0))
+    try:
+        return store.layout_description, store.nbytes
+    finally:
+        store.close()
+
+
+def _admit(link, description):
+    link.send(b"LYOT", description)
+    link.send_json(b"CONF", {"fanout": 2, "path": ["0123456789abcdef"]})
+    return link.recv_json({b"HAVE": 4096, b"MISM": 4096}, 5)[1]
+
+
+def _version(link, version, nbytes, pieces):
+    import struct
+
+    link.send(b"VERS", struct.pack(">qQ", version, nbytes))
+    for piece in pieces:
+        link.send(b"DATA", piece)
+
+
+def _relay_against(fake, host, timeout=3.0):
+    """Run a relay for ``host`` against ``fake`` in this process: its error (or None), and a
+    snapshot of its host's store before it closed (or None)."""
+    from shmsync.relay import Relay
+
+    relay_procs.on_host(host)
+    relay = Relay("127.0.0.1", fake.port, store="policy", secret=SECRET, timeout=timeout, listen=None)
+    error = snapshot = None
+    try:
+        relay.run()
+    except Exception as e:
+        error = e
+    finally:
+        if relay.store is not None:
+            snapshot = relay.store.snapshot()
+        relay.close()
+        fake.close()
+    return error, snapshot
+
+
+def _chain(error):
+    out = []
+    while error is not None:
+        out.append(f"{type(error).__name__}: {error}")
+        error = error.__cause__ or error.__context__
+    return " <- ".join(out)
+
+
+@pytest.fixture
+def one_host(host, monkeypatch):
+    from shmsync import _segment
+
+    monkeypatch.setattr(_segment, "SHM_DIR", host)  # restored after the test
+    return host
+
+
+@pytest.mark.parametrize(
+    "hostile, match",
+    [
+        ("huge layout", r"LYOT message of 1099511627776 bytes"),
+        ("garbage layout", r"not valid JSON"),
+        ("bad conf", r"tree's settings"),
+        ("short version", r"announced 100 bytes for version 1"),
+        ("long piece", r"DATA message of"),
+        ("empty piece", r"empty piece"),
+        ("a version inside a version", r"sent a b'VERS' message where only"),
+        ("negative version", r"sent version -1"),
+    ],
+)
+def test_a_trainer_that_breaks_the_protocol_never_gets_a_byte_published(one_host, hostile, match):
+    layout, nbytes = _description()
+
+    def script(link, attempt):
+        if hostile == "huge layout":
+            link.sock.sendall(_wire.FRAME.pack(b"LYOT", 1 << 40))
+        elif hostile == "garbage layout":
+            link.send(b"LYOT", b"{" * 100)
+        elif hostile == "bad conf":
+            link.send(b"LYOT", layout)
+            link.send_json(b"CONF", {"fanout": -1, "path": "x"})
+        else:
+            assert _admit(link, layout) == {"version": -1}
+            if hostile == "short version":
+                _version(link, 1, 100, [b"x" * 100])
+            elif hostile == "long piece":
+                _version(link, 1, nbytes, [b"x" * (nbytes + 1)])
+            elif hostile == "empty piece":
+                _version(link, 1, nbytes, [b""])
+            elif hostile == "a version inside a version":
+                _version(link, 1, nbytes, [b"x" * 10])
+                _version(link, 2, nbytes, [])
+            elif hostile == "negative version":
+                _version(link, -1, nbytes, [])
+        link.sock.recv(1)  # until the relay hangs up
+
+    error, snapshot = _relay_against(FakeTrainer(script), one_host)
+    assert error is not None and re.search(match, _chain(error)), _chain(error)
+    assert snapshot is None
+    assert os.listdir(one_host) == [], "something was published on the relay's host"
+
+
+def test_a_version_cut_short_or_cancelled_leaves_the_host_on_its_last_whole_version(one_host):
+    layout, nbytes = _description()
+
+    def script(link, attempt):
+        have = _admit(link, layout)
+        if attempt == 1:
+            assert have == {"version": -1}
+            _version(link, 3, nbytes, [b"\x03" * nbytes])  # a whole version: published
+            _version(link, 4, nbytes, [b"\x04" * 100])
+            link.send(b"CNCL")  # cancelled: never published
+            _version(link, 5, nbytes, [b"\x05" * 100])  # then the trainer vanishes mid-version
+        else:
+            assert have == {"version": 3}, "the relay came back holding another version"
+            link.send(b"STOP")
+
+    error, snap = _relay_against(FakeTrainer(script), one_host)
+    assert error is None, _chain(error)
+    assert snap.version == 3 and all(bool((t.view(torch.uint8) == 3).all()) for t in snap.weights.values())
+
+
+def test_a_trainer_without_the_secret_is_refused_at_once(one_host):
+    fake = FakeTrainer(lambda link, attempt: None, secret="a trainer with another secret")
+    began = time.monotonic()
+    error, _ = _relay_against(fake, one_host, timeout=30)
+    assert type(error).__name__ == "AuthenticationError" and time.monotonic() - began < 5
+    assert fake.attempts == 1 and os.listdir(one_host) == []
