@@ -8,12 +8,10 @@ TORCH ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?= -n 2
 
-# Older TorchRL minors the TorchRL-facing tests also run under, each in its own venv.
+# Older TorchRL minors the tests marked `torchrl` also run under, each in its own venv.
 TORCHRL_LEGS ?= 0.13 0.12 0.11
-LEG_TESTS := tests/test_scheme.py tests/test_torchrl_conformance.py tests/test_torchrl_reach.py tests/test_hook.py \
-	tests/test_distributed.py
 
-.PHONY: install demo test test-main test-legs lint bench bench-quick clean
+.PHONY: install demo test test-main test-fast test-legs docs lint bench bench-quick clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +19,7 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test,dev]"
+	$(BIN)/python -m pip install -q -e ".[test,dev,docs,ray]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -29,10 +27,14 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/python examples/train_cartpole.py
 
-test: test-main test-legs
+test: test-main test-legs docs
 
 test-main: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests shmsync workers
+
+# The core: protocol, store, reader, files, CLI, relay wire (no collectors, no clusters).
+test-fast: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not slow and not torchrl and not distributed and not cuda" tests shmsync
 
 # .venv-torchrl-0.13 (and so on): torch, then that TorchRL minor with its own tensordict minor,
 # then shmsync.
@@ -47,8 +49,11 @@ test-main: install
 test-legs: $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed)
 	set -e; for v in $(TORCHRL_LEGS); do \
 		echo "== torchrl $$v: $$(.venv-torchrl-$$v/bin/python -c 'import torchrl, tensordict; print(torchrl.__version__, tensordict.__version__)')"; \
-		.venv-torchrl-$$v/bin/python -m pytest $(PYTEST_ARGS) $(LEG_TESTS); \
+		.venv-torchrl-$$v/bin/python -m pytest $(PYTEST_ARGS) -m "torchrl and not slow" tests; \
 	done
+
+docs: install
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
 
 lint: install
 	$(BIN)/ruff check .
@@ -61,4 +66,4 @@ bench-quick: install
 	$(BIN)/python benchmarks/sync_bench.py --quick
 
 clean:
-	rm -rf $(VENV) .venv-torchrl-* *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-torchrl-* *.egg-info .pytest_cache docs/_build

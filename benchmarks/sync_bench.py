@@ -594,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions: under a minute")
     parser.add_argument("--out", default="benchmarks/results/sync_bench.json", help="where to write the JSON")
+    parser.add_argument(
+        "--docs", action="store_true", help="also write the tables into the docs (docs/results/sync_bench.md)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     quick = args.quick
@@ -654,12 +657,26 @@ def main(argv: list[str] | None = None) -> int:
             report["scaling"] += bench_update({"16MB": SIZES["16MB"]}, ["shmsync", "SharedMem"], w, quick)
     report["seconds"] = time.perf_counter() - started
 
-    print(render(report))
+    text = render(report)
+    print(text)
+    if args.docs:
+        write_docs_page(Path(__file__).resolve().parents[1] / "docs/results/sync_bench.md", text, "sync_bench.py")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"\nJSON written to {out} ({report['seconds']:.0f}s)")
     return 0
+
+
+def write_docs_page(path: Path, text: str, script: str) -> None:
+    """The tables as a page of the docs, saying which run wrote them."""
+    stamp = time.strftime("%Y-%m-%d")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f"Written by `python benchmarks/{script} --docs` on {stamp}; every number of one table comes from the same run.\n\n"
+        f"```text\n{text}\n```\n"
+    )
+    print(f"docs page written to {path}", file=sys.stderr)
 
 
 def _update_row(label: str, by_scheme: dict, field: str) -> list[str]:

@@ -15,7 +15,7 @@ from shmsync._header import W_SEQ
 
 from procs import STRESS_SIZES, Blob, blob_weights, create_and_hang, parent_of_a_watching_child, stress_reader, writer
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _odd_slots(store):

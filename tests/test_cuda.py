@@ -9,7 +9,7 @@ from torch import nn
 
 from shmsync import WeightReader
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def _net(device="cpu"):

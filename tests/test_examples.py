@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.torchrl, pytest.mark.slow]
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

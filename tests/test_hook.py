@@ -10,6 +10,8 @@ from shmsync._torchrl_compat import TORCHRL_VERSION
 
 from rl import make_env, make_loss, make_policy, make_trainer
 
+pytestmark = [pytest.mark.torchrl]
+
 
 def _trainer(batches=4, frames_per_batch=20, optim_steps=3):
     policy = make_policy()

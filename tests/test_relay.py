@@ -23,7 +23,7 @@ from helpers import wait_for
 from procs import blob_weights, set_all
 from relay_procs import SECRET
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
 SIZES = {"a": 300_000, "b": 1_000, "c": 7}  # ~1.2 MB: several 256 KB buckets
 
@@ -191,6 +191,7 @@ def test_the_relay_command_follows_the_trainer_until_it_closes(store_factory, ho
     assert "closed its sender after 1 versions" in err
 
 
+@pytest.mark.torchrl
 def test_workers_launched_with_a_relay_run_the_trainers_versions_and_stop_with_it(store_factory, start, host):
     from torchrl.envs import GymEnv
 

@@ -21,7 +21,7 @@ from rl import (
     make_trainer,
 )
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.torchrl, pytest.mark.timeout(180)]
 
 TIE = torch.tensor([1, 1])  # QValueActor's one-hot action when both Q-values are equal (all-zero weights)
 
@@ -251,6 +251,7 @@ def test_update_weights_hooks_with_weight_update_map(hook_cls):
     assert tags == [[i] for i in range(5)]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_worker_policies():
     policy = make_policy()

@@ -204,6 +204,7 @@ def test_store_pickles_to_same_memory(store_factory):
 STRESS = STRESS_SIZES
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("ordering", ["this-cpu", "weak"])
 def test_torn_read_stress(store_factory, start, ordering, monkeypatch):
@@ -230,6 +231,7 @@ def test_torn_read_stress(store_factory, start, ordering, monkeypatch):
     assert sum(r[2] for r in results) == 0, f"loaded values differ from the version tag: {results}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["sigstop", "sigkill"])
 def test_stuck_or_killed_reader_never_blocks_writer(store_factory, start, how):
@@ -263,6 +265,7 @@ def test_stuck_or_killed_reader_never_blocks_writer(store_factory, start, how):
     assert sum(r[1] for r in results) == 0 and sum(r[2] for r in results) == 0, results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("beside_a_lease", [False, True])
 def test_no_starvation_under_back_to_back_publishing(store_factory, start, beside_a_lease):
@@ -297,6 +300,7 @@ def _state_of(pid):
         return f.read().split()[2]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_slow_readers_do_not_take_the_pin_off_each_other(store_factory, start):
     """Each reader's copy takes longer than the token wait before a takeover (0.25 s) and than

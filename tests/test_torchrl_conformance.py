@@ -31,7 +31,7 @@ from rl import (
     write_rollout_count,
 )
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.torchrl, pytest.mark.timeout(180)]
 
 COLLECTORS = [functools.partial(MultiSyncCollector, cat_results="stack"), MultiAsyncCollector]
 IDS = ["sync", "async"]

@@ -14,7 +14,7 @@ from shmsync._torchrl_compat import TORCHRL_VERSION
 
 from rl import make_env, make_linear_policy, make_loss, make_pendulum, make_policy, make_trainer
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.torchrl, pytest.mark.timeout(180)]
 
 
 @pytest.mark.skipif(TORCHRL_VERSION < (0, 14), reason="TorchRL's backend registry came in 0.14")

@@ -16,7 +16,7 @@ from shmsync.workers.policies import make_env, mlp_policy
 
 from procs import pool_parent
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.torchrl, pytest.mark.timeout(180)]
 
 
 def _zero_(module):

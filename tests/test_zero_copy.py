@@ -162,6 +162,7 @@ def test_writing_through_a_view_faults_instead_of_corrupting(store_factory, star
     assert version == 0 and all((t == 7.0).all() for t in weights.values())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("num_slots", [3, 4])
 def test_zero_copy_stress(store_factory, start, num_slots):
