@@ -673,7 +673,7 @@ def write_docs_page(path: Path, text: str, script: str) -> None:
     stamp = time.strftime("%Y-%m-%d")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
-        f"Written by `python benchmarks/{script} --docs` on {stamp}; every number of one table comes from the same run.\n\n"
+        f"Written by `python benchmarks/{script} --docs` on {stamp}; each table's numbers come from one run.\n\n"
         f"```text\n{text}\n```\n"
     )
     print(f"docs page written to {path}", file=sys.stderr)
