@@ -43,7 +43,6 @@ _MEMBARRIER_CMD_GLOBAL = 1
 
 _LOCK = threading.Lock()
 _weak_fence: Fence | None = None
-_weak_how = ""
 
 
 def _noop() -> None:
@@ -99,12 +98,12 @@ def _membarrier_fence() -> Fence | None:
 
 def _weak() -> Fence:
     """The real full fence of this machine, built on first use."""
-    global _weak_fence, _weak_how
+    global _weak_fence
     if _weak_fence is None:
         built = _machine_code_fence()
         if built is not None:
             fn, page = built
-            _weak_fence, _weak_how = fn, f"a {_MACHINE} barrier instruction"
+            _weak_fence = fn
             _weak_fence._page = page  # type: ignore[attr-defined]  # the code must stay mapped
         else:
             fence = _membarrier_fence()
@@ -113,7 +112,7 @@ def _weak() -> Fence:
                     f"shmsync cannot order memory on this {platform.machine()} CPU: neither a barrier instruction "
                     "nor the membarrier system call is available here"
                 )
-            _weak_fence, _weak_how = fence, "the membarrier system call"
+            _weak_fence = fence
     return _weak_fence
 
 
@@ -150,12 +149,3 @@ def ordering(kind: str | None = None) -> tuple[Fence, Fence]:
         fence = _weak()
         return fence, fence
     raise ValueError(f"ordering must be 'tso' or 'weak', got {kind!r}")
-
-
-def describe(kind: str | None = None) -> str:
-    """How ``kind`` orders memory here, in words (for ``shmsync ls --verbose`` and docs)."""
-    kind = default_ordering() if kind is None else kind
-    if kind == "tso":
-        return f"{platform.machine()}: stores and loads in program order; one full fence before the lease check"
-    _weak()
-    return f"{platform.machine()}: a full fence at every ordering point, by {_weak_how}"

@@ -1,24 +1,9 @@
-"""Facts about other processes on this host, as the protocol needs them (alive, stopped)."""
+"""Facts about other processes on this host: whether one is stopped, when one started. Only ever
+compared and displayed: liveness comes from the kernel's locks (see :mod:`shmsync._segment`)."""
 
 from __future__ import annotations
 
 import psutil
-
-
-def pid_alive(pid: int, start_ns: int = 0) -> bool:
-    """Whether ``pid`` runs (a zombie does not) and, if ``start_ns`` is given, is the same
-    process (not a reused pid). A process we may not inspect counts as alive."""
-    if pid <= 0:
-        return False
-    try:
-        proc = psutil.Process(pid)
-        if start_ns and abs(int(proc.create_time() * 1e9) - start_ns) > 50_000_000:
-            return False
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
 
 
 def pid_stopped(pid: int) -> bool:

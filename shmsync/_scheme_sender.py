@@ -15,8 +15,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
-from torch import nn
 
 from ._distributed import mark_ready, trainer_version
 from ._scheme_worker import sync_tracker
@@ -137,7 +135,7 @@ class SenderGroup:
                 weights = weights[w]
             elif w not in ids:
                 weights = None
-            source[key] = _as_weights(self.models[w][key] if weights is None else weights)
+            source[key] = self.models[w][key] if weights is None else weights
         return source
 
     def relabel(self, versions: Sequence[int | None]) -> None:
@@ -272,12 +270,3 @@ def _saved_version(state_dict: Any, worker: int) -> int | None:
 
 def _is_per_worker(weights: Any) -> bool:
     return isinstance(weights, dict) and bool(weights) and all(isinstance(k, int) for k in weights)
-
-
-def _as_weights(weights: Any) -> Any:
-    """What ``update_policy_weights_`` may pass, as something ``WeightStore.publish`` takes."""
-    if isinstance(weights, (nn.Module, TensorDictBase)):
-        return weights
-    if isinstance(weights, dict):
-        return TensorDict(weights).unflatten_keys(".") if all(isinstance(k, str) for k in weights) else weights
-    raise TypeError(f"cannot publish weights of type {type(weights).__name__}")

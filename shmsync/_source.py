@@ -1,4 +1,6 @@
-"""Turning what users pass (a module, a TensorDict, or a mapping of them) into one TensorDict."""
+"""What users pass as weights (a module, a TensorDict, a state dict, or a mapping of destinations
+to any of those), in the one place that tells them apart: :func:`parts` splits a source by the
+store's destinations, :func:`as_tensordict` turns one part into a TensorDict."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-Source = nn.Module | TensorDictBase | Mapping[str, Any]
+from .errors import WeightMismatchError
 
 
 def module_weights(module: nn.Module) -> TensorDictBase:
@@ -50,3 +52,44 @@ def as_tensordict(source: Any, what: str = "source") -> tuple[TensorDictBase, tu
         f"{what} must be an nn.Module, a TensorDict, or a mapping destination -> module/TensorDict; "
         f"got {type(source).__name__}"
     )
+
+
+def is_destinations(source: Any) -> bool:
+    """Whether ``source`` is a mapping of destinations (not a TensorDict, not a state dict)."""
+    return (
+        isinstance(source, Mapping)
+        and not isinstance(source, TensorDictBase)
+        and bool(source)
+        and not any(isinstance(v, torch.Tensor) for v in source.values())
+    )
+
+
+def parts(
+    source: Any, destinations: tuple[str, ...] | None, what: str, *, subset: bool = False
+) -> list[tuple[tuple[str, ...], Any]]:
+    """``(key prefix, part)`` pairs of ``source`` for a store holding ``destinations`` (None for a
+    store made from one module or TensorDict): ``[((), source)]``, or for a mapping of destinations
+    one pair per destination, ``((destination,), its weights)``, in the layout's (sorted) order.
+
+    Args:
+        subset: a mapping may name some of the destinations only (a reader loading some).
+
+    Raises:
+        WeightMismatchError: a mapping of destinations for a store without them, or one naming
+            destinations the store does not hold (or, unless ``subset``, missing some).
+    """
+    if not is_destinations(source):
+        return [((), source)]
+    names = [str(k) for k in source]
+    if destinations is None:
+        raise WeightMismatchError(
+            f"{what}: the store was created from a single module, without destinations, but got "
+            f"destinations {sorted(names)}; create the store from that mapping "
+            f"(WeightStore.create({{{', '.join(repr(k) + ': ...' for k in names)}}})) or pass the module itself"
+        )
+    unknown = [k for k in source if k not in destinations]
+    if unknown:
+        raise WeightMismatchError(f"{what}: the store has no destination {unknown[0]!r} (it has {list(destinations)})")
+    if not subset and set(source) != set(destinations):
+        raise WeightMismatchError(f"{what}: the store holds destinations {sorted(destinations)}, got {sorted(names)}")
+    return [((d,), source[d]) for d in sorted(source)]

@@ -14,7 +14,7 @@ from . import _viewing
 from ._copy import copy_all
 from ._header import W_VERSION
 from ._memory import StoreMemory
-from ._source import module_weights
+from ._source import is_destinations, module_weights, parts
 from .errors import ReloadTimeoutError, ShmSyncError, WeightMismatchError, WriterGoneError
 from .store import WeightStore
 
@@ -278,14 +278,14 @@ def _is_meta(module: nn.Module) -> bool:
 
 def _parts(store: WeightStore, module: Any, destination: str | None) -> list[tuple[tuple[str, ...], nn.Module]]:
     """(key prefix in the store, module) pairs this reader loads."""
+    what = f"modules given to WeightReader for store {store.name!r}"
     dests = store.destinations
     if isinstance(module, Mapping):
-        if dests is None:
-            raise WeightMismatchError(f"store {store.name!r} holds a single module; pass one module, not a mapping")
-        unknown = [d for d in module if d not in dests]
-        if unknown:
-            raise WeightMismatchError(f"store {store.name!r} has no destination {unknown[0]!r} (it has {list(dests)})")
-        return [((d,), m) for d, m in module.items()]
+        if destination is not None:
+            raise ValueError(f"{what}: pass a mapping of destinations or destination=, not both")
+        if not is_destinations(module):
+            raise TypeError(f"{what}: want a mapping of destinations to modules, got a mapping holding tensors")
+        return parts(module, dests, what, subset=True)
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module or a mapping of them, got {type(module).__name__}")
     if dests is None:

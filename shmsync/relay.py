@@ -574,7 +574,6 @@ class Relay:
         self._server: _Server | None = None
         self._description: bytes | None = None
         self._layout: Layout | None = None
-        self._closed = False
 
     @property
     def serving(self) -> tuple[str, int] | None:

@@ -15,7 +15,7 @@ import os
 import secrets
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -53,8 +53,8 @@ from ._memory import StoreMemory
 from ._processes import process_start_ns
 from ._protocol import initialize, lease_word
 from ._segment import CREATOR_LOCK, WRITER_LOCK, Segment, validate_name
-from ._source import as_tensordict, module_weights
-from .errors import ShmSyncError, StoreCorruptError, WeightMismatchError, WriterBusyError
+from ._source import as_tensordict, module_weights, parts
+from .errors import ShmSyncError, StoreCorruptError, WriterBusyError
 
 
 class Snapshot(NamedTuple):
@@ -391,45 +391,20 @@ class WeightStore:
         return version
 
     def _match_source(self, source: Any, what: str) -> list[torch.Tensor]:
-        """The source's tensors in entry order, checked against the layout (nothing written)."""
-        dests = self.memory.destinations
-        if dests is None and isinstance(source, nn.Module):
-            return self._match_module(source, (), what)
-        if (
-            isinstance(source, Mapping)
-            and not isinstance(source, TensorDictBase)
-            and not any(isinstance(v, torch.Tensor) for v in source.values())
-        ):
-            # A mapping of destinations (not a state dict): name the mismatch plainly.
-            if dests is None:
-                raise WeightMismatchError(
-                    f"{what}: the store was created from a single module, without destinations, but got "
-                    f"destinations {sorted(map(str, source))}; create the store from that mapping "
-                    f"(WeightStore.create({{{', '.join(repr(str(k)) + ': ...' for k in source)}}})) or publish the "
-                    "module itself"
-                )
-            if set(source) != set(dests):
-                raise WeightMismatchError(
-                    f"{what}: the store holds destinations {sorted(dests)}, got {sorted(map(str, source))}"
-                )
-        if dests is not None and isinstance(source, Mapping) and source.keys() == set(dests):
-            # One destination at a time, without building a nested TensorDict. Entries are
-            # sorted by key, so destinations come in sorted order.
-            tensors = []
-            for dest in sorted(dests):
-                value, where = source[dest], f"{what}, destination {dest!r}"
-                if isinstance(value, nn.Module):
-                    tensors += self._match_module(value, (dest,), where)
-                elif isinstance(value, TensorDictBase):
-                    tensors += self._match_tensordict(value, (dest,), where)
-                else:
-                    sub, _ = as_tensordict(value, where)
-                    tensors += self.memory.layout.match(sub, where, prefix=(dest,))
-            return tensors
-        if isinstance(source, TensorDictBase):
-            return self._match_tensordict(source, (), what)
-        td, _ = as_tensordict(source, what)
-        return self.memory.layout.match(td, what)
+        """The source's tensors in entry order, checked against the layout (nothing written).
+        Destination by destination, without building a nested TensorDict: entries are sorted by
+        key, so destinations come in sorted order, as :func:`~shmsync._source.parts` gives them."""
+        tensors = []
+        for prefix, part in parts(source, self.memory.destinations, what):
+            where = f"{what}, destination {prefix[0]!r}" if prefix else what
+            if isinstance(part, nn.Module):
+                tensors += self._match_module(part, prefix, where)
+            elif isinstance(part, TensorDictBase):
+                tensors += self._match_tensordict(part, prefix, where)
+            else:
+                sub, _ = as_tensordict(part, where)
+                tensors += self.memory.layout.match(sub, where, prefix=prefix)
+        return tensors
 
     def _match_tensordict(self, td: TensorDictBase, prefix: tuple[str, ...], what: str) -> list[torch.Tensor]:
         """``layout.match`` for a TensorDict, with a fast path for one checked before: if each of
