@@ -226,6 +226,8 @@ class Protocol:
         stopped: whether a pid is a stopped process (its reader token may be taken over).
         ordering: ``"tso"`` or ``"weak"`` (see :mod:`shmsync._fence`); default: this CPU's.
         pid: this process's id as written into the header.
+        clock: wall-clock time in ns (publish times, shared with other processes); timer: a
+            monotonic ns counter (how long a copy takes). Tests drive both by hand.
 
     Examples:
         >>> h = [0] * 6144
@@ -250,6 +252,8 @@ class Protocol:
         stopped: Callable[[int], bool] = pid_stopped,
         ordering: str | None = None,
         pid: int | None = None,
+        clock: Callable[[], int] = time.time_ns,
+        timer: Callable[[], int] = time.perf_counter_ns,
     ) -> None:
         self.h = h
         self.num_slots = int(h[W_NUM_SLOTS])
@@ -258,6 +262,7 @@ class Protocol:
         self.stopped = stopped
         self.fence, self.full_fence = _fence.ordering(ordering)
         self.pid = os.getpid() if pid is None else pid
+        self.clock, self.timer = clock, timer
         self.writing: Write | None = None  # the write this process has open
         self.listeners: list[Callable[[int], None]] = []  # called with each version this process commits
         self.retries = 0  # optimistic copies that failed validation
@@ -307,7 +312,7 @@ class Protocol:
         h[W_SEQ + write.slot] = write.seq + 1
         h[W_LATEST] = write.slot
         h[W_VERSION] = version
-        now, last = time.time_ns(), h[W_PUBLISH_NS]
+        now, last = self.clock(), h[W_PUBLISH_NS]
         h[W_PUBLISH_INTERVAL] = now - last if last else 0
         h[W_PUBLISH_NS] = now
         h[W_WRITER_PID] = self.pid
@@ -379,7 +384,7 @@ class Protocol:
         interval = h[W_PUBLISH_INTERVAL]
         if not interval or self.copy_ns <= max(1, self.num_slots - 2) * interval:
             return False
-        return time.time_ns() - h[W_PUBLISH_NS] < 4 * interval  # still publishing at that pace
+        return self.clock() - h[W_PUBLISH_NS] < 4 * interval  # still publishing at that pace
 
     def try_read(self, copy: CopyFn) -> int | None:
         """One optimistic copy of the latest slot: its version, or None if it did not validate."""
@@ -392,9 +397,9 @@ class Protocol:
             return None  # `latest` moved on and that slot is already being rewritten
         self.fence()  # the sequence before the version and the bytes
         version = h[W_SLOT_VERSION + slot]
-        began = time.perf_counter_ns()
+        began = self.timer()
         copy(slot)
-        self.copy_ns = time.perf_counter_ns() - began
+        self.copy_ns = self.timer() - began
         self.fence()  # the bytes before the sequence, again
         if h[W_SEQ + slot] != seq:
             self.retries += 1
@@ -455,9 +460,9 @@ class Protocol:
                     return None
                 self.fence()
                 version = h[W_SLOT_VERSION + slot]
-                began = time.perf_counter_ns()
+                began = self.timer()
                 copy(slot)
-                self.copy_ns = time.perf_counter_ns() - began
+                self.copy_ns = self.timer() - began
                 self.fence()
                 return version if h[W_SEQ + slot] == seq else None  # None: 2 slots only
             # No grant yet. A writer that has not published since the request is idle or
@@ -500,7 +505,7 @@ class Protocol:
         if row >= 0:
             base = row_base(row)
             h = self.h
-            h[base + 1], h[base + 2], h[base + 3] = version, reloads, time.time_ns()
+            h[base + 1], h[base + 2], h[base + 3] = version, reloads, self.clock()
 
     def release_row(self, row: int) -> None:
         if row >= 0:

@@ -1,13 +1,24 @@
-"""Helpers shared by the tests (module-level, so spawned children can import them)."""
+"""Helpers shared by the tests: waiting, commands, weights for stress tests, and the entry points
+of child processes and small real TorchRL set-ups (module-level, so spawned children and
+TorchRL's workers can import them). TorchRL is imported inside the functions that need it, so
+the core tests never load it."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 
+import torch
+from tensordict import TensorDict
+from torch import nn
 
+from shmsync import WeightReader, WeightStore, WriterBusyError
+
+
+# -- waiting, descriptors, commands ----------------------------------------------------------
 def open_fds() -> set[int]:
     """This process's open file descriptors."""
     return {int(fd) for fd in os.listdir("/proc/self/fd")}
@@ -81,3 +92,533 @@ def canary(conn) -> None:
     while True:
         if conn.poll(0.05) and conn.recv() == "report":
             conn.send(("received", received))
+
+
+# -- weights and processes of the store tests ----------------------------------------------------
+SMALL = {"a": 1000, "b": 300, "c": 7}
+STRESS_SIZES = {"a": 2_000_000, "b": 1_000_000, "c": 1_000_000, "d": 17}  # ~16 MB of float32
+
+
+class Blob(nn.Module):
+    """A module whose buffers match :func:`blob_weights` (for stress tests)."""
+
+    def __init__(self, sizes: dict[str, int], dtype=torch.float32):
+        super().__init__()
+        for k, n in sizes.items():
+            self.register_buffer(k, torch.zeros(n, dtype=dtype))
+
+
+class ParamBlob(nn.Module):
+    """Like :class:`Blob`, with parameters (what a zero-copy reader points at shared memory)."""
+
+    def __init__(self, sizes: dict[str, int]):
+        super().__init__()
+        for k, n in sizes.items():
+            self.register_parameter(k, nn.Parameter(torch.zeros(n)))
+
+
+def blob_weights(sizes: dict[str, int], value: float = 0.0) -> TensorDict:
+    return TensorDict({k: torch.full((n,), float(value)) for k, n in sizes.items()})
+
+
+def set_all(td: TensorDict, value: float) -> None:
+    for t in td.values():
+        t.fill_(value)
+
+
+def mixed_values(module: nn.Module) -> set[float]:
+    """Distinct values across all parameters and buffers (one value means one consistent version)."""
+    vals = set()
+    for b in (*module.parameters(), *module.buffers()):
+        lo, hi = torch.aminmax(b.detach())
+        vals.update({float(lo), float(hi)})
+    return vals
+
+
+def attach_and_follow(store_or_name, sizes, want_versions: int, conn) -> None:
+    """Attach (by name or pickled store), report each version loaded until ``want_versions``."""
+    store = WeightStore.attach(store_or_name) if isinstance(store_or_name, str) else store_or_name
+    module = Blob(sizes)
+    reader = WeightReader(store, module)
+    seen = []
+    conn.send(("ready", os.getpid()))
+    while reader.version < want_versions:
+        if reader.poll():
+            values = mixed_values(module)
+            seen.append((reader.version, sorted(values)))
+        else:
+            time.sleep(0.0002)
+    conn.send(("seen", seen))
+    store.close()
+
+
+def stress_reader(store: WeightStore, sizes, min_reloads: int, conn) -> None:
+    """Poll as fast as possible; count reloads whose buffers hold more than one value."""
+    torch.set_num_threads(1)
+    module = Blob(sizes)
+    reader = WeightReader(store, module)
+    reloads = mixed = wrong_tag = 0
+    conn.send(("ready", os.getpid()))
+    while reloads < min_reloads:
+        if reader.poll():
+            reloads += 1
+            values = mixed_values(module)
+            if len(values) != 1:
+                mixed += 1
+            elif values != {float(reader.version)}:
+                wrong_tag += 1
+    conn.send(("done", reloads, mixed, wrong_tag, store.retries, store.pinned_reads))
+    store.close()
+
+
+def zero_copy_reader(store: WeightStore, sizes, min_reloads: int, hold: float, conn) -> None:
+    """Reload with ``zero_copy``; check each version is whole, then that it stays unchanged for
+    ``hold`` seconds while the writer keeps publishing (its slot is leased)."""
+    torch.set_num_threads(1)
+    module = ParamBlob(sizes)
+    reader = WeightReader(store, module, zero_copy=True)
+    reloads = mixed = wrong_tag = changed = viewed = 0
+    conn.send(("ready", os.getpid()))
+    while reloads < min_reloads:
+        if not reader.poll():
+            time.sleep(0.0002)  # leave the CPU to the writer and to other tests' processes
+            continue
+        reloads += 1
+        viewed += reader.viewing
+        values = mixed_values(module)
+        if len(values) != 1:
+            mixed += 1
+        elif values != {float(reader.version)}:
+            wrong_tag += 1
+        time.sleep(hold)
+        if mixed_values(module) != values:
+            changed += 1
+    conn.send(("done", reloads, mixed, wrong_tag, changed, viewed))
+    store.close()
+
+
+def lease_and_hang(store: WeightStore, sizes, conn) -> None:
+    """Load with ``zero_copy`` (leasing the latest slot), then wait to be killed."""
+    reader = WeightReader(store, ParamBlob(sizes), zero_copy=True)
+    reader.poll()
+    conn.send(("leased", reader.viewing, reader.version))
+    time.sleep(3600)
+
+
+def write_through_view(store: WeightStore, sizes, conn) -> None:
+    """Load with ``zero_copy``, then write a parameter in place: the process must fault."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    module = ParamBlob(sizes)
+    reader = WeightReader(store, module, zero_copy=True)
+    reader.poll()
+    conn.send(("viewing", reader.viewing))
+    with torch.no_grad():
+        next(module.parameters()).add_(1.0)
+    conn.send(("wrote",))
+
+
+def writer(store_name: str, sizes, count: int, conn, every_value: bool = True) -> None:
+    """Publish ``count`` versions back to back, each tensor filled with its version number."""
+    torch.set_num_threads(1)
+    store = WeightStore.attach(store_name)
+    weights = blob_weights(sizes)
+    conn.send(("ready", os.getpid()))
+    start = time.perf_counter()
+    slowest = 0.0
+    try:
+        for _ in range(count):
+            set_all(weights, store.version + 1)
+            began = time.perf_counter()
+            store.publish(weights)
+            slowest = max(slowest, time.perf_counter() - began)
+            if conn.poll():
+                break  # the parent says stop
+    except WriterBusyError as e:
+        conn.send(("busy", str(e)))
+        return
+    conn.send(("done", store.version, time.perf_counter() - start, slowest))
+    store.close()
+
+
+def writer_killed_mid_copy(store_name: str, sizes, publishes: int, conn) -> None:
+    """Publish ``publishes`` versions, then start one more and stop halfway through its copy
+    (half the tensors written, the slot marked being written); say so and wait to be killed."""
+    torch.set_num_threads(1)
+    store = WeightStore.attach(store_name)
+    weights = blob_weights(sizes)
+    for _ in range(publishes):
+        set_all(weights, store.version + 1)
+        store.publish(weights)
+    protocol = store.memory.protocol
+    write = protocol.begin_write()  # what publish() does, stopped in the middle
+    views = store.memory.slots[write.slot]
+    for view in views[: len(views) // 2]:
+        view.fill_(-1.0)
+    conn.send(("mid-copy", store.version, write.slot))
+    time.sleep(3600)
+
+
+def stuck_reader(store: WeightStore, how: str, conn) -> None:
+    """Enter a pinned reload and stop in the middle of the copy (the parent then kills or stops us)."""
+
+    def copy(slot):
+        conn.send(("in-copy", os.getpid()))
+        if how == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(3600)
+
+    store.memory.protocol.read_pinned(copy, time.monotonic() + 3600)
+
+
+def slow_reader(store: WeightStore, sizes, loads: int, delay: float, conn) -> None:
+    """Reload with a copy slowed by ``delay`` s: slower than several publishes of the writer."""
+    torch.set_num_threads(1)
+    module = Blob(sizes)
+    targets = list(module.buffers())
+    names = [n for n, _ in module.named_buffers()]
+    order = sorted(range(len(names)), key=lambda i: names[i])
+    targets = [targets[i] for i in order]
+    done, bad = 0, 0
+    conn.send(("ready", os.getpid()))
+    start = time.monotonic()
+    while done < loads:
+
+        def copy(slot):
+            for t, v in zip(targets, store.memory.slots[slot]):
+                t.copy_(v)
+                time.sleep(delay)
+
+        version = store.memory.protocol.read(copy, timeout=60)
+        done += 1
+        if mixed_values(module) != {float(version)}:
+            bad += 1
+    conn.send(("done", done, bad, store.retries, store.pinned_reads, time.monotonic() - start))
+    store.close()
+
+
+def create_and_hang(sizes, conn) -> None:
+    """Create a store (this process is its creator) and wait to be killed."""
+    store = WeightStore.create(blob_weights(sizes, 1.0))
+    conn.send(("created", store.name))
+    time.sleep(3600)
+
+
+def pool_parent(conn) -> None:
+    """A trainer that launches two workers, then waits to be killed (its workers must follow)."""
+    from shmsync.workers.launch import launch
+    from shmsync.workers.policies import make_env, mlp_policy
+
+    store = WeightStore.create(mlp_policy(make_env("CartPole-v1")))
+    pool = launch(store.name, 2, "CartPole-v1", frames_per_batch=50)
+    next(pool.batches(1))
+    conn.send(("running", store.name, pool.pids))
+    time.sleep(3600)
+
+
+def _watching_child(parent: int, conn) -> None:
+    from shmsync import exit_with_parent
+
+    exit_with_parent(parent)  # explicit: the parent may be gone before this line runs
+    conn.send(("watching", os.getpid()))
+    time.sleep(3600)
+
+
+def parent_of_a_watching_child(conn) -> None:
+    """Starts a child that calls exit_with_parent() and tells ``conn`` it watches, then waits to
+    be killed (the child must follow)."""
+    import multiprocessing as mp
+
+    child = mp.get_context("spawn").Process(target=_watching_child, args=(os.getpid(), conn), daemon=False)
+    child.start()
+    time.sleep(3600)
+
+
+# -- processes of the relay tests: each "host" a process with a store folder of its own ----------------
+SECRET = "the relay tests' secret, 32 bytes"
+
+
+def run_relay(host_dir: str, port: int, name: str, max_versions, precreate, conn) -> None:
+    """A relay for host ``host_dir``; reports ("done", versions received, store version) or the error."""
+    use_store_dir(host_dir)
+    from shmsync import WeightStore
+    from shmsync.relay import Relay
+
+    existing = None
+    if precreate is not None:  # this host's store, built here from another model
+        existing = WeightStore.create(blob_weights(precreate, 5.0), name=name)
+        existing.release_writer()
+    relay = Relay("127.0.0.1", port, store=name, secret=SECRET, timeout=30)
+    conn.send(("started",))
+    try:
+        relay.run(max_versions)
+        conn.send(("done", relay.received, relay.store.version))
+    except Exception as e:
+        version = existing.version if existing is not None else None
+        values = sorted({float(t.flatten()[0]) for t in existing.snapshot().weights.values()}) if existing else None
+        conn.send(("error", type(e).__name__, str(e), version, values))
+    finally:
+        relay.close()
+        if existing is not None:
+            existing.close()
+
+
+def follow(host_dir: str, name: str, sizes, last: int, conn) -> None:
+    """A reader on host ``host_dir``: loads every version it sees until ``last``; reports, per
+    load, (version, distinct values in the weights)."""
+    use_store_dir(host_dir)
+    from shmsync import StoreNotFoundError, WeightReader, WeightStore
+
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            store = WeightStore.attach(name)
+            break
+        except StoreNotFoundError:
+            if time.monotonic() > deadline:
+                conn.send(("error", "no store"))
+                return
+            time.sleep(0.01)
+    module = Blob(sizes)
+    reader = WeightReader(store, module)
+    reader.poll()  # the first load
+    seen = [(reader.version, sorted(mixed_values(module)))]
+    conn.send(("attached", seen[0][0]))
+    while seen[-1][0] < last and time.monotonic() < deadline:
+        if reader.poll():
+            seen.append((reader.version, sorted(mixed_values(module))))
+        else:
+            time.sleep(0.001)
+    conn.send(("seen", seen))
+    reader.close()
+    store.close()
+
+
+def trainer(sizes, conn) -> None:
+    """A trainer with a RelaySender, publishing until killed."""
+    from shmsync import WeightStore
+    from shmsync.relay import RelaySender
+
+    weights = blob_weights(sizes, 0.0)
+    store = WeightStore.create(weights)
+    sender = RelaySender(store, "127.0.0.1", 0, secret=SECRET)
+    conn.send(("ready", store.name, sender.port))
+    version = 0
+    while True:
+        time.sleep(0.01)
+        version += 1
+        set_all(weights, version)
+        store.publish(weights)
+        if sender.relays and version % 10 == 0:
+            conn.send(("linked", version))
+    del sender
+
+
+def host_with_workers(host_dir: str, port: int, name: str, conn) -> None:
+    """A host running `launch(..., relay=...)`: reports each batch's versions, then how it ended."""
+    import os
+
+    os.environ["SHMSYNC_DIR"] = host_dir  # for the relay and workers it spawns
+    os.environ["SHMSYNC_RELAY_SECRET"] = SECRET
+    use_store_dir(host_dir)
+    from shmsync.workers.launch import launch
+
+    with launch(name, 1, "CartPole-v1", relay=f"127.0.0.1:{port}", frames_per_batch=50) as pool:
+        for _, batch in pool.batches():
+            conn.send(("batch", sorted(set(batch["policy_version"].flatten().tolist()))))
+        codes = pool.stop()
+    conn.send(("ended", codes, pool.relay.exitcode))
+
+
+# -- small real TorchRL set-ups ---------------------------------------------------------------------
+def make_env():
+    from torchrl.envs import GymEnv
+
+    return GymEnv("CartPole-v1")
+
+
+def make_pendulum():
+    from torchrl.envs import GymEnv
+
+    return GymEnv("Pendulum-v1")
+
+
+def make_policy(seed: int = 0):
+    from torchrl.modules import MLP, QValueActor
+
+    torch.manual_seed(seed)
+    env_spec = make_env().action_spec
+    return QValueActor(MLP(in_features=4, out_features=2, num_cells=[16]), in_keys=["observation"], spec=env_spec)
+
+
+def make_trainer(collector, loss, total_frames: int, optim_steps_per_batch: int = 2):
+    from torchrl.trainers import Trainer
+
+    return Trainer(
+        collector=collector,
+        total_frames=total_frames,
+        frame_skip=1,
+        optim_steps_per_batch=optim_steps_per_batch,
+        loss_module=loss,
+        optimizer=torch.optim.Adam(loss.parameters(), 1e-3),
+        progress_bar=False,
+    )
+
+
+def make_loss(policy):
+    from torchrl.objectives import DQNLoss
+
+    return DQNLoss(policy, action_space=make_env().action_spec, delay_value=False)
+
+
+def make_normed_env():
+    """CartPole whose observations pass through an ObservationNorm (a module with buffers)."""
+    from torchrl.envs import ObservationNorm, TransformedEnv
+
+    return TransformedEnv(make_env(), ObservationNorm(loc=torch.zeros(4), scale=torch.ones(4), in_keys=["observation"]))
+
+
+class WeightProbe(torch.nn.Module):
+    """A Pendulum policy that reports, per frame, the min and max over all of its weights.
+
+    When every weight of a version is filled with that version's number, a frame produced by
+    one complete version has ``lo == hi == version``; a mix of two versions cannot.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.Parameter(torch.zeros(512, 512))
+        self.small = torch.nn.Parameter(torch.zeros(1000))
+
+    def forward(self, observation):
+        with torch.no_grad():
+            lo = torch.minimum(self.big.min(), self.small.min())
+            hi = torch.maximum(self.big.max(), self.small.max())
+        batch = observation.shape[:-1]
+        return torch.zeros(*batch, 1), lo.expand(batch).clone(), hi.expand(batch).clone()
+
+
+def make_probe_policy():
+    from tensordict.nn import TensorDictModule
+
+    return TensorDictModule(WeightProbe(), in_keys=["observation"], out_keys=["action", "w_lo", "w_hi"])
+
+
+def make_marked_env():
+    """CartPole whose observations are shifted by +100, so a batch tells which worker made it."""
+    from torchrl.envs import ObservationNorm, TransformedEnv
+
+    return TransformedEnv(
+        make_env(), ObservationNorm(loc=torch.full((4,), 100.0), scale=torch.ones(4), in_keys=["observation"])
+    )
+
+
+def fork_collector_check() -> None:
+    """Run in a fresh interpreter: a MultiSyncCollector with the fork start method."""
+    import torch.multiprocessing as mp
+
+    mp.set_start_method("fork", force=True)
+    from torchrl.collectors import MultiSyncCollector
+
+    from shmsync import ShmWeightSyncScheme
+
+    policy = make_policy()
+    scheme = ShmWeightSyncScheme()
+    collector = MultiSyncCollector(
+        [make_env] * 2, policy, frames_per_batch=40, total_frames=-1, weight_sync_schemes={"policy": scheme}
+    )
+    try:
+        it = iter(collector)
+        assert (next(it)["policy_version"] == 0).all()
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.zero_()
+        collector.update_policy_weights_()
+        batch = next(it)
+        assert (batch["policy_version"] == 1).all() and (batch["action"] == 1).all()
+    finally:
+        collector.shutdown()
+    print("fork ok")
+
+
+def make_linear_policy(bias: float = 0.0):
+    """A Pendulum policy whose action is ``bias`` while its weight is zero: actions name the weights."""
+    from tensordict.nn import TensorDictModule
+
+    module = torch.nn.Linear(3, 1)
+    with torch.no_grad():
+        module.weight.zero_()
+        module.bias.fill_(bias)
+    return TensorDictModule(module, in_keys=["observation"], out_keys=["action"])
+
+
+def linear_weights(bias: float):
+    """Weights for ``make_linear_policy`` that make every action ``bias``."""
+    from tensordict import TensorDict
+
+    return TensorDict({"module": {"weight": torch.zeros(1, 3), "bias": torch.full((1,), float(bias))}})
+
+
+class ScaledLinear(torch.nn.Module):
+    """A Pendulum policy with a buffer: action = bias * scale (weight zero), so buffers show in actions."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 1)
+        self.register_buffer("scale", torch.ones(1))
+        with torch.no_grad():
+            self.linear.weight.zero_()
+            self.linear.bias.fill_(0.5)
+
+    def forward(self, observation):
+        return self.linear(observation) * self.scale
+
+
+def make_scaled_policy():
+    from tensordict.nn import TensorDictModule
+
+    return TensorDictModule(ScaledLinear(), in_keys=["observation"], out_keys=["action"])
+
+
+# Hooks a user assigns after construction: the pre-collect hook counts rollouts in the worker,
+# the post-collect hook writes that count into the batch's rewards (in place: new keys added
+# after the first batch do not reach the trainer through the collector's shared buffers).
+_ROLLOUTS = [0]
+
+
+def count_rollouts():
+    _ROLLOUTS[0] += 1
+
+
+def write_rollout_count(batch):
+    batch["next", "reward"].fill_(float(_ROLLOUTS[0]))
+
+
+def store_state(store):
+    """A store's version and a private copy of its weights, to compare with later."""
+    snap = store.snapshot()
+    return store.version, snap.weights.clone()
+
+
+def assert_unchanged(store, before):
+    """The store holds what :func:`store_state` recorded: nothing was written."""
+    version, weights = before
+    assert store.version == version
+    after = store.snapshot()
+    assert after.version == version
+    assert (after.weights == weights).all()
+
+
+def pendulum_collector(cls, frames_per_batch=40, **kwargs):
+    """An unbounded 2-worker collector of Pendulum, its policy's weights all zero, synced by shmsync."""
+    from shmsync import ShmWeightSyncScheme
+
+    return cls(
+        [make_pendulum] * 2,
+        make_linear_policy(0.0),
+        frames_per_batch=frames_per_batch,
+        total_frames=-1,
+        weight_sync_schemes={"policy": ShmWeightSyncScheme()},
+        **kwargs,
+    )

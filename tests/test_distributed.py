@@ -11,7 +11,7 @@ import torch
 from shmsync import ShmWeightSyncScheme
 from shmsync._torchrl_compat import TORCHRL_VERSION
 
-from rl import make_pendulum, make_probe_policy
+from helpers import make_pendulum, make_probe_policy
 
 pytestmark = [pytest.mark.torchrl, pytest.mark.distributed, pytest.mark.timeout(240)]
 needs_0_14 = pytest.mark.skipif(TORCHRL_VERSION < (0, 14), reason="shmsync's local leg needs torchrl >= 0.14")

@@ -8,7 +8,7 @@ from torchrl.collectors import Collector
 from shmsync import UpdateWeights, WeightMismatchError, WeightReader, WeightSender
 from shmsync._torchrl_compat import TORCHRL_VERSION
 
-from rl import make_env, make_loss, make_policy, make_trainer
+from helpers import make_env, make_loss, make_policy, make_trainer
 
 pytestmark = [pytest.mark.torchrl]
 
@@ -162,3 +162,43 @@ def test_hook_destination_without_a_scheme_fails_when_built():
             UpdateWeights(collector, 1, weight_update_map={"actor": "loss_module.value_network"}, trainer=trainer)
     finally:
         collector.shutdown()
+
+
+@pytest.mark.parametrize("unit", ["batches", "optim_steps"])
+def test_update_weights_can_version_by_optimizer_steps(store_factory, unit):
+    from torchrl.collectors import Collector
+
+    policy = make_policy()
+    batches, fpb, optim_steps = 4, 20, 3
+    collector = Collector(make_env, policy, frames_per_batch=fpb, total_frames=batches * fpb)
+    trainer = make_trainer(collector, make_loss(policy), batches * fpb, optim_steps)
+    store = store_factory({"policy": policy})
+    hook = UpdateWeights(
+        update_weights_interval=2,
+        trainer=trainer,
+        sender=WeightSender(store, {"policy": "loss_module.value_network"}, root=trainer),
+        interval_unit=unit,
+        version="optim_steps",
+    )
+    hook.register(trainer)
+    seen = []
+    trainer.register_op("post_steps", lambda: seen.append((trainer._optim_count, store.version)))
+    trainer.train()
+    # Every 2 batches (or 2 optimizer steps), the version is the optimizer-step count.
+    if unit == "batches":
+        assert [v for _, v in seen] == [0, 6, 6, 12]
+    else:
+        assert [v for _, v in seen] == [2, 6, 8, 12]
+    assert all(v <= steps for steps, v in seen)
+
+
+def test_versions_in_optimizer_steps_need_a_target_that_takes_them():
+    from torchrl.collectors import Collector
+
+    policy = make_policy()
+    collector = Collector(make_env, policy, frames_per_batch=20, total_frames=40)
+    trainer = make_trainer(collector, make_loss(policy), 40)
+    with pytest.raises(ValueError, match="version='optim_steps' needs"):
+        UpdateWeights(collector, 1, trainer=trainer, version="optim_steps")
+    with pytest.raises(ValueError, match="version must be 'publishes' or 'optim_steps'"):
+        UpdateWeights(collector, 1, trainer=trainer, version="frames")

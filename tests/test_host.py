@@ -2,6 +2,7 @@
 namespace (a container sharing /dev/shm) is never collected, a dead one is whatever pid its
 header names, and pids read from a header are never signalled."""
 
+import json
 import os
 import signal
 import time
@@ -12,7 +13,7 @@ import torch
 from shmsync import WeightReader, WeightStore, _segment, host
 from shmsync._header import W_CREATOR_PID, W_CREATOR_START, W_LEASES, W_SEQ, W_TOKEN_PID, W_WRITER_PID, row_base
 
-from helpers import canary, cli, create_in_dir_and_hang, hold_store
+from helpers import blob_weights, canary, cli, create_and_hang, create_in_dir_and_hang, hold_store
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -124,3 +125,35 @@ def test_pids_in_a_header_are_never_signalled(store_dir, start):
     bird.conn.send("report")
     (received,) = bird.expect("received")
     assert received == [] and bird.proc.is_alive()
+
+
+def test_creator_killed_then_gc(start):
+    child = start(create_and_hang, {"a": 1000})
+    (name,) = child.expect("created")
+    assert name in _segment.list_names()
+    os.kill(child.pid, signal.SIGKILL)
+    child.proc.join(10)
+    ls = json.loads(cli("ls", "--json").stdout)
+    row = next(r for r in ls if r["name"] == name)
+    assert row["creator_alive"] is False and row["held"] is False
+    # Only this test's store: under xdist other tests' dead-creator stores are theirs to check.
+    dry = json.loads(cli("gc", name, "--dry-run", "--json").stdout)
+    assert [r["name"] for r in dry["removed"]] == [name]
+    assert name in _segment.list_names(), "--dry-run removed something"
+    json.loads(cli("gc", name, "--json").stdout)
+    assert name not in _segment.list_names()
+
+
+def test_gc_keeps_stores_in_use(store_factory, start):
+    # A store whose creator died but that a live process still holds is kept.
+    child = start(create_and_hang, {"a": 10})
+    (name,) = child.expect("created")
+    held = WeightStore.attach(name)
+    os.kill(child.pid, signal.SIGKILL)
+    child.proc.join(10)
+    assert json.loads(cli("gc", name, "--json").stdout)["removed"] == []
+    held.close()
+    assert [r["name"] for r in json.loads(cli("gc", name, "--json").stdout)["removed"]] == [name]
+    # and a store whose creator lives is never garbage
+    mine = store_factory(blob_weights({"a": 10}))
+    assert json.loads(cli("gc", mine.name, "--dry-run", "--json").stdout)["removed"] == []

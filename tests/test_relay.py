@@ -13,15 +13,12 @@ import time
 
 import pytest
 import torch
-from test_crash import _cli
 
 from shmsync import _wire
 from shmsync.relay import RelaySender
 
-import relay_procs
-from helpers import wait_for
-from procs import blob_weights, set_all
-from relay_procs import SECRET
+import helpers
+from helpers import SECRET, blob_weights, cli, set_all, wait_for
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -30,7 +27,7 @@ SIZES = {"a": 300_000, "b": 1_000, "c": 7}  # ~1.2 MB: several 256 KB buckets
 
 def start_relay(start, host, port, precreate=None):
     """A relay process for ``host``, once it is about to join."""
-    relay = start(relay_procs.run_relay, host, port, "policy", None, precreate)
+    relay = start(helpers.run_relay, host, port, "policy", None, precreate)
     relay.expect("started")
     return relay
 
@@ -48,7 +45,7 @@ def test_a_relay_publishes_the_trainers_versions_on_its_host(store_factory, star
     store = store_factory(weights)
     with RelaySender(store, "127.0.0.1", 0, secret=SECRET, bucket_bytes=256 << 10) as sender:
         relay = start_relay(start, host, sender.port)
-        reader = start(relay_procs.follow, host, "policy", SIZES, 20)
+        reader = start(helpers.follow, host, "policy", SIZES, 20)
         (first,) = reader.expect("attached")
         assert first == 0  # the trainer's version when the relay joined
         for version in list(range(1, 11)) + [20]:  # versions may skip: the trainer's numbers
@@ -72,7 +69,7 @@ def test_a_host_that_joins_late_starts_at_the_trainers_current_version(store_fac
     store.publish(weights, version=7)
     with RelaySender(store, "127.0.0.1", 0, secret=SECRET) as sender:
         relay = start_relay(start, host, sender.port)
-        reader = start(relay_procs.follow, host, "policy", SIZES, 7)
+        reader = start(helpers.follow, host, "policy", SIZES, 7)
         (first,) = reader.expect("attached")
         (seen,) = reader.expect("seen")
     assert first == 7 and seen == [(7, [7.0])], "the host's first version must be the trainer's current one"
@@ -92,7 +89,7 @@ def test_a_relay_whose_host_store_holds_another_model_writes_nothing(store_facto
 
 
 def test_relays_exit_soon_after_the_trainer_dies(start, host):
-    trainer = start(relay_procs.trainer, SIZES)
+    trainer = start(helpers.trainer, SIZES)
     name, port = trainer.expect("ready")
     relay = start_relay(start, host, port)
     trainer.expect("linked", timeout=60)
@@ -105,7 +102,7 @@ def test_relays_exit_soon_after_the_trainer_dies(start, host):
     assert not relay.proc.is_alive()
     assert not os.listdir(host), "the relay's store outlived it"
     # The dead trainer's own store is left to `shmsync gc`, as on one host.
-    assert [r["name"] for r in json.loads(_cli("gc", name, "--json"))["removed"]] == [name]
+    assert [r["name"] for r in json.loads(cli("gc", name, "--json").stdout)["removed"]] == [name]
 
 
 def test_a_relay_killed_mid_receive_leaves_its_host_whole_and_a_new_relay_catches_up(store_factory, start, host):
@@ -124,7 +121,7 @@ def test_a_relay_killed_mid_receive_leaves_its_host_whole_and_a_new_relay_catche
         os.kill(first.pid, signal.SIGKILL)  # most likely mid-receive
         first.proc.join(10)
         # Its host keeps a whole version: a reader there loads one complete version.
-        reader = start(relay_procs.follow, host, "policy", big, 0)
+        reader = start(helpers.follow, host, "policy", big, 0)
         (held,) = reader.expect("attached")
         ((loaded, values),) = reader.expect("seen")[0]
         assert loaded == held and values == [float(held)], f"version {held} on the host held {values}"
@@ -201,7 +198,7 @@ def test_workers_launched_with_a_relay_run_the_trainers_versions_and_stop_with_i
     store = store_factory(policy)
     store.publish(policy, version=5)
     with RelaySender(store, "127.0.0.1", 0, secret=SECRET) as sender:
-        workers = start(relay_procs.host_with_workers, host, sender.port, "policy", daemon=False)
+        workers = start(helpers.host_with_workers, host, sender.port, "policy", daemon=False)
         (versions,) = workers.expect("batch", timeout=90)
         assert versions == [5], "the host's workers must start at the trainer's version"
         store.publish(policy, version=9)
@@ -284,7 +281,7 @@ def test_a_flood_of_silent_and_garbage_connections_neither_grows_the_trainer_nor
             if i % 2:
                 sock.sendall(os.urandom(4096))
             flood.append(sock)
-        time.sleep(0.2)
+        wait_for(lambda: sender.refused >= 80 - 16, what="the connections beyond 16 to be refused")
         assert threading.active_count() <= threads_before + 2 + 16, "a handshake thread per connection"
         relay = start_relay(start, host, sender.port)
         wait_for(lambda: 1 in sender.relays, timeout=45, what="a real relay to get past the flood")
@@ -412,7 +409,7 @@ def _relay_against(fake, host, timeout=3.0):
     snapshot of its host's store before it closed (or None)."""
     from shmsync.relay import Relay
 
-    relay_procs.on_host(host)
+    helpers.use_store_dir(host)
     relay = Relay("127.0.0.1", fake.port, store="policy", secret=SECRET, timeout=timeout, listen=None)
     error = snapshot = None
     try:

@@ -10,7 +10,7 @@ from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
 
 from shmsync import ShmWeightSyncScheme, StoreNotFoundError, UpdateWeights, WeightStore, staleness
 
-from rl import (
+from helpers import (
     make_env,
     make_loss,
     make_marked_env,
@@ -19,6 +19,7 @@ from rl import (
     make_policy,
     make_probe_policy,
     make_trainer,
+    pendulum_collector,
 )
 
 pytestmark = [pytest.mark.torchrl, pytest.mark.timeout(180)]
@@ -284,3 +285,41 @@ def test_fork_start_method():
         timeout=150,
     )
     assert proc.returncode == 0 and "fork ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_update_policy_weights_with_a_version_tags_frames_with_it():
+    collector = pendulum_collector(MultiSyncCollector, cat_results="stack")
+    try:
+        it = iter(collector)
+        next(it)
+        collector.update_policy_weights_(version=100)
+        assert set(next(it)["policy_version"].unique().tolist()) <= {0, 100}
+        assert next(it)["policy_version"].unique().tolist() == [100]
+        with pytest.raises(ValueError, match="version 100 is not higher than the last published version 100"):
+            collector.update_policy_weights_(version=100)
+        collector.update_policy_weights_(version=250)
+        next(it)
+        assert next(it)["policy_version"].unique().tolist() == [250]
+    finally:
+        collector.shutdown()
+
+
+@pytest.mark.parametrize("name", ["MultiSyncDataCollector", "MultiaSyncDataCollector"])
+def test_the_older_collector_names_tag_frames_with_published_versions(name):
+    import torchrl.collectors
+
+    cls = getattr(torchrl.collectors, name, None)
+    if cls is None:
+        pytest.skip(f"torchrl {torchrl.__version__} has no {name} (renamed in 0.13)")
+    collector = pendulum_collector(cls)
+    try:
+        it = iter(collector)
+        next(it)
+        collector.update_policy_weights_()
+        for _ in range(10):
+            batch = next(it)
+            if (batch["policy_version"] == 1).all():
+                break
+        assert (batch["policy_version"] == 1).all() and (batch["next", "policy_version"] == 1).all()
+    finally:
+        collector.shutdown()

@@ -7,24 +7,23 @@ import time
 
 import pytest
 import torch
+from tensordict import TensorDict
 from torch import nn
 
-from shmsync import StoreNotFoundError, WeightReader, WeightStore, WriterBusyError
+from shmsync import StoreNotFoundError, WeightMismatchError, WeightReader, WeightStore, WriterBusyError
 
-from procs import (
+from helpers import (
+    SMALL,
     STRESS_SIZES,
-    Blob,
-    attach_and_follow,
+    assert_unchanged,
     blob_weights,
     lease_and_hang,
-    set_all,
     slow_reader,
+    store_state,
     stress_reader,
     stuck_reader,
     writer,
 )
-
-SMALL = {"a": 1000, "b": 300, "c": 7}
 
 
 def test_create_publish_read_in_process(store_factory):
@@ -46,61 +45,11 @@ def test_create_publish_read_in_process(store_factory):
     torch.testing.assert_close(worker[2].bias, policy[2].bias)
 
 
-def test_explicit_versions_reach_readers(store_factory):
-    policy = nn.Linear(3, 2)
-    store = store_factory(policy)
-    reader = WeightReader(store, nn.Linear(3, 2))
-    reader.poll()
-    with torch.no_grad():
-        policy.weight.fill_(7.0)
-    assert store.publish(policy, version=1000) == 1000 == store.version
-    assert reader.poll() and reader.version == 1000
-    torch.testing.assert_close(reader.module.weight, policy.weight)
-    assert not reader.poll()
-    assert store.publish(policy) == 1001 and reader.poll() and reader.version == 1001
-
-
 def test_a_snapshot_of_a_store_with_destinations_publishes_back(store_factory):
     store = store_factory({"policy": nn.Linear(3, 2), "value": nn.Linear(3, 1)})
     snap = store.snapshot()
     assert store.publish(snap.weights, version=7) == 7
     assert (store.snapshot().weights == snap.weights).all()
-
-
-def test_worker_copy_is_private(store_factory):
-    policy = nn.Linear(3, 3)
-    store = store_factory(policy)
-    worker = nn.Linear(3, 3)
-    WeightReader(store, worker).poll()
-    with torch.no_grad():
-        policy.weight.zero_()
-    assert worker.weight.abs().sum() > 0, "an unpublished in-place edit leaked into the worker"
-
-
-def test_meta_module_first_load(store_factory):
-    store = store_factory(nn.Linear(5, 3))
-    with torch.device("meta"):
-        worker = nn.Linear(5, 3)
-    reader = WeightReader(store, worker)
-    assert reader.poll()
-    assert worker.weight.device.type == "cpu"
-    torch.testing.assert_close(worker.weight, store.snapshot().weights["weight"])
-
-
-def test_several_destinations_share_one_version(store_factory):
-    actor, critic = nn.Linear(2, 2), nn.Linear(2, 1)
-    store = store_factory({"policy": actor, "value": critic})
-    assert store.destinations == ("policy", "value")
-    a2, c2 = nn.Linear(2, 2), nn.Linear(2, 1)
-    both = WeightReader(store, {"policy": a2, "value": c2})
-    only_policy = WeightReader(store, nn.Linear(2, 2), destination="policy")
-    with torch.no_grad():
-        actor.weight.fill_(3.0)
-        critic.weight.fill_(4.0)
-    v = store.publish({"policy": actor, "value": critic})
-    assert both.poll() and only_policy.poll()
-    assert both.version == only_policy.version == v == 1
-    assert float(a2.weight.detach().mean()) == 3.0 and float(c2.weight.detach().mean()) == 4.0
 
 
 def test_snapshot_and_info(store_factory):
@@ -136,15 +85,6 @@ def test_context_manager_unlinks():
         WeightStore.attach(name)
 
 
-def test_readers_survive_unlink(store_factory):
-    store = store_factory(blob_weights(SMALL, 1.0))
-    reader = WeightReader(store, Blob(SMALL))
-    store.unlink()
-    set_all(w := blob_weights(SMALL), 5.0)
-    store.publish(w)
-    assert reader.poll() and float(reader.module.a[0]) == 5.0
-
-
 def test_the_creator_holds_the_writer_role_from_the_start(store_factory, start):
     store = store_factory(blob_weights(SMALL))  # created, never published
     child = start(writer, store.name, SMALL, 1)
@@ -171,26 +111,6 @@ def test_one_writer_at_a_time(store_factory, start):
     child.expect("ready")
     assert child.expect("done")[0] == 4
     assert store.snapshot().weights["a"][0] == 4.0
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("by", ["name", "pickle"])
-def test_children_attach_and_see_versions_in_order(store_factory, start, by):
-    store = store_factory(blob_weights(SMALL, 0.0))
-    arg = store.name if by == "name" else store
-    children = [start(attach_and_follow, arg, SMALL, 20) for _ in range(2)]
-    for c in children:
-        c.expect("ready")
-    w = blob_weights(SMALL)
-    for v in range(1, 21):
-        set_all(w, v)
-        assert store.publish(w) == v
-        time.sleep(0.002)
-    for c in children:
-        (seen,) = c.expect("seen")
-        versions = [v for v, _ in seen]
-        assert versions == sorted(versions) and versions[-1] == 20
-        assert all(values == [float(v)] for v, values in seen)
 
 
 def test_store_pickles_to_same_memory(store_factory):
@@ -337,3 +257,180 @@ def test_a_tensordict_changed_after_a_publish_is_checked_again(store_factory):
     with pytest.raises(WeightMismatchError, match="'a' has shape \\(4,\\), the store holds \\(3,\\)"):
         store.publish({"policy": td})
     assert store.version == 2
+
+
+@pytest.fixture
+def store(store_factory):
+    return store_factory(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
+
+
+def test_publish_wrong_shape(store):
+    before = store_state(store)
+    bad = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 5))
+    with pytest.raises(WeightMismatchError, match=r"'1\.bias' has shape \(5,\), the store holds \(2,\)"):
+        store.publish(bad)
+    assert_unchanged(store, before)
+
+
+def test_publish_wrong_dtype(store):
+    before = store_state(store)
+    bad = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).double()
+    with pytest.raises(
+        WeightMismatchError, match=r"'0\.bias' has dtype torch\.float64, the store holds torch\.float32"
+    ):
+        store.publish(bad)
+    assert_unchanged(store, before)
+
+
+def test_publish_wrong_keys(store):
+    before = store_state(store)
+    with pytest.raises(WeightMismatchError, match=r"missing \['1\.bias', '1\.weight'\]"):
+        store.publish(nn.Sequential(nn.Linear(4, 3)))
+    with pytest.raises(WeightMismatchError, match=r"unexpected \['2\.bias', '2\.weight'\]"):
+        store.publish(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2), nn.Linear(2, 2)))
+    assert_unchanged(store, before)
+
+
+def test_publish_wrong_type(store):
+    before = store_state(store)
+    with pytest.raises(TypeError, match="nn.Module, a TensorDict, or a mapping"):
+        store.publish([torch.zeros(3)])
+    assert_unchanged(store, before)
+
+
+def test_publish_meta_tensors(store):
+    before = store_state(store)
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    with pytest.raises(WeightMismatchError, match="meta device"):
+        store.publish(meta)
+    assert_unchanged(store, before)
+
+
+def test_publish_missing_destination(store_factory):
+    store = store_factory({"policy": nn.Linear(2, 2), "value": nn.Linear(2, 1)})
+    before = store_state(store)
+    with pytest.raises(WeightMismatchError, match=r"holds destinations \['policy', 'value'\], got \['policy'\]"):
+        store.publish({"policy": nn.Linear(2, 2)})
+    assert_unchanged(store, before)
+
+
+def test_attach_missing_name():
+    with pytest.raises(StoreNotFoundError, match="no store named 'does-not-exist-42'"):
+        WeightStore.attach("does-not-exist-42")
+
+
+def test_name_taken(store_factory):
+    store = store_factory(nn.Linear(1, 1))
+    with pytest.raises(FileExistsError, match=store.name):
+        WeightStore.create(nn.Linear(1, 1), name=store.name)
+
+
+def test_empty_source():
+    with pytest.raises(WeightMismatchError, match="nothing to store"):
+        WeightStore.create(nn.ReLU())
+
+
+def test_bad_num_slots():
+    with pytest.raises(ValueError, match="num_slots"):
+        WeightStore.create(nn.Linear(1, 1), num_slots=1)
+
+
+def test_tensordict_with_non_tensor(store_factory):
+    td = TensorDict({"w": torch.zeros(2)})
+    td.set_non_tensor("note", "hello")
+    with pytest.raises(WeightMismatchError, match="'note'"):
+        WeightStore.create(td)
+
+
+def test_closed_store(store_factory):
+    store = WeightStore.create(nn.Linear(1, 1))
+    store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        store.publish(nn.Linear(1, 1))
+
+
+def test_republishing_a_changed_module_is_still_checked(store):
+    """The fast path for a module published before must notice every kind of change."""
+    module = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    store.publish(module)
+    store.publish(module)  # now on the fast path
+    before = store_state(store)
+    module[0].weight.data = torch.zeros(3, 5)  # same Parameter object, new shape
+    with pytest.raises(WeightMismatchError, match=r"'0\.weight' has shape \(3, 5\)"):
+        store.publish(module)
+    module[0].weight.data = torch.zeros(3, 4, dtype=torch.float64)
+    with pytest.raises(WeightMismatchError, match=r"'0\.weight' has dtype torch\.float64"):
+        store.publish(module)
+    module[0].weight = nn.Parameter(torch.zeros(7))  # a new Parameter object
+    with pytest.raises(WeightMismatchError, match=r"'0\.weight' has shape \(7,\)"):
+        store.publish(module)
+    module[0].weight = nn.Parameter(torch.zeros(3, 4))
+    module.add_module("extra", nn.Linear(1, 1))  # a new submodule
+    with pytest.raises(WeightMismatchError, match=r"unexpected \['extra\.bias', 'extra\.weight'\]"):
+        store.publish(module)
+    del module.extra
+    module.to("meta")
+    with pytest.raises(WeightMismatchError, match="meta device"):
+        store.publish(module)
+    assert_unchanged(store, before)
+    fresh = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.fill_(2.0)
+    v = store.publish(fresh)
+    snap = store.snapshot()
+    assert snap.version == v and all((t == 2.0).all() for t in snap.weights.values())
+
+
+def test_publish_under_a_version_that_does_not_go_up(store):
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    assert store.publish(model, version=5) == 5
+    before = store_state(store)
+    with pytest.raises(ValueError, match="version 5 is not higher than the last published version 5"):
+        store.publish(model, version=5)
+    with pytest.raises(ValueError, match="version 3 is not higher than the last published version 5"):
+        store.publish(model, version=3)
+    with pytest.raises(TypeError, match="version must be an int, got float"):
+        store.publish(model, version=6.0)
+    assert_unchanged(store, before)
+    assert store.publish(model) == 6  # without a version: the next one
+
+
+def test_check_raises_what_publish_would_and_writes_nothing(store):
+    before = store_state(store)
+    store.check(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
+    with pytest.raises(WeightMismatchError, match=r"'1\.bias' has shape \(5,\), the store holds \(2,\)"):
+        store.check(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 5)))
+    assert_unchanged(store, before)
+
+
+def test_out_of_shared_memory_says_what_is_needed_and_free():
+    big = torch.zeros(1).expand(2**40 // 4)  # 1 TiB per slot, without the memory behind it
+    with pytest.raises(
+        OSError, match=r"cannot reserve 3072\.0 GiB in .* \(No space left on device; [\d.]+ [KMG]iB free"
+    ):
+        WeightStore.create(TensorDict({"a": big}))
+
+
+def test_a_state_dict_with_a_stray_entry_names_that_entry(store):
+    before = store_state(store)
+    state = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).state_dict()
+    state["1.bias"] = 0.5
+    with pytest.raises(TypeError, match=r"state dict entry '1\.bias' is a float, not a tensor"):
+        store.publish(state)
+    assert_unchanged(store, before)
+
+
+def test_flat_tensordicts_with_dotted_keys_publish_and_name_real_differences(store):
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    assert store.publish(TensorDict(dict(model.state_dict()))) == 1
+    before = store_state(store)
+    with pytest.raises(WeightMismatchError, match=r"missing \['0\.bias', '1\.bias', '1\.weight'\], unexpected \[\]"):
+        store.publish(TensorDict({"0.weight": torch.zeros(3, 4)}))
+    assert_unchanged(store, before)
+
+
+def test_the_constructor_points_to_create_and_attach():
+    with pytest.raises(TypeError, match=r"WeightStore\.create\(source\).*WeightStore\.attach\(name\)"):
+        WeightStore()

@@ -20,7 +20,7 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 from shmsync import ShmWeightSyncScheme
 from shmsync._torchrl_compat import TORCHRL_VERSION
 
-from rl import (
+from helpers import (
     count_rollouts,
     linear_weights,
     make_env,

@@ -11,6 +11,8 @@ import pytest
 from shmsync import _wire
 from shmsync.errors import AuthenticationError, ProtocolError
 
+from helpers import wait_for
+
 SECRET = b"sixteen bytes or more of secret"
 
 
@@ -65,7 +67,7 @@ def test_both_ends_prove_the_secret_and_it_never_crosses_the_wire():
     done = _run(_wire.server_handshake, server, SECRET, 5)
     _wire.client_handshake(client, SECRET, 5)
     done()
-    time.sleep(0.1)
+    wait_for(lambda: len(crossed) >= 2 * len(_wire.MAGIC) + 4 * 32, timeout=10, what="the pipe to pass it all")
     assert len(crossed) == 2 * len(_wire.MAGIC) + 32 + 32 + 32 + 32
     assert SECRET not in crossed and SECRET[:16] not in crossed
 

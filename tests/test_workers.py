@@ -14,7 +14,7 @@ from shmsync import _segment
 from shmsync.workers.launch import launch
 from shmsync.workers.policies import make_env, mlp_policy
 
-from procs import pool_parent
+from helpers import pool_parent, wait_for
 
 pytestmark = [pytest.mark.torchrl, pytest.mark.timeout(180)]
 
@@ -90,7 +90,7 @@ def test_a_worker_that_dies_mid_run_is_reported_at_once(store_factory, queued):
         if queued:
             # The queue fills while nobody reads it: the dead worker's batches, whose shared
             # tensors only it could hand over, are then still waiting in it.
-            time.sleep(3)
+            wait_for(pool.queue.full, timeout=60, what="the queue to fill")
         os.kill(pool.pids[1], signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=r"worker 1 \(pid \d+\) died with signal SIGKILL"):
@@ -138,8 +138,7 @@ def test_launcher_command_line(store_factory):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("frames, versions [0]") == 4
     assert "exit codes {0: 0, 1: 0}" in proc.stdout
-    time.sleep(0.1)
-    assert store.readers() == []
+    wait_for(lambda: store.readers() == [], timeout=10, what="the workers' rows to be free")
 
 
 def test_launch_errors(store_factory):

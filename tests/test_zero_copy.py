@@ -9,7 +9,7 @@ from torch import nn
 
 from shmsync import WeightReader, WeightStore, _segment
 
-from procs import (
+from helpers import (
     STRESS_SIZES,
     ParamBlob,
     blob_weights,
