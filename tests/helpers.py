@@ -514,6 +514,15 @@ def make_marked_env():
     )
 
 
+def make_marked_pendulum():
+    """Pendulum whose observations are shifted by +100, so a batch tells which node made it."""
+    from torchrl.envs import ObservationNorm, TransformedEnv
+
+    return TransformedEnv(
+        make_pendulum(), ObservationNorm(loc=torch.full((3,), 100.0), scale=torch.ones(3), in_keys=["observation"])
+    )
+
+
 def fork_collector_check() -> None:
     """Run in a fresh interpreter: a MultiSyncCollector with the fork start method."""
     import torch.multiprocessing as mp

@@ -4,6 +4,7 @@ gloo, ``launcher="mp"``: every node is a process of this machine, as hosts would
 from __future__ import annotations
 
 import socket
+from datetime import timedelta
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from shmsync import ShmWeightSyncScheme
 from shmsync._torchrl_compat import TORCHRL_VERSION
 
-from helpers import make_pendulum, make_probe_policy
+from helpers import make_marked_pendulum, make_pendulum, make_probe_policy
 
 pytestmark = [pytest.mark.torchrl, pytest.mark.distributed, pytest.mark.timeout(240)]
 needs_0_14 = pytest.mark.skipif(TORCHRL_VERSION < (0, 14), reason="shmsync's local leg needs torchrl >= 0.14")
@@ -42,13 +43,16 @@ def fill(policy: torch.nn.Module, value: float) -> None:
 
 
 def two_nodes_with_shmsync(name: str, policy, **kwargs):
-    """TorchRL's distributed collector ``name``: 2 nodes of 2 Pendulum workers each, shmsync as
-    each node's local scheme."""
+    """TorchRL's distributed collector ``name``: 2 nodes of 2 Pendulum workers each (node 2's
+    observations shifted by +100, so a batch tells its node), shmsync as each node's local scheme.
+
+    TorchRL's trainer waits at most 10 s for a node's answer in its TCPStore (hard-coded); a node
+    shutting its workers down on a busy machine can take longer, so the store is given more."""
     import torchrl.collectors.distributed as distributed
     from torchrl.collectors import MultiSyncCollector
 
-    return getattr(distributed, name)(
-        [make_pendulum] * 2,
+    collector = getattr(distributed, name)(
+        [make_pendulum, make_marked_pendulum],
         policy,
         collector_class=MultiSyncCollector,
         num_workers_per_collector=2,
@@ -57,6 +61,15 @@ def two_nodes_with_shmsync(name: str, policy, **kwargs):
         tcp_port=str(free_ports()),
         **kwargs,
     )
+    store = getattr(collector, "_store", None)
+    if isinstance(store, torch.distributed.Store):
+        store.set_timeout(timedelta(seconds=120))
+    return collector
+
+
+def node_of(batch) -> int:
+    """Which node (1 or 2) collected ``batch``: node 2's observations are shifted by +100."""
+    return 2 if float(batch["observation"].mean()) > 50 else 1
 
 
 def assert_tagged_with_the_weights_that_acted(batch) -> list[int]:
@@ -97,21 +110,24 @@ def test_distributed_collector_carries_the_trainers_version_to_each_node_it_upda
     policy = make_probe_policy()
     fill(policy, 0)
     collector = two_nodes_with_shmsync("DistributedCollector", policy, frames_per_batch=64, total_frames=768)
-    version, per_batch = 0, []
+    version, batches = 0, []
     try:
         for batch in collector:
-            per_batch.append(assert_tagged_with_the_weights_that_acted(batch))
+            batches.append((node_of(batch), assert_tagged_with_the_weights_that_acted(batch), version))
             version += 1
             fill(policy, version)
-            collector.update_policy_weights_()  # the trainer's version `version`
+            collector.update_policy_weights_()  # the trainer's version `version`, to every node
     finally:
         collector.shutdown()
-    assert len(per_batch) == 768 // 64
-    newest = [max(v) for v in per_batch]
-    # Each batch comes from the node that delivered first, updated when TorchRL releases it
-    # again (torchrl 0.14: before it collects; 0.11: the batch after), so a batch runs a
-    # version or three behind the trainer, never further.
-    assert newest[-1] >= len(per_batch) - 4, newest
+    assert len(batches) == 768 // 64
+    # A node collects one batch each time TorchRL releases it, which it does right after that
+    # node delivered and the update above: each of its batches runs exactly the trainer's version
+    # of its previous delivery (0 for its first), however unevenly the two nodes are scheduled.
+    assert {node for node, _, _ in batches} == {1, 2}, "one node delivered every batch"
+    released = {1: 0, 2: 0}
+    for node, versions, trainer_version in batches:
+        assert versions == [released[node]], f"node {node} ran {versions}, released at {released[node]}"
+        released[node] = trainer_version + 1
 
 
 @pytest.mark.skipif(TORCHRL_VERSION >= (0, 14), reason="torchrl >= 0.14 takes shmsync as the local leg")
