@@ -22,18 +22,23 @@ there, three things need help, and get it here:
 
 The collectors and the scheme are wrapped when their modules are imported (see
 :mod:`shmsync._registration`); a collector without a shmsync scheme runs TorchRL's code unchanged.
+Every TorchRL internal touched here is listed, and checked, in :mod:`shmsync._torchrl_compat`.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from . import _torchrl_compat as compat
+
+CONTAINER = "Distributed(Sync)Collector._make_container, wrapped, and its receive buffers"
+SEND = "DistributedWeightSyncScheme.send, wrapped; ._store, ._store_info, ._worker_idx, ._model_id"
 VERSION_KEY = "shmsync/version/{model_id}"
 READY_KEY = "shmsync/ready/{rank}"
 READY_TIMEOUT_S = 300.0
@@ -45,7 +50,7 @@ def _is_shmsync(scheme: Any) -> bool:
     return getattr(type(scheme), "SHMSYNC", False) is True
 
 
-def _local_schemes(kwargs: Any) -> list[Any]:
+def local_schemes(kwargs: Any) -> list[Any]:
     """The shmsync schemes among the nodes' local schemes, given a distributed collector's
     ``collector_kwargs`` (one dict, or one per node)."""
     found = []
@@ -76,6 +81,11 @@ def _add_version_keys(collector: Any, keys: list[Any]) -> None:
             td.set(key, torch.zeros(td.batch_size, dtype=torch.int64, device=td.device))
         td.lock_()
 
+    compat.check(
+        CONTAINER,
+        any(hasattr(collector, a) for a in ("_single_tds", "_tensordict_out_unbind", "_tensordict_out")),
+        f"{type(collector).__name__} has no _tensordict_out receive buffer",
+    )
     if hasattr(collector, "_single_tds"):  # DistributedSyncCollector: one buffer, viewed per node
         # TorchRL expands one probe batch, so every node's view is the same memory (stride 0)
         # and the nodes' batches overwrite each other: a frame's tag could then come from one
@@ -91,19 +101,23 @@ def _add_version_keys(collector: Any, keys: list[Any]) -> None:
             add(td)
 
 
+# The trainer's distributed schemes that count their pushes: scheme -> [TCPStore key, pushes so far].
+_COUNTING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _count_versions(collector: Any) -> None:
     """Make the trainer's distributed schemes write their push count before each push."""
-    for model_id, scheme in (collector._weight_sync_schemes or {}).items():
+    for model_id, scheme in compat.schemes_of(collector).items():
         store = getattr(scheme, "_store", None)
         if isinstance(store, torch.distributed.Store):
-            scheme.__dict__["_shmsync_version_key"] = VERSION_KEY.format(model_id=model_id)
-            scheme.__dict__["_shmsync_version"] = 0
-            store.set(scheme._shmsync_version_key, b"0")
+            key = VERSION_KEY.format(model_id=model_id)
+            _COUNTING[scheme] = [key, 0]
+            store.set(key, b"0")
 
 
 def _wait_until_ready(collector: Any) -> None:
     """Block until every node's store exists (a push before that would reach no worker)."""
-    stores = [s._store for s in (collector._weight_sync_schemes or {}).values() if hasattr(s, "_store")]
+    stores = [s._store for s in compat.schemes_of(collector).values() if hasattr(s, "_store")]
     if not stores:
         return
     store = stores[0]
@@ -136,7 +150,7 @@ def _wrap_make_container(cls: type, *, wait_until_ready: bool) -> None:
 
     @functools.wraps(original)
     def _make_container(self: Any) -> None:
-        local = _local_schemes(self.collector_kwargs)
+        local = local_schemes(self.collector_kwargs)
         if not local:
             return original(self)
         kwargs = self.collector_kwargs
@@ -163,20 +177,14 @@ def _wrap_send(cls: type) -> None:
 
     @functools.wraps(original)
     def send(self: Any, weights: Any = None, worker_ids: Any = None) -> None:
-        key = self.__dict__.get("_shmsync_version_key")
-        if key is not None:
-            self._shmsync_version += 1
-            self._store.set(key, str(self._shmsync_version).encode())
+        counting = _COUNTING.get(self)
+        if counting is not None:
+            counting[1] += 1
+            self._store.set(counting[0], str(counting[1]).encode())
         return original(self, weights, worker_ids)
 
     send._shmsync = True
     cls.send = send
-
-
-def _torchrl_minor() -> tuple[int, int]:
-    from importlib.metadata import version
-
-    return tuple(int(p) for p in version("torchrl").split("+")[0].split(".")[:2])
 
 
 def _refuse(cls: type) -> None:
@@ -188,10 +196,10 @@ def _refuse(cls: type) -> None:
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        if _local_schemes(kwargs.get("collector_kwargs")):
+        if local_schemes(kwargs.get("collector_kwargs")):
             raise NotImplementedError(
                 f"ShmWeightSyncScheme as the local scheme of {cls.__name__}'s nodes needs torchrl >= 0.14 "
-                f"(this is {'.'.join(map(str, _torchrl_minor()))}); use TorchRL's own local scheme here"
+                f"(this is {'.'.join(map(str, compat.TORCHRL_VERSION))}); use TorchRL's own local scheme here"
             )
         init(self, *args, **kwargs)
 
@@ -203,7 +211,7 @@ def _patch(module: Any, names: tuple[str, ...], *, wait_until_ready: bool) -> No
     for name in names:
         cls = getattr(module, name, None)
         if isinstance(cls, type) and hasattr(cls, "_make_container"):
-            if _torchrl_minor() >= (0, 14):
+            if compat.TORCHRL_VERSION >= (0, 14):
                 _wrap_make_container(cls, wait_until_ready=wait_until_ready)
             else:
                 _refuse(cls)
@@ -228,12 +236,13 @@ def patch_scheme_module(module: Any) -> None:
 
 
 # -- node side ------------------------------------------------------------------------------------
-def _is_upstream(owner: Any, collector: Any) -> bool:
-    return (
-        isinstance(getattr(owner, "_store", None), torch.distributed.Store)
-        and getattr(owner, "_worker_idx", None) is not None
-        and getattr(owner, "context", None) is collector
-    )
+def _upstream(collector: Any) -> list[Any]:
+    """The distributed schemes ``collector`` receives the trainer's pushes from (on a node)."""
+    return [
+        s
+        for s in compat.receiver_schemes(collector).values()
+        if isinstance(getattr(s, "_store", None), torch.distributed.Store) and getattr(s, "_worker_idx", None)
+    ]
 
 
 @functools.cache
@@ -244,32 +253,24 @@ def _client(host: str, port: int) -> torch.distributed.Store:
 
 def _client_of(scheme: Any) -> torch.distributed.Store | None:
     info = getattr(scheme, "_store_info", None)
-    return _client(str(info["host"]), int(info["port"])) if isinstance(info, dict) else None
+    compat.check(SEND, isinstance(info, dict), f"{type(scheme).__name__}._store_info is {type(info).__name__}")
+    return _client(str(info["host"]), int(info["port"]))
 
 
 def mark_ready(collector: Any) -> None:
     """Node side: this collector's store exists; tell the trainer (a no-op off a distributed node)."""
-    for scheme in (getattr(collector, "_receiver_schemes", None) or {}).values():
-        rank = getattr(scheme, "_worker_idx", None)
-        if isinstance(getattr(scheme, "_store", None), torch.distributed.Store) and rank is not None:
-            client = _client_of(scheme)
-            if client is not None:
-                client.set(READY_KEY.format(rank=rank), b"1")
+    for scheme in _upstream(collector):
+        _client_of(scheme).set(READY_KEY.format(rank=scheme._worker_idx), b"1")
 
 
-def trainer_version(collector: Any, model_id: str | None, depth: int = 12) -> int | None:
-    """Node side: the trainer's version of the push being applied, when this update comes from a
-    distributed push (found on the call stack) whose trainer counts versions; else None."""
+def pushed_version(collector: Any, model_id: str | None) -> int | None:
+    """Node side: the trainer's version of the push being applied. On a distributed node every
+    update is the cascade of a push (nothing else runs there), numbered by the trainer in the
+    TCPStore before it pushed; None off a node, or if the trainer counts no versions."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None  # not a node (the cheap answer for every update off one)
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if owner is not None and owner is not collector and _is_upstream(owner, collector):
-            key = VERSION_KEY.format(model_id=model_id or getattr(owner, "_model_id", None) or "policy")
-            client = _client_of(owner)
-            return int(client.get(key)) if client is not None and client.check([key]) else None
-        frame = frame.f_back
+    for scheme in _upstream(collector):
+        key = VERSION_KEY.format(model_id=model_id or getattr(scheme, "_model_id", None) or "policy")
+        client = _client_of(scheme)
+        return int(client.get(key)) if client.check([key]) else None
     return None

@@ -5,7 +5,8 @@ is, else by a finder that wraps that module's loading).
 - ``"shmsync"`` in TorchRL's weight-sync backend registry (torchrl >= 0.14), so that
   ``WeightSyncScheme.from_backend("shmsync", ...)`` builds a :class:`~shmsync.ShmWeightSyncScheme`.
 - TorchRL's distributed collectors made ready for shmsync as each node's local scheme (see
-  :mod:`shmsync._distributed`).
+  :mod:`shmsync._distributed`), and its Ray scheme made to carry the trainer's versions (see
+  :mod:`shmsync._ray`).
 
 ``import shmsync`` must stay light (workers and the CLI never load TorchRL or torch).
 """
@@ -35,24 +36,40 @@ class LazyScheme:
 
 
 def register(module: Any) -> None:
-    """Make the registry entry in TorchRL's loaded registry module (nothing before 0.14)."""
-    table = getattr(module, "_WEIGHT_SYNC_SCHEMES", None)
-    if isinstance(table, dict):
-        table.setdefault(BACKEND, LazyScheme)
+    """Make the registry entry in TorchRL's loaded registry module (torchrl >= 0.14), through its
+    own ``register_weight_sync_backend``."""
+    register_backend = getattr(module, "register_weight_sync_backend", None)
+    if callable(register_backend):
+        register_backend(BACKEND)(LazyScheme)
 
 
-def _distributed(patch: str) -> Callable[[Any], None]:
+def _supported() -> bool:
+    """Whether the installed torchrl is one shmsync supports (read from its metadata: TorchRL is not
+    imported for this). Outside that range shmsync changes nothing in TorchRL; its scheme and hook
+    then refuse to import, saying why."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        minor = tuple(int(p) for p in version("torchrl").split("+")[0].split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return (0, 11) <= minor <= (0, 14)
+
+
+def _glue(module_name: str, patch: str) -> Callable[[Any], None]:
     def run(module: Any) -> None:
-        getattr(importlib.import_module("shmsync._distributed"), patch)(module)
+        if _supported():
+            getattr(importlib.import_module(module_name), patch)(module)
 
     return run
 
 
 ON_IMPORT: dict[str, Callable[[Any], None]] = {
     REGISTRY_MODULE: register,
-    "torchrl.collectors.distributed.sync": _distributed("patch_sync_module"),
-    "torchrl.collectors.distributed.generic": _distributed("patch_generic_module"),
-    "torchrl.weight_update._distributed": _distributed("patch_scheme_module"),
+    "torchrl.collectors.distributed.sync": _glue("shmsync._distributed", "patch_sync_module"),
+    "torchrl.collectors.distributed.generic": _glue("shmsync._distributed", "patch_generic_module"),
+    "torchrl.weight_update._distributed": _glue("shmsync._distributed", "patch_scheme_module"),
+    "torchrl.weight_update._ray": _glue("shmsync._ray", "patch_scheme_module"),
 }
 
 

@@ -1,16 +1,24 @@
-"""Worker side of :class:`~shmsync.ShmWeightSyncScheme`: a reader per key, polled before each rollout.
+"""Worker side of :class:`~shmsync.ShmWeightSyncScheme`: a reader per key, checked at every policy call.
 
-The poll is not a ``pre_collect_hook``: TorchRL lets users assign those after construction,
-which would silently remove it. Instead each worker's own collector gets its ``rollout``
-shadowed by an instance attribute that polls, runs the rollout, then copies the version tag
-to ``("next", key)``. Until a collector is bound (or if none ever is), the policy polls
-before every call, so no path runs stale weights unnoticed.
+Two mechanisms load new versions, each enough on its own, so that no single TorchRL call path
+carries the guarantee:
+
+- the policy's own **forward pre-hook** checks the version at every call (~60 ns when nothing
+  changed) and reloads when it changed: whatever path TorchRL takes to run the policy, its next
+  call finds the newest version;
+- the worker's collector's **rollout** is shadowed by an instance attribute that polls before
+  each rollout (so a batch runs one version whenever the trainer published between batches),
+  and after it tags ``("next", key)``, and tags the frames itself if the policy's hooks did not
+  run. Not a ``pre_collect_hook``: users may assign theirs after construction.
+
+Frames are tagged with the version loaded when they were produced. Once every worker has
+attached to the store, the last one to do so removes its name from the host: from then on the
+store lives exactly as long as the processes mapping it, whatever kills them.
 """
 
 from __future__ import annotations
 
 import secrets
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -18,20 +26,32 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
+from . import _torchrl_compat as compat
 from .reader import WeightReader
 from .store import WeightStore
 from .tagging import tag_versions, warn_clash
 
+ROLLOUT = "Collector.rollout, shadowed on the worker's instance"
+
 
 class Receiver:
-    """The reader for one key in one worker, bound to whatever model the scheme points at."""
+    """The reader for one key in one worker, bound to whatever model the scheme points at.
 
-    def __init__(self, scheme: Any, store_name: str) -> None:
+    Args:
+        scheme: the worker's copy of the scheme.
+        store_name: the store to attach to.
+        expected_readers: readers that attach to this store in all (every worker, every key);
+            the last of them removes the store's name from the host.
+    """
+
+    def __init__(self, scheme: Any, store_name: str, expected_readers: int | None = None) -> None:
         self.scheme = scheme
         self.store = WeightStore.attach(store_name)
         self.reader: WeightReader | None = None
         self.token = secrets.token_hex(4)
         self.calls = 0
+        self.hooked_calls = 0  # policy calls seen by the forward hooks (the rollout wrapper checks)
+        self.expected_readers = expected_readers
         self.collector: Any = None  # the worker's own collector, once TorchRL hands it over
 
     @property
@@ -43,11 +63,19 @@ class Receiver:
         if self.reader is None or self.reader.module is not model:
             # The collector may replace the policy (say, a copy moved to its device).
             on_gpu = any(t.is_cuda for t in (*model.parameters(), *model.buffers()))
+            first = self.reader is None
             self.reader = WeightReader(
                 self.store, model, destination=self.scheme.model_id, zero_copy=self.scheme.zero_copy and not on_gpu
             )
             self._install_hooks(model)
+            if first:
+                self._unlink_once_all_attached()
         return self.reader
+
+    def _unlink_once_all_attached(self) -> None:
+        expected = self.expected_readers
+        if expected is not None and len(self.store.readers()) >= expected:
+            self.store.unlink()  # every reader holds its mapping: the name is no longer needed
 
     def poll(self) -> bool:
         reloaded = self.current().poll()
@@ -59,17 +87,17 @@ class Receiver:
         """Poll before every rollout of ``collector`` (this worker's own collector)."""
         if collector is None or self.collector is collector:
             return
-        self.collector = collector
-        rollout = collector.__dict__.get("rollout")
+        rollout = vars(collector).get("rollout")
         if not isinstance(rollout, PollingRollout):
-            rollout = PollingRollout(collector.rollout)
-            collector.__dict__["rollout"] = rollout  # an instance attribute shadows the method
+            rollout = PollingRollout(compat.worker_rollout(collector))
+            compat.shadow_rollout(collector, rollout)
+        self.collector = collector
         rollout.add(self)
 
     def _install_hooks(self, model: nn.Module) -> None:
         if getattr(model, "_shmsync_hooks", None) == self.token:
             return  # copied along with the module: the closures already point here
-        model.__dict__["_shmsync_hooks"] = self.token
+        model._shmsync_hooks = self.token  # a plain attribute: deep copies of the module keep it
         # state_dict() of the worker's policy shows the newest published weights.
         model.register_state_dict_pre_hook(_state_dict_pre_hook(self))
         model.register_forward_pre_hook(_step_poll_hook(self, self.scheme.poll_every_steps))
@@ -77,7 +105,7 @@ class Receiver:
             tag_versions(model, lambda: self.version, self.scheme.version_key)
 
     def close(self) -> None:
-        rollout = self.collector.__dict__.get("rollout") if self.collector is not None else None
+        rollout = vars(self.collector).get("rollout") if self.collector is not None else None
         if isinstance(rollout, PollingRollout):
             rollout.discard(self)
         self.collector = None
@@ -105,12 +133,18 @@ class PollingRollout:
         receivers = self.receivers
         for receiver in receivers:
             receiver.poll()
-        if receivers:
+        first = receivers[0] if receivers else None
+        if first is not None:
             # Also after a load_state_dict() that restored another number with no reload.
-            sync_tracker(receivers[0].collector, receivers[0].version)
+            sync_tracker(first.collector, first.version)
+        hooked, version = (first.hooked_calls, first.version) if first is not None else (0, -1)
         batch = self.rollout(*args, **kwargs)
-        key = receivers[0].scheme.version_key if receivers else None
+        key = first.scheme.version_key if first is not None else None
         if key is not None and isinstance(batch, TensorDictBase):
+            if first.hooked_calls == hooked:
+                # The policy ran without its hooks (TorchRL called it another way): nothing
+                # reloaded during the rollout, so every frame ran the version polled above.
+                tag_all(batch, key, version)
             tag_next(batch, key)
         return batch
 
@@ -118,27 +152,24 @@ class PollingRollout:
 def sync_tracker(collector: Any, version: int) -> None:
     """Make TorchRL's ``track_policy_version`` tracker report ``version``: in a worker the version
     it loaded, in the trainer the last one published."""
-    tracker = getattr(collector, "policy_version_tracker", None)
-    if tracker is not None and getattr(tracker, "version", version) != version:
+    tracker = compat.tracker_of(collector)
+    if tracker is not None and tracker.version != version:
         tracker.version = version
 
 
-def find_worker_collector(depth: int = 12) -> Any:
-    """The worker's own collector, found on the call stack of the receiver's first load.
+def find_worker_collector() -> Any:
+    """The worker's own collector, when TorchRL does not hand it over (torchrl 0.11, 0.12)."""
+    return None if compat.HANDS_WORKERS_THEIR_COLLECTOR else compat.worker_collector_on_stack()
 
-    torchrl 0.12 initializes the receiver while the worker's collector builds its policy and
-    never hands the collector over (0.13 and later set the scheme's ``context``); that
-    collector's ``__init__`` is then among the callers.
-    """
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if callable(getattr(owner, "rollout", None)) and callable(getattr(owner, "iterator", None)):
-            return owner
-        frame = frame.f_back
-    return None
+
+def tag_all(batch: TensorDictBase, key: str, version: int) -> None:
+    """Tag every frame of ``batch`` with ``version``, in place where the tag exists (the batch may
+    live in buffers shared with the trainer); a key someone else writes is left alone."""
+    existing = batch.get(key, None)
+    if existing is None:
+        batch.set(key, torch.full(batch.batch_size, version, dtype=torch.int64, device=batch.device))
+    elif existing.dtype == torch.int64:
+        existing.fill_(version)
 
 
 def tag_next(batch: TensorDictBase, key: str) -> None:
@@ -167,9 +198,13 @@ def _state_dict_pre_hook(receiver: Receiver) -> Callable:
 
 
 def _step_poll_hook(receiver: Receiver, every: int | None) -> Callable:
+    """Checks the version at every policy call (every ``every``-th, if given) and reloads when it
+    changed: whatever path TorchRL takes to a rollout, its next step runs the newest version."""
+
     def hook(module, args):
         receiver.calls += 1
-        if receiver.collector is None or (every is not None and receiver.calls % every == 0):
+        receiver.hooked_calls += 1
+        if every is None or receiver.calls % every == 0:
             receiver.poll()
 
     return hook

@@ -87,9 +87,9 @@ def parts(
             f"destinations {sorted(names)}; create the store from that mapping "
             f"(WeightStore.create({{{', '.join(repr(k) + ': ...' for k in names)}}})) or pass the module itself"
         )
+    if not subset and set(source) != set(destinations):
+        raise WeightMismatchError(f"{what}: the store holds destinations {sorted(destinations)}, got {sorted(names)}")
     unknown = [k for k in source if k not in destinations]
     if unknown:
         raise WeightMismatchError(f"{what}: the store has no destination {unknown[0]!r} (it has {list(destinations)})")
-    if not subset and set(source) != set(destinations):
-        raise WeightMismatchError(f"{what}: the store holds destinations {sorted(destinations)}, got {sorted(names)}")
     return [((d,), source[d]) for d in sorted(source)]

@@ -6,10 +6,12 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from tensordict import TensorDict
+from torchrl.trainers import UpdateWeights as _TorchRLUpdateWeights
 
+from . import _torchrl_compat as compat
 from ._paths import resolve_path
-from ._torchrl_compat import HOOK_TAKES_SENDER, check_hook_arguments
-from ._torchrl_compat import TorchRLUpdateWeights as _TorchRLUpdateWeights
+
+HOOK_TAKES_SENDER = compat.hook_takes_sender(_TorchRLUpdateWeights)
 
 
 class UpdateWeights(_TorchRLUpdateWeights):
@@ -87,7 +89,7 @@ class UpdateWeights(_TorchRLUpdateWeights):
                 interval_unit=interval_unit,
             )
         else:  # torchrl <= 0.13: its hook has no sender and counts batches only; this one does both
-            check_hook_arguments(
+            compat.check_hook_arguments(
                 collector,
                 update_weights_interval,
                 policy_weights_getter,
@@ -98,6 +100,7 @@ class UpdateWeights(_TorchRLUpdateWeights):
             )
             super().__init__(collector, update_weights_interval, policy_weights_getter, weight_update_map, trainer)
             self.sender, self.interval_unit, self._last_update_count = sender, interval_unit, 0
+        compat.check_hook_state(self)
         self.version = version
         self._last_version = -1  # with version="optim_steps": the step count last published
         if version == "optim_steps":
@@ -131,9 +134,7 @@ class UpdateWeights(_TorchRLUpdateWeights):
             )
 
     def _optimizer_step_count(self) -> int:
-        stepper = getattr(self.trainer, "optimization_stepper", None)
-        count = getattr(stepper, "optimizer_step_count", None)
-        return self.trainer._optim_count if count is None else count
+        return compat.optimizer_step_count(self.trainer)
 
     def register(self, trainer: Any, name: str = "update_weights") -> None:
         if self.trainer is None:

@@ -7,9 +7,11 @@ acknowledgement from any worker. All keys sent by one ``update_policy_weights_``
 published together as one version.
 
 Receiver (each worker): attaches, loads the first weights into the (meta-device) policy,
-then checks the version at the start of every rollout (and, optionally, every N policy
-calls) and reloads only when it changed. Each frame is tagged with the version of the
-weights that produced it, and TorchRL's ``track_policy_version`` reports that version.
+then checks the version before every rollout and at every policy call, and reloads only when
+it changed: whatever path TorchRL takes to run the policy, its next call runs the newest
+version. Each frame is tagged with the version of the weights that produced it, and TorchRL's
+``track_policy_version`` reports that version. Once every worker has attached, the store's name
+leaves the host: nothing can leak it, whatever kills the processes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 
-from ._scheme_sender import SenderGroup, find_collector
+from . import _torchrl_compat as compat
+from ._scheme_sender import GROUPS, SenderGroup, find_collector
 from ._scheme_worker import Receiver, find_worker_collector
 from .store import WeightStore
 
@@ -40,8 +43,8 @@ class ShmWeightSyncScheme(WeightSyncScheme):
     from the factory's model, built once in the main process.
 
     Args:
-        poll_every_steps: also check for new weights every this many policy calls inside a
-            rollout (for long rollouts). Default: only at the start of each rollout.
+        poll_every_steps: check for new weights at every this many-th policy call (and before
+            each rollout). Default: at every call (a version check costs about 60 ns).
         version_key: the key under which every collected frame records the version of the
             weights that produced it (also written under ``("next", version_key)``); None
             to write nothing.
@@ -110,6 +113,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         self.num_slots = num_slots if num_slots is not None else 4 if zero_copy else 3
         self.per_worker_weights = per_worker_weights
         self._store_names: list[str] = []
+        self._expected_readers: int | None = None
         self._group: SenderGroup | None = None
         self._receiver: Receiver | None = None
 
@@ -147,6 +151,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
                 [{self.model_id: m} for m in models], num_slots=self.num_slots, num_workers=workers, devices=devices
             )
         self._store_names = self._group.store_names
+        self._expected_readers = self._group.expected_readers()
 
     def _models_without_collector(self, model, weights, params_map, devices, device_map_fn, num_workers):
         """``init_on_sender`` before any collector exists: the initial weights of each store, and
@@ -186,7 +191,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
 
     def _join(self, collector: Any) -> SenderGroup:
         """The group of ``collector`` that holds this key; made for all its shmsync keys at once."""
-        for group in collector.__dict__.get("_shmsync_groups", ()):
+        for group in GROUPS.get(collector, ()):
             if self.model_id in group.keys:
                 return group
         if not hasattr(collector, "num_workers"):
@@ -198,7 +203,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             )
         schemes = {
             k: s
-            for k, s in (collector._weight_sync_schemes or {}).items()
+            for k, s in compat.schemes_of(collector).items()
             if isinstance(s, ShmWeightSyncScheme) and s._group is None
         }
         schemes[self.model_id] = self
@@ -295,7 +300,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         if model is not None:
             self.model = model
         name = self._store_names[worker_idx if len(self._store_names) > 1 else 0]
-        self._receiver = Receiver(self, name)
+        self._receiver = Receiver(self, name, self._expected_readers)
         if context is not None:
             self.context = context
 
@@ -314,7 +319,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
 
     def _setup_connection_and_weights_on_receiver_impl(self, *, worker_idx: int | None = None) -> None:
         if self._receiver.collector is None and self.context is None:
-            self._receiver.bind(find_worker_collector())  # torchrl 0.12 hands no collector over
+            self._receiver.bind(find_worker_collector())  # torchrl 0.11 and 0.12 hand none over
         self._receiver.poll()  # first load (the policy may still be on the meta device)
 
     def receive(self, timeout: float | None = None) -> None:

@@ -2,6 +2,10 @@ import multiprocessing as mp
 import os
 import signal
 
+# Ray swaps a node address of 127.0.0.1 for the host's network address, and binds its servers
+# there, unless it runs as a single-node cluster: keep every server the tests start on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 import pytest
 
 from shmsync import _segment

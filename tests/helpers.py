@@ -5,6 +5,7 @@ the core tests never load it."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -631,3 +632,48 @@ def pendulum_collector(cls, frames_per_batch=40, **kwargs):
         weight_sync_schemes={"policy": ShmWeightSyncScheme()},
         **kwargs,
     )
+
+
+def _rollout_unhooked_collector_class():
+    from torchrl.collectors import Collector
+
+    class RolloutCannotBeShadowed(Collector):
+        """A worker collector whose rollout an instance attribute cannot shadow: what shmsync sees
+        if TorchRL stops calling ``self.rollout()`` from its worker loop."""
+
+        @property
+        def rollout(self):
+            return functools.partial(Collector.rollout, self)
+
+    return RolloutCannotBeShadowed
+
+
+def _policy_unhooked_collector_class():
+    from torchrl.collectors import Collector
+
+    class PolicyHooksBypassed(Collector):
+        """A worker collector that runs its policy without any module hook: what shmsync sees if
+        TorchRL calls the policy another way than through ``nn.Module.__call__``."""
+
+        def rollout(self, *args, **kwargs):
+            for module in self.policy.modules():
+                module._forward_pre_hooks.clear()
+                module._forward_hooks.clear()
+            return super().rollout(*args, **kwargs)
+
+    return PolicyHooksBypassed
+
+
+def __getattr__(name: str):
+    # Collector subclasses for the workers, made on first use so that importing helpers stays
+    # free of TorchRL; module-level names, so that spawned workers find them.
+    makers = {
+        "RolloutCannotBeShadowed": _rollout_unhooked_collector_class,
+        "PolicyHooksBypassed": _policy_unhooked_collector_class,
+    }
+    if name in makers:
+        cls = makers[name]()
+        cls.__module__, cls.__qualname__ = __name__, name
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)

@@ -121,12 +121,16 @@ def test_distributed_collector_carries_the_trainers_version_to_each_node_it_upda
         collector.shutdown()
     assert len(batches) == 768 // 64
     # A node collects one batch each time TorchRL releases it, which it does right after that
-    # node delivered and the update above: each of its batches runs exactly the trainer's version
-    # of its previous delivery (0 for its first), however unevenly the two nodes are scheduled.
+    # node delivered and the update above; an update to every node may land while a node
+    # collects, and its workers then load it at their next step. So each batch runs the version
+    # of its node's release (0 for its first) or newer, never newer than the trainer's at its
+    # delivery, however unevenly the two nodes are scheduled.
     assert {node for node, _, _ in batches} == {1, 2}, "one node delivered every batch"
     released = {1: 0, 2: 0}
     for node, versions, trainer_version in batches:
-        assert versions == [released[node]], f"node {node} ran {versions}, released at {released[node]}"
+        assert released[node] <= versions[0] and versions[-1] <= trainer_version, (
+            f"node {node} ran {versions}, released at {released[node]}, delivered at {trainer_version}"
+        )
         released[node] = trainer_version + 1
 
 

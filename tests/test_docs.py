@@ -84,7 +84,8 @@ def _blocks() -> list[tuple[str, str, str]]:
 
 def _uses(name: str, code: str) -> bool:
     """Whether ``code`` uses ``name`` without defining it."""
-    return bool(re.search(rf"\b{name}\b", code)) and not re.search(rf"^\s*{name}\s*=", code, flags=re.M)
+    assigned = re.search(rf"^\s*{name}\s*=(?!=).*[^,\s]\s*$", code, flags=re.M)  # not a keyword argument
+    return bool(re.search(rf"\b{name}\b", code)) and not assigned
 
 
 def _marks(code: str) -> list:

@@ -18,7 +18,7 @@ LAYERS = [
     {"reader", "sender", "cli", "testing"},  # its clients
     # TorchRL, and other hosts
     {"hook", "scheme", "_scheme_sender", "_scheme_worker", "_registration", "_torchrl_compat", "_distributed"}
-    | {"relay", "_wire"},
+    | {"relay", "_wire", "_ray"},
     {"workers"},  # worker processes
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

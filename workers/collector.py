@@ -84,7 +84,11 @@ def _collect(worker_id: int, config: WorkerConfig, queue: Any, stopping: threadi
         store.close()
         raise
     reader.poll()
+    # A lazy reload at every policy call (a version check when nothing changed): the public
+    # nn.Module hook works whatever path the collector of any torchrl minor takes to the policy.
+    policy.register_forward_pre_hook(_poll_before_each_call(reader))
     tag_versions(policy, lambda: reader.version, config.version_key)
+    options = {"auto_register_policy_transforms": False} if _takes(Collector, "auto_register_policy_transforms") else {}
     collector = Collector(
         env_fn,
         policy,
@@ -93,8 +97,7 @@ def _collect(worker_id: int, config: WorkerConfig, queue: Any, stopping: threadi
         policy_device=config.device,
         env_device="cpu",
         storing_device="cpu",
-        pre_collect_hook=reader.poll,  # lazy reload at the start of each rollout
-        auto_register_policy_transforms=False,
+        **options,
     )
     collector.set_seed(config.seed + worker_id)
     try:
@@ -113,6 +116,20 @@ def _collect(worker_id: int, config: WorkerConfig, queue: Any, stopping: threadi
         queue.put(("exit", worker_id, reader.reloads))
         reader.close()
         store.close()
+
+
+def _poll_before_each_call(reader: Any):
+    def hook(module, args) -> None:  # a pre-hook returning a value would replace the policy's input
+        reader.poll()
+
+    return hook
+
+
+def _takes(cls: type, parameter: str) -> bool:
+    """Whether ``cls`` takes ``parameter`` (torchrl 0.13 added auto_register_policy_transforms)."""
+    import inspect
+
+    return parameter in inspect.signature(cls.__init__).parameters
 
 
 def _portable(error: BaseException) -> BaseException:

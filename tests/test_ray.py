@@ -1,0 +1,132 @@
+"""shmsync as each remote collector's local leg under TorchRL's RayCollector, on a local Ray
+cluster bound to 127.0.0.1: every frame carries the trainer's version (whichever actors a push
+reaches), and no store is left, however the actors end."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from shmsync import ShmWeightSyncScheme
+from shmsync._torchrl_compat import TORCHRL_VERSION
+
+from helpers import make_marked_pendulum, make_pendulum, make_probe_policy
+
+ray = pytest.importorskip("ray")
+
+pytestmark = [
+    pytest.mark.torchrl,
+    pytest.mark.distributed,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(TORCHRL_VERSION < (0, 14), reason="RayCollector's schemes need torchrl >= 0.14"),
+]
+
+
+@pytest.fixture
+def cluster(monkeypatch):
+    """A Ray cluster of this test's own on 127.0.0.1; its actors import the tests' helpers."""
+    tests = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def fill(policy: torch.nn.Module, value: float) -> None:
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.fill_(value)
+
+
+def ray_collector(policy, sync: bool, total_frames: int = 600, **kwargs):
+    """2 remote collectors (actor 2's observations shifted by +100) of 2 Pendulum workers each."""
+    from torchrl.collectors import MultiSyncCollector
+    from torchrl.collectors.distributed import RayCollector
+
+    return RayCollector(
+        [make_pendulum, make_marked_pendulum],
+        policy,
+        collector_class=MultiSyncCollector,
+        collector_kwargs={"num_workers": 2, "weight_sync_schemes": {"policy": ShmWeightSyncScheme()}},
+        remote_configs={"num_cpus": 1},
+        frames_per_batch=100,
+        total_frames=total_frames,
+        sync=sync,
+        **kwargs,
+    )
+
+
+def actor_pids(collector) -> set[int]:
+    return set(ray.get([rc.__ray_call__.remote(lambda actor: os.getpid()) for rc in collector.remote_collectors]))
+
+
+def stores_of(pids: set[int]) -> list[str]:
+    from shmsync.testing import stores_created_by
+
+    return sorted(stores_created_by(pids))
+
+
+def tags_match_weights(batch) -> list[int]:
+    """Every frame's version tag is the version whose weights (all filled with that number) acted."""
+    tags = batch["policy_version"]
+    assert torch.equal(batch["w_lo"], batch["w_hi"]), "a frame was produced by a mix of two versions"
+    assert torch.equal(batch["w_lo"].long(), tags), "a frame is tagged with a version whose weights did not act"
+    return sorted(set(tags.flatten().tolist()))
+
+
+def test_every_frame_carries_the_trainers_version_and_no_store_is_left(cluster):
+    policy = make_probe_policy()
+    fill(policy, 0)
+    collector = ray_collector(policy, sync=True)
+    pids = actor_pids(collector)
+    seen = []
+    try:
+        for i, batch in enumerate(collector):
+            seen.append(tags_match_weights(batch))
+            fill(policy, i + 1)
+            collector.update_policy_weights_(policy)  # push i + 1, to both actors
+    finally:
+        collector.shutdown()
+    assert seen == [[i] for i in range(len(seen))] and len(seen) == 6, seen
+    assert stores_of(pids) == [], "a remote collector's store outlived its actor"
+
+
+def test_a_push_to_some_actors_only_still_carries_the_trainers_number(cluster):
+    """RayCollector(sync=False) updates only the actor that delivered: the actors' pushes are
+    numbered by the trainer, not by each actor (whose own counts would drift apart)."""
+    policy = make_probe_policy()
+    fill(policy, 0)
+    collector = ray_collector(policy, sync=False, total_frames=1000, update_after_each_batch=True)
+    pids = actor_pids(collector)
+    per_actor = {1: [], 2: []}
+    try:
+        for i, batch in enumerate(collector):
+            actor = 2 if float(batch["observation"].mean()) > 50 else 1
+            per_actor[actor] += tags_match_weights(batch)
+            fill(policy, i + 1)  # TorchRL then pushes it, as push i + 1, to this actor alone
+    finally:
+        collector.shutdown()
+    assert per_actor[1] and per_actor[2], per_actor
+    for versions in per_actor.values():
+        assert versions == sorted(versions), f"an actor went back: {per_actor}"
+    assert stores_of(pids) == []
+
+
+def test_killed_actors_and_a_ray_shutdown_leave_no_store(cluster):
+    policy = make_probe_policy()
+    collector = ray_collector(policy, sync=True, total_frames=100_000)
+    pids = actor_pids(collector)
+    it = iter(collector)
+    next(it)
+    # Killed as Ray kills them (with their workers), in the middle of a run: nothing to clean up.
+    ray.kill(collector.remote_collectors[0])
+    with pytest.raises(ray.exceptions.RayError):
+        for _ in range(5):
+            next(it)
+    ray.shutdown()  # the other actor, with no shutdown() first
+    assert stores_of(pids) == []
