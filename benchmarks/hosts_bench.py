@@ -1,8 +1,15 @@
-"""shmsync across hosts: a relay's time from publish to visible on another host, against a raw
-gloo send of the same bytes, and the bytes sent per publish per host.
+"""shmsync across hosts: a relay tree's time from publish() to visible on each host, and the
+trainer's bytes sent per publish, against raw sends of the same bytes measured in the same run.
 
-The other host is simulated on this machine: a process with a store directory of its own,
-linked over loopback. Prints a table; ``--quick`` for fewer repetitions.
+    python benchmarks/hosts_bench.py            # full run (a few minutes on 2 cores)
+    python benchmarks/hosts_bench.py --quick    # fewer repetitions and hosts
+    python benchmarks/hosts_bench.py --docs     # also write the tables into docs/results/
+
+Hosts are simulated on this machine: each is a process with a store folder of its own, its
+relay linked over loopback. All of them share this machine's cores, so the last of H hosts
+cannot be faster than the cores can move H copies: the floor for it is H raw gloo sends of the
+payload between H pairs of processes, started together, until the last completes. The first
+host is set against one raw send. Compare the ratios, not the times.
 """
 
 from __future__ import annotations
@@ -11,7 +18,10 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import platform
+import socket
 import statistics
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -22,151 +32,188 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 SIZES = {"1MB": 1 << 20, "16MB": 16 << 20}
+SECRET = "the hosts benchmark's relay secret"
 
 
 def weights(nbytes: int, value: float = 0.0) -> TensorDict:
     return TensorDict({"w": torch.full((nbytes // 4,), value)})
 
 
-def _host(host_dir: str, port: int, conn) -> None:
-    """The other host: a relay, and a watcher noting when each version becomes visible there."""
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- a simulated host: its relay, and the time each version becomes visible there ------------------
+def _host(host_dir: str, port: int, index: int, seen, reps: int, conn) -> None:
     import threading
 
-    from shmsync import StoreNotFoundError, WeightStore, _segment
+    torch.set_num_threads(1)
+    from shmsync import _segment
     from shmsync.relay import Relay
 
     _segment.SHM_DIR = host_dir
-    relay = Relay("127.0.0.1", port, store="bench")
+    relay = Relay("127.0.0.1", port, store="bench", secret=SECRET, timeout=60)
     runner = threading.Thread(target=relay.run, daemon=True)
     runner.start()
-    while True:
-        try:
-            store = WeightStore.attach("bench")
-            break
-        except StoreNotFoundError:
-            time.sleep(0.001)
-    seen: dict[int, int] = {}
-    last = store.version
-    conn.send(("ready", last))
-    while runner.is_alive():
-        v = store.version
-        if v != last:
-            seen[v] = time.monotonic_ns()
-            last = v
-        time.sleep(50e-6)  # a spinning watcher would hold the GIL from the relay's thread
-    conn.send(("seen", seen))
-    store.close()
+    while relay.store is None:
+        time.sleep(0.001)
+
+    def visible(version: int) -> None:
+        if 0 < version <= reps:
+            seen[index * (reps + 1) + version] = time.monotonic_ns()
+
+    relay.store.add_publish_listener(visible)  # runs as the version commits: no polling
+    conn.send(("ready", relay.parent, relay.serving))
+    runner.join()
     relay.close()
 
 
-def _raw_receiver(port: int, nbytes: int, reps: int, conn) -> None:
-    tcp = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=60))
-    pg = _pair(tcp, 1)
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    done = []
-    for _ in range(reps):
-        pg.recv([buf], 0, 0).wait()
-        done.append(time.monotonic_ns())
-    conn.send(done)
-
-
-def _pair(tcp, rank: int):
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timedelta(seconds=60)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    return dist.ProcessGroupGloo(dist.PrefixStore("raw/", tcp), rank, 2, opts)
-
-
-def free_port() -> int:
-    return free_ports(1)
-
-
-def free_ports(n: int) -> int:
-    """A port p with p .. p+n-1 free."""
-    import socket
-
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("", 0))
-            base = s.getsockname()[1]
-        try:
-            for p in range(base, min(base + n, 65536)):
-                with socket.socket() as t:
-                    t.bind(("", p))
-            if base + n <= 65536:
-                return base
-        except OSError:
-            continue
-    raise RuntimeError("no free block of ports")
-
-
-def bench_relay(nbytes: int, reps: int) -> dict:
+def bench_tree(nbytes: int, hosts: int, fanout: int, reps: int) -> dict:
+    """publish() to visible on every host of a tree, and the trainer's bytes sent per publish."""
     from shmsync import WeightStore
     from shmsync.relay import RelaySender
 
     ctx = mp.get_context("spawn")
+    seen = ctx.Array("q", hosts * (reps + 1), lock=False)
     source = weights(nbytes)
-    store = WeightStore.create(source)
-    port = free_port()
-    host_dir = tempfile.mkdtemp(prefix="shmsync-host-")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_host, args=(host_dir, port, child))
+    store = WeightStore.create(source, num_slots=max(3, fanout + 2))
+    procs, dirs = [], [tempfile.mkdtemp(prefix="shmsync-host-") for _ in range(hosts)]
     try:
-        with RelaySender(store, "127.0.0.1", port) as sender:
-            proc.start()
-            assert parent.poll(60) and parent.recv()[0] == "ready"
+        with RelaySender(store, "127.0.0.1", 0, secret=SECRET, fanout=fanout) as sender:
+            for i, host_dir in enumerate(dirs):  # one after the other: the tree's shape is known
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_host, args=(host_dir, sender.port, i, seen, reps, child), daemon=True)
+                proc.start()
+                procs.append((proc, parent))
+                if not parent.poll(120):
+                    raise RuntimeError(f"host {i}'s relay did not start")
+                parent.recv()
+            time.sleep(0.2)
+            sent_before = sum(sender.bytes_sent.values())
             started = {}
-            for i in range(1, reps + 1):
-                source["w"].fill_(i)
-                started[store.version + 1] = time.monotonic_ns()
-                store.publish(source)
-                deadline = time.monotonic() + 30
-                while sender.relays.get(1, -1) < store.version and time.monotonic() < deadline:
-                    time.sleep(0.0002)  # one version in flight at a time: latency, not throughput
-                time.sleep(0.002)
-            sent = sender.bytes_sent.get(1, 0)
-            per_relay_versions = reps + 1  # version 0 on joining, then each publish
-        _, seen = parent.recv()
+            for v in range(1, reps + 1):
+                source["w"].fill_(v)
+                started[v] = time.monotonic_ns()
+                store.publish(source, version=v)
+                deadline = time.monotonic() + 60
+                while any(seen[h * (reps + 1) + v] == 0 for h in range(hosts)):  # one version at a time
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"version {v} did not reach every host")
+                    time.sleep(0.0002)
+                time.sleep(0.003)
+            sent = sum(sender.bytes_sent.values()) - sent_before
     finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
+        for proc, _ in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
         store.close()
-    latency = [(seen[v] - t) / 1e9 for v, t in started.items() if v in seen]
-    return {"bytes": nbytes, "visible": latency, "bytes_per_publish": sent / per_relay_versions}
+    times = [[(seen[h * (reps + 1) + v] - started[v]) / 1e9 for v in started] for h in range(hosts)]
+    per_version = list(zip(*times))
+    return {
+        "bytes": nbytes,
+        "hosts": hosts,
+        "fanout": fanout,
+        "first": [min(t) for t in per_version],
+        "last": [max(t) for t in per_version],
+        "bytes_per_publish": sent / reps,
+    }
 
 
-def bench_raw(nbytes: int, reps: int) -> list[float]:
+# -- the floors: raw sends of the same bytes between pairs of processes ------------------------------
+def _raw_peer(kind: str, rank: int, port: int, pair: int, nbytes: int, reps: int, go, done, conn) -> None:
+    torch.set_num_threads(1)
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    if kind == "gloo":
+        tcp = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=120))
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timedelta(seconds=120)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pair-{pair}/", tcp), rank, 2, opts)
+
+        def send() -> None:
+            pg.send([buf], 1, 0).wait()
+
+        def recv() -> None:
+            pg.recv([buf], 0, 0).wait()
+    else:  # a plain TCP socket: the relay's own transport
+        if rank == 0:
+            server = socket.create_server(("127.0.0.1", 0))
+            conn.send(server.getsockname()[1])
+            sock, _ = server.accept()
+        else:
+            sock = socket.create_connection(("127.0.0.1", conn.recv()))
+        view = memoryview(buf.numpy())
+
+        def send() -> None:
+            sock.sendall(view)
+
+        def recv() -> None:
+            got = 0
+            while got < nbytes:
+                got += sock.recv_into(view[got:])
+
+    conn.send("ready")
+    for r in range(reps):
+        go[r].wait()
+        if rank == 0:
+            send()
+        else:
+            recv()
+            done[pair * reps + r] = time.monotonic_ns()
+
+
+def bench_raw(kind: str, nbytes: int, pairs: int, reps: int) -> list[float]:
+    """``pairs`` raw sends of ``nbytes`` started together, until the last completes, ``reps`` times."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    tcp = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=60), wait_for_workers=False)
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_raw_receiver, args=(port, nbytes, reps, child))
-    proc.start()
-    pg = _pair(tcp, 0)
-    buf = torch.ones(nbytes, dtype=torch.uint8)
-    began = []
-    for _ in range(reps):
-        began.append(time.monotonic_ns())
-        pg.send([buf], 1, 0).wait()
-        time.sleep(0.005)  # let the receiver note its time before the next
-    done = parent.recv()
-    proc.join(30)
-    return [(d - b) / 1e9 for b, d in zip(began, done)]
+    tcp = None
+    if kind == "gloo":
+        tcp = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=120), wait_for_workers=False)
+    go = [ctx.Event() for _ in range(reps)]
+    done = ctx.Array("q", pairs * reps, lock=False)
+    procs, conns = [], []
+    for pair in range(pairs):
+        ends = []
+        for rank in (0, 1):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_raw_peer, args=(kind, rank, port, pair, nbytes, reps, go, done, child), daemon=True
+            )
+            proc.start()
+            procs.append(proc)
+            ends.append(parent)
+        if kind == "tcp":
+            ends[1].send(ends[0].recv())  # the receiver connects where the sender listens
+        conns += ends
+    try:
+        for c in conns:
+            if not c.poll(120) or c.recv() != "ready":
+                raise RuntimeError("a raw peer did not start")
+        time.sleep(0.2)
+        out = []
+        for r in range(reps):
+            began = time.monotonic_ns()
+            go[r].set()
+            deadline = time.monotonic() + 60
+            while any(done[p * reps + r] == 0 for p in range(pairs)):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("a raw send did not complete")
+                time.sleep(0.0002)
+            out.append((max(done[p * reps + r] for p in range(pairs)) - began) / 1e9)
+            time.sleep(0.003)
+        return out
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        del tcp
 
 
-def bench_copy(nbytes: int, reps: int) -> list[float]:
-    """One plain copy of the payload (the relay copies it twice: into the trainer's store, out of it)."""
-    a, b = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    out = []
-    for _ in range(reps):
-        a.add_(1)  # as after an optimizer step: the source was just written
-        t = time.perf_counter()
-        b.copy_(a)
-        out.append(time.perf_counter() - t)
-    return out
-
-
+# -- TorchRL's distributed collector with shmsync as each node's local leg ---------------------------
 def _distributed_row(kind: str, nbytes: int, batches: int, conn) -> None:
     import sync_bench
     from torchrl.collectors import MultiSyncCollector
@@ -184,7 +231,7 @@ def _distributed_row(kind: str, nbytes: int, batches: int, conn) -> None:
         num_workers_per_collector=2,
         collector_kwargs=local,
         launcher="mp",
-        tcp_port=str(free_ports(3)),
+        tcp_port=str(_free_block(3)),
     )
     cycles, frames, tagged = [], 0, 0
     try:
@@ -203,10 +250,23 @@ def _distributed_row(kind: str, nbytes: int, batches: int, conn) -> None:
     conn.send(row)
 
 
+def _free_block(n: int) -> int:
+    """A port p with p .. p+n-1 free (the distributed collectors use tcp_port, +1 and +2)."""
+    for _ in range(100):
+        base = free_port()
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as t:
+                    t.bind(("", p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free block of ports")
+
+
 def bench_distributed(nbytes: int, batches: int) -> list[dict]:
-    """TorchRL's DistributedSyncCollector, 2 nodes of 2 workers, pushing the weights before
-    every batch: each node's local leg with TorchRL's default scheme against shmsync's (each in
-    a fresh process, as a training script would be)."""
+    """DistributedSyncCollector, 2 nodes of 2 workers, pushing before every batch: each node's
+    local leg with TorchRL's default scheme, then shmsync's (each in a fresh process)."""
     ctx = mp.get_context("spawn")
     out = []
     for kind in ("TorchRL default", "shmsync"):
@@ -221,44 +281,117 @@ def bench_distributed(nbytes: int, batches: int) -> list[dict]:
     return out
 
 
+# -- the report ----------------------------------------------------------------------------------
+def ms(x: float) -> str:
+    return f"{x * 1e3:.2f} ms"
+
+
+def table(title: str, head: list[str], rows: list[list[str]], note: str = "") -> str:
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = [f"## {title}", "  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines) + (f"\n{note}" if note else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and hosts")
     parser.add_argument("--out", default="benchmarks/results/hosts_bench.json")
+    parser.add_argument("--docs", action="store_true", help="also write the tables into docs/results/hosts_bench.md")
+    parser.add_argument("--no-distributed", action="store_true", help="leave TorchRL's distributed collector out")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    reps = 15 if args.quick else 60
-    rows, report = [], []
+    reps = {"1MB": 12 if args.quick else 40, "16MB": 6 if args.quick else 20}
+    host_counts = [2, 4] if args.quick else [2, 4, 8]
+    started = time.perf_counter()
+    machine = {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
+    report: dict = {"machine": machine}
+    p50 = statistics.median
+    one_host, trees = [], []
     for label, nbytes in SIZES.items():
-        relay = bench_relay(nbytes, reps)
-        raw = bench_raw(nbytes, reps)
-        copy = bench_copy(nbytes, reps)
-        vis, floor, one_copy = (statistics.median(x) for x in (relay["visible"], raw, copy))
-        report.append({"payload": label, **relay, "raw_gloo": raw, "copy": copy})
-        with_copies = floor + 2 * one_copy
-        rows.append(
-            f"| {label} | {vis * 1e3:.2f} ms | {floor * 1e3:.2f} ms | {vis / floor:.2f}x | "
-            f"{with_copies * 1e3:.2f} ms | {vis / with_copies:.2f}x | "
-            f"{relay['bytes_per_publish']:.0f} B ({relay['bytes_per_publish'] - nbytes:.0f} B over the payload) |"
+        n = reps[label]
+        print(f"{label}: one host ...", file=sys.stderr, flush=True)
+        relay = bench_tree(nbytes, 1, 2, n)
+        gloo, tcp = bench_raw("gloo", nbytes, 1, n), bench_raw("tcp", nbytes, 1, n)
+        one_host.append({"payload": label, "relay": relay, "raw_gloo": gloo, "raw_tcp": tcp})
+        for hosts in host_counts:
+            print(f"{label}: {hosts} hosts ...", file=sys.stderr, flush=True)
+            floor = bench_raw("gloo", nbytes, hosts, n)
+            tree = bench_tree(nbytes, hosts, 2, n)
+            star = bench_tree(nbytes, hosts, hosts, n)
+            trees.append({"payload": label, "hosts": hosts, "tree": tree, "star": star, "floor": floor})
+    report["one_host"], report["trees"] = one_host, trees
+
+    rows = []
+    for r in one_host:
+        vis, gloo, tcp = p50(r["relay"]["first"]), p50(r["raw_gloo"]), p50(r["raw_tcp"])
+        rows.append([r["payload"], ms(vis), ms(gloo), f"{vis / gloo:.2f}x", ms(tcp), f"{vis / tcp:.2f}x"])
+    parts = [
+        f"# shmsync hosts benchmark: {machine['cores']} cores, Python {machine['python']}, torch {machine['torch']}",
+        table(
+            "Another host: publish() to visible in its store (p50), against one raw send of the same bytes",
+            ["payload", "relay", "raw gloo send", "relay / gloo", "raw TCP send", "relay / TCP"],
+            rows,
+            "publish() to visible includes publish's own copy into the trainer's store; the relay sends from\n"
+            "that slot as it lies and receives straight into a free slot of the other host's store.",
+        ),
+    ]
+    rows = []
+    for r in trees:
+        floor, first_floor = p50(r["floor"]), p50(next(o["raw_gloo"] for o in one_host if o["payload"] == r["payload"]))
+        for shape in ("tree", "star"):
+            x = r[shape]
+            nbytes = x["bytes"]
+            first, last = p50(x["first"]), p50(x["last"])
+            rows.append(
+                [
+                    r["payload"],
+                    str(r["hosts"]),
+                    "fanout 2" if shape == "tree" else "one link per host",
+                    f"{x['bytes_per_publish'] / nbytes:.2f}x",
+                    ms(first),
+                    f"{first / first_floor:.2f}x",
+                    ms(last),
+                    ms(floor),
+                    f"{last / floor:.2f}x",
+                ]
+            )
+    parts.append(
+        table(
+            "H hosts: the trainer's egress and publish() to visible on the first and the last host (p50)",
+            ["payload", "H", "relays", "sent / payload", "first", "first / 1 send", "last", "H sends", "last / H"],
+            rows,
+            "sent / payload: the trainer's bytes sent per publish over the payload. H sends: H raw gloo sends of\n"
+            "the payload between H pairs of processes, started together, until the last completes (what the\n"
+            "cores can move); 1 send: one raw gloo send, for the first host.",
         )
-    print("## Another host (loopback): publish() to visible in that host's store, p50")
-    print(
-        "| payload | shmsync relay | raw gloo send of the same bytes | ratio | raw send + 2 copies | ratio "
-        "| sent per publish per host |"
     )
-    print("|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
-    dist_rows = bench_distributed(1 << 20, 10 if args.quick else 40)
-    print("\n## DistributedSyncCollector, 2 nodes x 2 workers, Pendulum, 1 MB policy, a push before every batch")
-    print("| each node's local scheme | frames/s | trainer's cycle p50 | batches carrying the trainer's version |")
-    print("|---|---|---|---|")
-    for r in dist_rows:
-        share = 100 * r["batches_with_versions"]
-        print(f"| {r['local']} | {r['fps']:.0f} | {r['cycle_p50'] * 1e3:.1f} ms | {share:.0f}% |")
-    report.append({"distributed": dist_rows})
+    if not args.no_distributed:
+        print("distributed collector ...", file=sys.stderr, flush=True)
+        dist_rows = bench_distributed(1 << 20, 10 if args.quick else 40)
+        report["distributed"] = dist_rows
+        parts.append(
+            table(
+                "DistributedSyncCollector, 2 nodes x 2 workers, Pendulum, 1 MB policy, a push before every batch",
+                ["each node's local scheme", "frames/s", "trainer's cycle p50", "batches with the trainer's version"],
+                [
+                    [r["local"], f"{r['fps']:.0f}", ms(r["cycle_p50"]), f"{100 * r['batches_with_versions']:.0f}%"]
+                    for r in dist_rows
+                ],
+            )
+        )
+    report["seconds"] = time.perf_counter() - started
+    text = "\n\n".join(parts)
+    print(text)
+    if args.docs:
+        from sync_bench import write_docs_page
+
+        write_docs_page(Path(__file__).resolve().parents[1] / "docs/results/hosts_bench.md", text, "hosts_bench.py")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
+    print(f"\nJSON written to {out} ({report['seconds']:.0f}s)", file=sys.stderr)
     return 0
 
 

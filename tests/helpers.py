@@ -365,6 +365,53 @@ def run_relay(host_dir: str, port: int, name: str, max_versions, precreate, conn
             existing.close()
 
 
+def tree_relay(host_dir: str, port: int, name: str, conn) -> None:
+    """A relay of a tree for host ``host_dir``. Reports ("attached", parent address, its own serving
+    address) each time it (re-)attaches, and on "report": ("versions", every version published on
+    its host, each with whether its weights were whole), then ("done", ...) or ("error", ...) when
+    ``run`` ends. Each published version's weights are checked right as it commits."""
+    import threading
+
+    use_store_dir(host_dir)
+    from shmsync.relay import Relay
+
+    relay = Relay("127.0.0.1", port, store=name, secret=SECRET, timeout=30)
+    published = []  # (version, whole)
+    reported = [0]
+    lock = threading.Lock()
+
+    def say(*message):
+        with lock:
+            conn.send(message)
+
+    def on_publish(version):
+        values = {float(t.flatten()[0]) for t in relay.store.snapshot().weights.values()}
+        values |= {float(t.flatten()[-1]) for t in relay.store.snapshot().weights.values()}
+        published.append((version, values == {float(version)}))
+
+    def watch():
+        listening = None
+        while True:
+            if relay.attachments != reported[0]:
+                reported[0] = relay.attachments
+                say("attached", relay.parent, relay.serving)
+            if relay.store is not None and listening is not relay.store:
+                listening = relay.store
+                published.append((relay.store.version, True))  # the first version made the store
+                relay.store.add_publish_listener(on_publish)
+            if conn.poll(0.02) and conn.recv() == "report":
+                say("versions", list(published))
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        relay.run()
+        say("done", relay.received, relay.store.version if relay.store else None)
+    except Exception as e:
+        say("error", type(e).__name__, str(e))
+    finally:
+        relay.close()
+
+
 def follow(host_dir: str, name: str, sizes, last: int, conn) -> None:
     """A reader on host ``host_dir``: loads every version it sees until ``last``; reports, per
     load, (version, distinct values in the weights)."""

@@ -511,3 +511,133 @@ def test_a_trainer_without_the_secret_is_refused_at_once(one_host):
     error, _ = _relay_against(fake, one_host, timeout=30)
     assert type(error).__name__ == "AuthenticationError" and time.monotonic() - began < 5
     assert fake.attempts == 1 and os.listdir(one_host) == []
+
+
+# -- trees of relays -----------------------------------------------------------------------------
+def _hosts(tmp_path, n):
+    paths = []
+    for i in range(n):
+        path = tmp_path / f"host-{i}"
+        path.mkdir()
+        paths.append(str(path))
+    return paths
+
+
+def _grow(start, sender, hosts):
+    """A tree relay per host, started one after the other (so the tree's shape is known):
+    returns the relays and, per relay, the address it receives from and the one it serves."""
+    relays, where = [], []
+    for host in hosts:
+        relay = start(helpers.tree_relay, host, sender.port, "policy")
+        parent, serving = relay.expect("attached", timeout=60)
+        relays.append(relay)
+        where.append((tuple(parent), tuple(serving)))
+    return relays, where
+
+
+def _versions(relay):
+    relay.conn.send("report")
+    (published,) = relay.expect("versions")
+    return published
+
+
+def _wait_versions(relays, last, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = [_versions(r) for r in relays]
+        if all(p and p[-1][0] == last for p in seen) or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("fanout", [1, 2], ids=["chain", "tree"])
+def test_every_host_of_a_tree_gets_the_trainers_versions_and_the_trainer_sends_each_once_per_child(
+    store_factory, start, tmp_path, fanout
+):
+    weights = blob_weights(SIZES, 0.0)
+    store = store_factory(weights)
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET, fanout=fanout, bucket_bytes=256 << 10) as sender:
+        relays, where = _grow(start, sender, _hosts(tmp_path, 4))
+        parents = [parent for parent, _ in where]
+        trainer = ("127.0.0.1", sender.port)
+        assert parents.count(trainer) == fanout, f"the trainer feeds {parents.count(trainer)} relays: {where}"
+        if fanout == 1:  # a chain: each relay feeds the next
+            assert parents[1:] == [serving for _, serving in where[:-1]], where
+        before = dict(sender.bytes_sent)
+        for version in list(range(1, 11)) + [20]:
+            set_all(weights, version)
+            store.publish(weights, version=version)
+            time.sleep(0.02)
+        seen = _wait_versions(relays, 20)
+        sent = sum(sender.bytes_sent.values()) - sum(before.values())
+    for host, published in enumerate(seen):
+        versions = [v for v, _ in published]
+        assert versions[-1] == 20 and versions == sorted(set(versions)), f"host {host}: {published}"
+        assert set(versions) <= {0, *range(1, 11), 20}, f"host {host} published another number: {versions}"
+        assert all(whole for _, whole in published), f"host {host} published a mix of versions: {published}"
+    assert sent <= fanout * 11 * (store.nbytes + 64 * 1024), f"the trainer sent {sent} bytes for 11 publishes"
+    for relay in relays:
+        relay.expect("done")
+
+
+def test_a_killed_middle_relay_cuts_off_only_the_hosts_below_which_reattach_and_catch_up(
+    store_factory, start, tmp_path
+):
+    big = {"a": 3_000_000, "b": 7}  # 12 MB: a version is in flight along the chain for a while
+    weights = blob_weights(big, 0.0)
+    store = store_factory(weights)
+    hosts = _hosts(tmp_path, 4)
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET, fanout=1, bucket_bytes=1 << 20) as sender:
+        relays, where = _grow(start, sender, hosts)  # a chain: trainer -> 0 -> 1 -> 2 -> 3
+        version = 0
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:  # publish flat out: the chain is always forwarding
+            version += 1
+            set_all(weights, version)
+            store.publish(weights)
+        os.kill(relays[1].pid, signal.SIGKILL)
+        relays[1].proc.join(10)
+        # Hosts 2 and 3 lose their parent and go back to the trainer, which points them at a
+        # relay with room: host 2 under host 0, host 3 stays under host 2.
+        (parent, _) = relays[2].expect("attached", timeout=60)
+        assert tuple(parent) == where[0][1], f"host 2 re-attached under {parent}, not host 0"
+        for _ in range(3):
+            version += 1
+            set_all(weights, version)
+            store.publish(weights)
+        seen = _wait_versions([relays[0], relays[2], relays[3]], version)
+    for host, published in zip((0, 2, 3), seen):
+        versions = [v for v, _ in published]
+        assert versions[-1] == version, f"host {host} did not catch up: {versions[-5:]}"
+        assert versions == sorted(set(versions)) and all(whole for _, whole in published), (host, published)
+    for i in (0, 2, 3):
+        relays[i].expect("done")
+
+
+def test_a_stalled_middle_relay_holds_up_only_the_hosts_below_it(store_factory, start, tmp_path):
+    weights = blob_weights(SIZES, 0.0)
+    store = store_factory(weights)
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET, fanout=1, bucket_bytes=256 << 10) as sender:
+        relays, _ = _grow(start, sender, _hosts(tmp_path, 4))  # trainer -> 0 -> 1 -> 2 -> 3
+        os.kill(relays[1].pid, signal.SIGSTOP)
+        try:
+            slowest = 0.0
+            for version in range(1, 41):
+                set_all(weights, version)
+                began = time.perf_counter()
+                store.publish(weights)
+                slowest = max(slowest, time.perf_counter() - began)
+                time.sleep(0.005)
+            (first,) = _wait_versions([relays[0]], 40)
+            assert first[-1][0] == 40, "the host above the stalled relay fell behind the trainer"
+            assert slowest < 0.25, f"a publish took {slowest:.3f}s while a relay was stalled"
+            below = [_versions(r)[-1][0] for r in relays[2:]]
+            assert max(below) < 40, f"the hosts below a stalled relay kept up: {below}"
+        finally:
+            os.kill(relays[1].pid, signal.SIGCONT)
+        seen = _wait_versions(relays, 40)  # resumed: everyone catches up, latest first
+    for host, published in enumerate(seen):
+        assert published[-1][0] == 40 and all(whole for _, whole in published), (host, published)
+    assert len(seen[3]) < 41, "the hosts below were sent every version instead of the newest"
+    for relay in relays:
+        relay.expect("done")

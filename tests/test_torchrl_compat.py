@@ -108,13 +108,18 @@ def test_workers_the_scheme_never_reached_fail_the_first_update_loudly(monkeypat
     from shmsync import _scheme_sender
 
     monkeypatch.setattr(_scheme_sender, "ATTACH_PATIENCE", 2.0)
-    collector = MultiSyncCollector(
-        [make_pendulum] * 2,
-        make_probe_policy(),
-        frames_per_batch=40,
-        total_frames=-1,
-        weight_sync_schemes={"policy": _NeverReceived()},
-    )
+    try:
+        collector = MultiSyncCollector(
+            [make_pendulum] * 2,
+            make_probe_policy(),
+            frames_per_batch=40,
+            total_frames=-1,
+            weight_sync_schemes={"policy": _NeverReceived()},
+        )
+    except (RuntimeError, AttributeError) as e:
+        # torchrl <= 0.12 cannot even build its workers without the scheme: loud already.
+        assert compat.TORCHRL_VERSION < (0, 13), f"the collector failed to build: {e}"
+        return
     try:
         with pytest.raises(ShmSyncError, match=r"only 0 of the 2 worker readers attached .*first weights forever"):
             collector.update_policy_weights_()

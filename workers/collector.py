@@ -42,7 +42,8 @@ def load_object(path: str) -> Any:
 def run_worker(worker_id: int, config: WorkerConfig, queue: Any, parent_pid: int) -> None:
     """Entry point of a worker process (see :func:`shmsync.workers.launch.launch`).
 
-    Puts ``("batch", worker_id, batch)`` on ``queue`` for every rollout, then
+    Puts ``("started", worker_id, None)`` once SIGTERM stops it cleanly, ``("batch", worker_id,
+    batch)`` on ``queue`` for every rollout, then
     ``("exit", worker_id, reloads)`` when it stops; if it fails, ``("error", worker_id,
     exception)`` first, so the pool can raise the worker's own error at once.
     """
@@ -51,6 +52,7 @@ def run_worker(worker_id: int, config: WorkerConfig, queue: Any, parent_pid: int
     exit_with_parent(parent_pid)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    queue.put(("started", worker_id, None))  # from now on a SIGTERM stops it cleanly
     torch.set_num_threads(1)
     try:
         _collect(worker_id, config, queue, stopping)

@@ -69,6 +69,7 @@ class WorkerPool:
         self.config = config
         self.queue = ctx.Queue(maxsize=2 * num_workers)
         self.reloads: dict[int, int] = {}
+        self._started: set[int] = set()  # their SIGTERM handler is in place
         self._exited: set[int] = set()  # said goodbye: stopped cleanly
         self._failed: set[int] = set()  # reported an error
         self._backlog: list[tuple[str, int, Any]] = []  # batches read while looking for an error
@@ -161,6 +162,9 @@ class WorkerPool:
             self.reloads[worker_id] = payload
             self._exited.add(worker_id)
             return None
+        if kind == "started":
+            self._started.add(worker_id)
+            return None
         return message
 
     def _silently_dead(self) -> int | None:
@@ -185,10 +189,16 @@ class WorkerPool:
         Returns:
             ``{worker_id: exit code}``; 0 for a clean exit.
         """
+        deadline = time.monotonic() + timeout
+        # A worker still starting has no SIGTERM handler yet: a SIGTERM would kill it mid-import.
+        while time.monotonic() < deadline and any(
+            p.is_alive() and i not in self._started and i not in self._failed for i, p in enumerate(self.procs)
+        ):
+            self._drain()
+            time.sleep(0.02)
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
-        deadline = time.monotonic() + timeout
         while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
             self._drain()
             time.sleep(0.02)
@@ -216,6 +226,8 @@ class WorkerPool:
             if kind == "exit":
                 self.reloads[worker_id] = payload
                 self._exited.add(worker_id)
+            elif kind == "started":
+                self._started.add(worker_id)
 
     def __enter__(self) -> WorkerPool:
         return self
