@@ -169,6 +169,9 @@ def tune(sock: socket.socket) -> None:
 class Link:
     """One authenticated connection: frames out, checked frames in.
 
+    The socket is left blocking and times out through the kernel (``SO_RCVTIMEO``), set only when
+    the timeout changes: a receive is one system call, not a poll and a receive.
+
     Args:
         sock: the connected socket (after the handshake).
         peer: how messages name the other end (``"10.0.0.2:41234"``).
@@ -178,13 +181,22 @@ class Link:
         self.sock = sock
         self.peer = peer
         self.bytes_sent = 0
+        sock.settimeout(None)
+        self._timeout: float | None = None  # the socket's receive timeout now (None: none)
 
     # -- out -----------------------------------------------------------------------------------
     def send(self, kind: bytes, payload: bytes | memoryview = b"") -> None:
-        self.sock.sendall(FRAME.pack(kind, len(payload)))
-        if len(payload):
-            self.sock.sendall(payload)
-        self.bytes_sent += FRAME.size + len(payload)
+        # Header and payload in one system call: two sends would let the peer wake on the header
+        # and wait, a scheduler slice on a busy host, for the rest.
+        header, n = FRAME.pack(kind, len(payload)), len(payload)
+        sent = self.sock.sendmsg([header, payload]) if n else self.sock.send(header)
+        if sent < FRAME.size:
+            self.sock.sendall(header[sent:])
+            sent = FRAME.size
+        if sent < FRAME.size + n:
+            with memoryview(payload) as view:
+                self.sock.sendall(view[sent - FRAME.size :])
+        self.bytes_sent += FRAME.size + n
 
     def send_json(self, kind: bytes, doc: Any) -> None:
         self.send(kind, json.dumps(doc, separators=(",", ":")).encode())
@@ -198,8 +210,7 @@ class Link:
             ProtocolError: another kind, or more bytes than that kind may carry.
             EOFError: the peer closed the link.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        kind, length = FRAME.unpack(_recv_exactly(self.sock, FRAME.size, deadline, f"link to {self.peer}"))
+        kind, length = FRAME.unpack(self.recv_bytes(FRAME.size, timeout))
         if kind not in allowed:
             raise ProtocolError(
                 f"{self.peer} sent a {kind!r} message where only {sorted(k.decode() for k in allowed)} may come"
@@ -210,9 +221,17 @@ class Link:
         return kind, length
 
     def recv_bytes(self, n: int, timeout: float | None = None) -> bytes:
-        """The ``n``-byte payload of the frame just read (``n`` was checked by :meth:`recv_frame`)."""
+        """``n`` bytes (a frame's header, or the payload of the frame just read, ``n`` checked by
+        :meth:`recv_frame`), all within ``timeout`` seconds (None: however long it takes)."""
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
         deadline = None if timeout is None else time.monotonic() + timeout
-        return _recv_exactly(self.sock, n, deadline, f"link to {self.peer}")
+        while got < n:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ProtocolError(f"{self.peer} sent {got} of {n} bytes in time")
+            got += self.recv_into(view[got:], left)
+        return bytes(buf)
 
     def recv_json(self, allowed: dict[bytes, int], timeout: float | None = None) -> tuple[bytes, Any]:
         """The next frame, whose payload is a JSON document of at most ``allowed[kind]`` bytes."""
@@ -230,12 +249,17 @@ class Link:
             raise ProtocolError(f"{self.peer} sent a {kind.decode()} message that is not JSON ({e})") from None
 
     def recv_into(self, view: memoryview, timeout: float | None) -> int:
-        """Receive at most ``len(view)`` bytes straight into ``view``; returns how many (never 0)."""
-        self.sock.settimeout(timeout)
+        """Receive at most ``len(view)`` bytes straight into ``view``, waiting at most ``timeout``
+        seconds for the first (None: forever); returns how many (never 0)."""
+        if timeout != self._timeout:
+            seconds = 0.0 if timeout is None else max(timeout, 0.001)
+            tv = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self._timeout = timeout
         try:
             n = self.sock.recv_into(view)
-        except TimeoutError:
-            raise ProtocolError(f"{self.peer} stalled mid-message for over {timeout} s") from None
+        except (BlockingIOError, TimeoutError):
+            raise ProtocolError(f"{self.peer} stalled mid-message for over {timeout:.1f} s") from None
         if n == 0:
             raise EOFError(f"{self.peer} closed the link")
         return n
