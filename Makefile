@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?= -n 2
 
-# Older TorchRL minors the tests marked `torchrl` also run under, each in its own venv.
+# Older TorchRL minors the tests marked `torchrl` (TorchRL's call paths) also run under.
 TORCHRL_LEGS ?= 0.13 0.12 0.11
 
 .PHONY: install demo test test-main test-fast test-legs docs lint bench bench-quick clean
@@ -36,20 +36,22 @@ test-main: install
 test-fast: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not slow and not torchrl and not distributed and not cuda" tests shmsync
 
-# .venv-torchrl-0.13 (and so on): torch, then that TorchRL minor with its own tensordict minor,
-# then shmsync.
-.venv-torchrl-%/.installed: pyproject.toml
+# .venv-torchrl-0.13 (and so on): that TorchRL minor with its own tensordict minor, and shmsync.
+# Everything else (torch, pytest, ...) comes from .venv through a .pth line placed after this
+# venv's own packages, so the leg's torchrl and tensordict shadow .venv's and torch installs once.
+.venv-torchrl-%/.installed: $(VENV)/.installed pyproject.toml
+	rm -rf .venv-torchrl-$*
 	$(PYTHON) -m venv .venv-torchrl-$*
-	.venv-torchrl-$*/bin/python -m pip install -q --upgrade pip
-	.venv-torchrl-$*/bin/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
+	$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+		"$$(.venv-torchrl-$*/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_shmsync_base_venv.pth"
 	.venv-torchrl-$*/bin/python -m pip install -q "torchrl~=$*.0" "tensordict~=$*.0"
-	.venv-torchrl-$*/bin/python -m pip install -q -e ".[test]"
+	.venv-torchrl-$*/bin/python -m pip install -q --no-deps -e .
 	touch $@
 
 test-legs: $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed)
 	set -e; for v in $(TORCHRL_LEGS); do \
 		echo "== torchrl $$v: $$(.venv-torchrl-$$v/bin/python -c 'import torchrl, tensordict; print(torchrl.__version__, tensordict.__version__)')"; \
-		.venv-torchrl-$$v/bin/python -m pytest $(PYTEST_ARGS) -m "torchrl and not slow" tests; \
+		.venv-torchrl-$$v/bin/python -m pytest $(PYTEST_ARGS) -m torchrl tests; \
 	done
 
 docs: install

@@ -1,3 +1,4 @@
+import fcntl
 import multiprocessing as mp
 import os
 import signal
@@ -24,6 +25,17 @@ def _suite_leaves_no_store():
     yield
     left = stores_created_by({os.getpid()}) - before
     assert not left, f"the suite left stores in {_segment.SHM_DIR}: {sorted(left)}"
+
+
+@pytest.fixture
+def one_ray_cluster(tmp_path_factory):
+    """Held while a test runs a Ray cluster: one at a time across xdist workers (two clusters
+    at once on two cores slow each other several times over)."""
+    # The base temp folder's parent is shared by every xdist worker of this run.
+    path = tmp_path_factory.getbasetemp().parent / "ray-cluster.lock"
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # the test's timeout bounds the wait
+        yield
 
 
 @pytest.fixture

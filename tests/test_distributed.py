@@ -86,7 +86,7 @@ def assert_tagged_with_the_weights_that_acted(batch) -> list[int]:
 def test_distributed_sync_collector_with_shmsync_as_each_nodes_local_leg():
     policy = make_probe_policy()
     fill(policy, 0)  # the weights each node starts from: version 0
-    collector = two_nodes_with_shmsync("DistributedSyncCollector", policy, frames_per_batch=128, total_frames=1536)
+    collector = two_nodes_with_shmsync("DistributedSyncCollector", policy, frames_per_batch=128, total_frames=768)
     seen, batches = [], 0
     try:
         # Each batch starts with a push (update_interval=1): push n carries version n.
@@ -101,7 +101,7 @@ def test_distributed_sync_collector_with_shmsync_as_each_nodes_local_leg():
             batches += 1
     finally:
         collector.shutdown()
-    assert batches == 1536 // 128
+    assert batches == 768 // 128
     assert max(seen) >= batches - 2, f"the nodes fell behind the trainer's versions: {sorted(set(seen))}"
 
 
@@ -109,7 +109,7 @@ def test_distributed_sync_collector_with_shmsync_as_each_nodes_local_leg():
 def test_distributed_collector_carries_the_trainers_version_to_each_node_it_updates():
     policy = make_probe_policy()
     fill(policy, 0)
-    collector = two_nodes_with_shmsync("DistributedCollector", policy, frames_per_batch=64, total_frames=768)
+    collector = two_nodes_with_shmsync("DistributedCollector", policy, frames_per_batch=64, total_frames=512)
     version, batches = 0, []
     try:
         for batch in collector:
@@ -119,7 +119,7 @@ def test_distributed_collector_carries_the_trainers_version_to_each_node_it_upda
             collector.update_policy_weights_()  # the trainer's version `version`, to every node
     finally:
         collector.shutdown()
-    assert len(batches) == 768 // 64
+    assert len(batches) == 512 // 64
     # A node collects one batch each time TorchRL releases it, which it does right after that
     # node delivered and the update above; an update to every node may land while a node
     # collects, and its workers then load it at their next step. So each batch runs the version

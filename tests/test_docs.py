@@ -91,9 +91,9 @@ def _uses(name: str, code: str) -> bool:
 def _marks(code: str) -> list:
     marks = []
     if "torchrl" in code or any(_uses(name, code) for name in ("make_env", "policy", "trainer")):
-        # The pages show the newest torchrl, and each such block builds a collector: not a leg's
-        # test (the legs run what is marked torchrl and not slow).
-        marks += [pytest.mark.torchrl, pytest.mark.slow]
+        # The pages show the newest torchrl, and each such block builds a collector: slow, and
+        # not a leg's test (the legs run what is marked torchrl).
+        marks.append(pytest.mark.slow)
     if re.search(r"\bray\b|Distributed|RelaySender", code):
         marks.append(pytest.mark.distributed)
     return marks
@@ -116,7 +116,9 @@ def test_the_pages_have_their_blocks():
         for page, title, code in BLOCKS
     ],
 )
-def test_a_block_runs_as_written(tmp_path, page, title, code):
+def test_a_block_runs_as_written(request, tmp_path, page, title, code):
+    if re.search(r"\bray\b", code):
+        request.getfixturevalue("one_ray_cluster")  # one Ray cluster at a time
     (tmp_path / "block_definitions.py").write_text(DEFINITIONS)
     if re.search(r"^def test_", code, flags=re.M):
         path = tmp_path / "test_block.py"

@@ -20,6 +20,7 @@ ray = pytest.importorskip("ray")
 pytestmark = [
     pytest.mark.torchrl,
     pytest.mark.distributed,
+    pytest.mark.usefixtures("one_ray_cluster"),
     pytest.mark.timeout(300),
     pytest.mark.skipif(TORCHRL_VERSION < (0, 14), reason="RayCollector's schemes need torchrl >= 0.14"),
 ]
@@ -27,7 +28,8 @@ pytestmark = [
 
 @pytest.fixture
 def cluster(monkeypatch):
-    """A Ray cluster of this test's own on 127.0.0.1; its actors import the tests' helpers."""
+    """A Ray cluster of this test's own on 127.0.0.1 (the leak check after each test wants
+    none of its processes left); its actors import the tests' helpers."""
     tests = str(Path(__file__).resolve().parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
@@ -43,8 +45,9 @@ def fill(policy: torch.nn.Module, value: float) -> None:
             p.fill_(value)
 
 
-def ray_collector(policy, sync: bool, total_frames: int = 600, **kwargs):
-    """2 remote collectors (actor 2's observations shifted by +100) of 2 Pendulum workers each."""
+def ray_collector(policy, sync: bool, total_frames: int = 600, workers: int = 2, **kwargs):
+    """2 remote collectors (actor 2's observations shifted by +100) of ``workers`` Pendulum
+    workers each."""
     from torchrl.collectors import MultiSyncCollector
     from torchrl.collectors.distributed import RayCollector
 
@@ -52,7 +55,7 @@ def ray_collector(policy, sync: bool, total_frames: int = 600, **kwargs):
         [make_pendulum, make_marked_pendulum],
         policy,
         collector_class=MultiSyncCollector,
-        collector_kwargs={"num_workers": 2, "weight_sync_schemes": {"policy": ShmWeightSyncScheme()}},
+        collector_kwargs={"num_workers": workers, "weight_sync_schemes": {"policy": ShmWeightSyncScheme()}},
         remote_configs={"num_cpus": 1},
         frames_per_batch=100,
         total_frames=total_frames,
@@ -101,7 +104,8 @@ def test_a_push_to_some_actors_only_still_carries_the_trainers_number(cluster):
     numbered by the trainer, not by each actor (whose own counts would drift apart)."""
     policy = make_probe_policy()
     fill(policy, 0)
-    collector = ray_collector(policy, sync=False, total_frames=1000, update_after_each_batch=True)
+    # One worker per actor: what is under test is the numbering across actors.
+    collector = ray_collector(policy, sync=False, total_frames=600, workers=1, update_after_each_batch=True)
     pids = actor_pids(collector)
     per_actor = {1: [], 2: []}
     try:
@@ -119,7 +123,7 @@ def test_a_push_to_some_actors_only_still_carries_the_trainers_number(cluster):
 
 def test_killed_actors_and_a_ray_shutdown_leave_no_store(cluster):
     policy = make_probe_policy()
-    collector = ray_collector(policy, sync=True, total_frames=100_000)
+    collector = ray_collector(policy, sync=True, total_frames=100_000, workers=1)
     pids = actor_pids(collector)
     it = iter(collector)
     next(it)

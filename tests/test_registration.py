@@ -49,5 +49,5 @@ def test_a_config_driven_trainer_selects_shmsync_by_an_override(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["schemes"] == {"policy": "ShmWeightSyncScheme"}
-    # 10 batches, one publish after each: frames carry the versions as they were published.
-    assert result["versions"][0] == 0 and max(result["versions"]) >= 5, result
+    # 6 batches, one publish after each: frames carry the versions as they were published.
+    assert result["versions"][0] == 0 and max(result["versions"]) >= 3, result

@@ -136,7 +136,7 @@ def test_torn_read_stress(store_factory, start, ordering, monkeypatch):
     store = store_factory(blob_weights(STRESS, 0.0))
     assert (store.memory.protocol.fence is store.memory.protocol.full_fence) == (ordering == "weak")
     store.release_writer()
-    min_reloads = 2600
+    min_reloads = 1000
     readers = [start(stress_reader, store, STRESS, min_reloads) for _ in range(2)]
     for r in readers:
         r.expect("ready")
@@ -146,7 +146,7 @@ def test_torn_read_stress(store_factory, start, ordering, monkeypatch):
     w.conn.send("stop")
     w.expect("done")
     total = sum(r[0] for r in results)
-    assert total >= 5000, results
+    assert total >= 2000, results
     assert sum(r[1] for r in results) == 0, f"mixed versions loaded: {results}"
     assert sum(r[2] for r in results) == 0, f"loaded values differ from the version tag: {results}"
 
@@ -172,7 +172,7 @@ def test_stuck_or_killed_reader_never_blocks_writer(store_factory, start, how):
         deadline = time.monotonic() + 10
         while _state_of(stuck.pid) != "T" and time.monotonic() < deadline:
             time.sleep(0.01)
-    healthy = [start(stress_reader, store, STRESS, 300) for _ in range(2)]
+    healthy = [start(stress_reader, store, STRESS, 150) for _ in range(2)]
     for r in healthy:
         r.expect("ready")
     w = start(writer, store.name, STRESS, 10**9)

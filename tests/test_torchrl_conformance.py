@@ -31,7 +31,9 @@ from helpers import (
     write_rollout_count,
 )
 
-pytestmark = [pytest.mark.torchrl, pytest.mark.timeout(180)]
+# Each test builds collectors (slow); those marked torchrl also run under every torchrl minor.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+LEG = pytest.mark.torchrl
 
 COLLECTORS = [functools.partial(MultiSyncCollector, cat_results="stack"), MultiAsyncCollector]
 IDS = ["sync", "async"]
@@ -64,9 +66,17 @@ def _actions_become(it, value, batches=10):
 
 
 # -- 1. init_on_sender before any collector exists ------------------------------------------------
-@pytest.mark.parametrize("cls", COLLECTORS, ids=IDS)
-@pytest.mark.parametrize("how", ["model", "weights", "params_map", "device_map_fn"])
-def test_init_on_sender_before_the_collector(cls, how):
+# Each way of calling it once, on the two collectors in turn (the scheme does not see which).
+@pytest.mark.parametrize(
+    "how, cls",
+    [
+        pytest.param("model", COLLECTORS[0], id="model-sync"),
+        pytest.param("weights", COLLECTORS[1], id="weights-async"),
+        pytest.param("params_map", COLLECTORS[0], id="params_map-sync"),
+        pytest.param("device_map_fn", COLLECTORS[1], id="device_map_fn-async"),
+    ],
+)
+def test_init_on_sender_before_the_collector(how, cls):
     scheme = ShmWeightSyncScheme()
     trainer_policy = make_linear_policy(0.5)
     weights = TensorDict.from_module(trainer_policy).data
@@ -99,6 +109,7 @@ def test_init_on_sender_before_the_collector(cls, how):
     assert scheme.store.closed, "the collector's shutdown must free a pre-initialized scheme's store"
 
 
+@LEG
 def test_init_on_sender_without_anything_to_build_from_raises():
     with pytest.raises(ValueError, match="needs the collector"):
         ShmWeightSyncScheme().init_on_sender()
@@ -109,8 +120,8 @@ def test_init_on_sender_without_anything_to_build_from_raises():
 
 
 # -- 2. collectors built from policy_factory alone --------------------------------------------------
-@pytest.mark.parametrize("cls", COLLECTORS, ids=IDS)
-def test_policy_factory_without_policy(cls):
+def test_policy_factory_without_policy():
+    cls = MultiAsyncCollector  # the sync collector takes the same factory path (init_on_sender above)
     collector = cls(
         [make_pendulum] * 2,
         policy_factory=functools.partial(make_linear_policy, 0.25),
@@ -128,6 +139,7 @@ def test_policy_factory_without_policy(cls):
         collector.shutdown()
 
 
+@LEG
 def test_policy_factory_that_makes_no_module_raises():
     from torchrl.modules import RandomPolicy
 
@@ -146,7 +158,7 @@ def _distinct_factories(n=3):
     return [functools.partial(make_linear_policy, float(i)) for i in range(n)]
 
 
-@pytest.mark.parametrize("flag", [True, False], ids=["per_worker_weights", "auto"])
+@pytest.mark.parametrize("flag", [pytest.param(True, id="per_worker_weights"), pytest.param(False, id="auto")])
 def test_per_worker_weights_with_distinct_factories(flag):
     scheme = ShmWeightSyncScheme(per_worker_weights=flag)
     collector = MultiSyncCollector(
@@ -210,11 +222,11 @@ def test_per_worker_weights_under_async_collection():
         collector.shutdown()
 
 
-@pytest.mark.parametrize("cls", COLLECTORS, ids=IDS)
-def test_updating_some_workers_of_shared_weights_raises_and_writes_nothing(cls):
+def test_updating_some_workers_of_shared_weights_raises_and_writes_nothing():
+    # Checked in the scheme before anything is written, whichever collector calls it.
     policy = make_policy()
     scheme = ShmWeightSyncScheme()
-    collector = _collector(cls, [make_env] * 2, policy, scheme)
+    collector = _collector(MultiSyncCollector, [make_env] * 2, policy, scheme)
     try:
         with pytest.raises(ValueError, match="per_worker_weights=True"):
             collector.update_policy_weights_(worker_ids=[0])
@@ -262,10 +274,12 @@ def test_hook_setters_keep_the_poll_and_the_tag(cls):
 
 
 # -- 5. TorchRL's policy-version tracking -----------------------------------------------------------
-@pytest.mark.parametrize("cls", COLLECTORS, ids=IDS)
-def test_track_policy_version_reports_the_loaded_version(cls):
+# The sync collector: the async one reports through the same tracker, and its updates while it
+# collects are checked below.
+@LEG
+def test_track_policy_version_reports_the_loaded_version():
     def build():
-        return _collector(cls, [make_env] * 2, make_policy(), track_policy_version=True)
+        return _collector(MultiSyncCollector, [make_env] * 2, make_policy(), track_policy_version=True)
 
     collector = build()
     try:
@@ -302,50 +316,58 @@ def test_track_policy_version_reports_the_loaded_version(cls):
 
 
 # -- weights right after an update: parameters, buffers, every form TorchRL accepts ---------------------
-@pytest.mark.parametrize(
-    "form", ["implicit", "module", "policy_kwarg", "tensordict", "state_dict", "weights_dict", "model_id"]
-)
-def test_every_worker_holds_the_trainers_weights_after_an_update(form):
+FORMS = ["implicit", "module", "policy_kwarg", "tensordict", "state_dict", "weights_dict", "model_id"]
+
+
+@LEG
+def test_every_worker_holds_the_trainers_weights_after_an_update_in_every_form():
+    """One collector, updated in each form TorchRL accepts, each with weights of its own."""
     policy = make_scaled_policy()
     collector = _collector(MultiSyncCollector, [make_pendulum] * 2, policy)
     try:
         it = iter(collector)
         next(it)
-        trainer = make_scaled_policy()
-        with torch.no_grad():
-            trainer.module.linear.bias.fill_(0.75)
-            trainer.module.scale.fill_(2.0)  # a buffer
-        if form == "implicit":
-            TensorDict.from_module(trainer).to_module(policy)  # the collector's own policy, updated in place
-            collector.update_policy_weights_()
-        elif form == "module":
-            collector.update_policy_weights_(trainer)
-        elif form == "policy_kwarg":
-            collector.update_policy_weights_(policy=trainer)
-        elif form == "tensordict":
-            collector.update_policy_weights_(TensorDict.from_module(trainer))
-        elif form == "state_dict":
-            collector.update_policy_weights_(trainer.state_dict())
-        elif form == "weights_dict":
-            collector.update_policy_weights_(weights_dict={"policy": trainer})
-        else:
-            collector.update_policy_weights_(trainer, model_id="policy")
-        expected = trainer.state_dict()
-        state = collector.state_dict()
-        for w in range(2):
-            got = state[f"worker{w}"]["policy_state_dict"]
-            assert set(got) == set(expected)
-            for k in expected:
-                assert torch.equal(got[k], expected[k]), f"worker {w}: {k} differs"
-        batch = next(it)
-        assert torch.allclose(batch["action"], torch.full_like(batch["action"], 1.5))  # 0.75 * scale 2
+        for i, form in enumerate(FORMS, start=1):
+            trainer = make_scaled_policy()
+            bias = 0.125 * i
+            with torch.no_grad():
+                trainer.module.linear.bias.fill_(bias)
+                trainer.module.scale.fill_(2.0 + i)  # a buffer
+            if form == "implicit":
+                TensorDict.from_module(trainer).to_module(policy)  # the collector's own policy, updated in place
+                collector.update_policy_weights_()
+            elif form == "module":
+                collector.update_policy_weights_(trainer)
+            elif form == "policy_kwarg":
+                collector.update_policy_weights_(policy=trainer)
+            elif form == "tensordict":
+                collector.update_policy_weights_(TensorDict.from_module(trainer))
+            elif form == "state_dict":
+                collector.update_policy_weights_(trainer.state_dict())
+            elif form == "weights_dict":
+                collector.update_policy_weights_(weights_dict={"policy": trainer})
+            else:
+                collector.update_policy_weights_(trainer, model_id="policy")
+            expected = trainer.state_dict()
+            state = collector.state_dict()
+            for w in range(2):
+                got = state[f"worker{w}"]["policy_state_dict"]
+                assert set(got) == set(expected), form
+                for k in expected:
+                    assert torch.equal(got[k], expected[k]), f"{form}: worker {w}: {k} differs"
+            batch = next(it)
+            action = bias * (2.0 + i)
+            assert torch.allclose(batch["action"], torch.full_like(batch["action"], action)), form
+            assert (batch["policy_version"] == i).all(), form
     finally:
         collector.shutdown()
 
 
 # -- update_policy_weights_ while an asynchronous collection runs ---------------------------------------
-@pytest.mark.parametrize("cls", [MultiAsyncCollector, MultiSyncCollector], ids=["async", "sync"])
-def test_update_while_collecting_in_the_background(cls):
+@LEG
+def test_update_while_collecting_in_the_background():
+    """The asynchronous collection TorchRL runs in a background thread (``start()``)."""
+    cls = MultiAsyncCollector
     rb = ReplayBuffer(storage=LazyTensorStorage(2000))
     # The buffer's schema comes from the main process, where frames have no shmsync tag;
     # TorchRL's tracker column is in it, and reports the version each worker loaded.
@@ -377,6 +399,7 @@ def test_update_while_collecting_in_the_background(cls):
         collector.async_shutdown(timeout=10)
 
 
+@LEG
 def test_a_single_process_collector_says_the_scheme_has_nothing_to_do():
     from torchrl.collectors import Collector
 

@@ -7,7 +7,7 @@ from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 from helpers import pendulum_collector
 
-pytestmark = [pytest.mark.torchrl, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def test_staleness_aware_sampler_gates_exactly_the_frames_older_than_the_bound():
