@@ -32,11 +32,9 @@ def test_quickstart():
 
 
 @pytest.mark.timeout(300)
-# The default, the other collector with the other reload (the scheme's own tests cover each
-# alone), and TorchRL's scheme for comparison.
-@pytest.mark.parametrize(
-    "mode", [[], ["--async", "--zero-copy"], ["--scheme", "torchrl"]], ids=["default", "async-zero-copy", "torchrl"]
-)
+# The default, and the other collector with the other reload (the scheme's own tests cover
+# each alone); `--scheme torchrl` runs TorchRL's own scheme, which the example only times.
+@pytest.mark.parametrize("mode", [[], ["--async", "--zero-copy"]], ids=["default", "async-zero-copy"])
 def test_train_cartpole_tiny_budget(mode):
     out = _run(
         "examples/train_cartpole.py",
@@ -56,9 +54,6 @@ def test_train_cartpole_tiny_budget(mode):
         *mode,
     )
     assert "evaluation" in out and "frames/s" in out
-    if mode == ["--scheme", "torchrl"]:
-        assert "torchrl weight sync" in out
-        return
     assert "versions published   4" in out
     assert "staleness of frames" in out
     if mode == []:
