@@ -3,7 +3,7 @@
 Two mechanisms load new versions, each enough on its own, so that no single TorchRL call path
 carries the guarantee:
 
-- the policy's own **forward pre-hook** checks the version at every call (~60 ns when nothing
+- the policy's own **forward pre-hook** checks the version at every call (~0.1 us when nothing
   changed) and reloads when it changed: whatever path TorchRL takes to run the policy, its next
   call finds the newest version;
 - the worker's collector's **rollout** is shadowed by an instance attribute that polls before

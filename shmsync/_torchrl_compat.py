@@ -10,7 +10,7 @@ if TorchRL moved it, :class:`TorchRLChangedError` names it, the installed torchr
 known to work, instead of shmsync running on a guess.
 
 Whatever path TorchRL takes, no worker runs stale weights quietly: its policy checks the version
-at every call (a forward pre-hook, ~60 ns), so a rollout TorchRL starts without shmsync's poll
+at every call (a forward pre-hook, ~0.1 us), so a rollout TorchRL starts without shmsync's poll
 still loads the newest version at its first step; and the trainer checks, at its first update,
 that every worker attached to the store (:func:`shmsync._scheme_sender.SenderGroup`).
 """
