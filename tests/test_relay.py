@@ -137,6 +137,19 @@ def test_a_relay_killed_mid_receive_leaves_its_host_whole_and_a_new_relay_catche
     assert host_version == version
 
 
+def _publish_versions_timed(store, weights, last: int) -> float:
+    """Publish versions 1..``last`` (every weight = its version) a little apart; the slowest
+    publish() in seconds."""
+    slowest = 0.0
+    for version in range(1, last + 1):
+        set_all(weights, version)
+        began = time.perf_counter()
+        store.publish(weights)
+        slowest = max(slowest, time.perf_counter() - began)
+        time.sleep(0.005)
+    return slowest
+
+
 def test_a_stalled_host_slows_neither_the_trainer_nor_the_other_hosts(store_factory, start, tmp_path):
     hosts = [tmp_path / "host-b", tmp_path / "host-c"]
     for path in hosts:
@@ -149,13 +162,7 @@ def test_a_stalled_host_slows_neither_the_trainer_nor_the_other_hosts(store_fact
         stalled = relays[1]
         os.kill(stalled.pid, signal.SIGSTOP)  # host C stops receiving, mid-version or between
         try:
-            slowest = 0.0
-            for version in range(1, 41):
-                set_all(weights, version)
-                began = time.perf_counter()
-                store.publish(weights)
-                slowest = max(slowest, time.perf_counter() - began)
-                time.sleep(0.005)
+            slowest = _publish_versions_timed(store, weights, 40)
             wait_for(lambda: max(sender.relays.values()) == 40, what="the running host to get version 40")
             assert slowest < 0.25, f"a publish took {slowest:.3f}s while a host was stalled"
             assert min(sender.relays.values()) < 40, "the stalled host kept up: the test stalled nothing"
@@ -622,13 +629,7 @@ def test_a_stalled_middle_relay_holds_up_only_the_hosts_below_it(store_factory, 
         assert parents[1:] == [serving for _, serving in where[:-1]], f"not a chain: {where}"
         os.kill(relays[1].pid, signal.SIGSTOP)
         try:
-            slowest = 0.0
-            for version in range(1, 41):
-                set_all(weights, version)
-                began = time.perf_counter()
-                store.publish(weights)
-                slowest = max(slowest, time.perf_counter() - began)
-                time.sleep(0.005)
+            slowest = _publish_versions_timed(store, weights, 40)
             (first,) = _wait_versions([relays[0]], 40)
             assert first[-1][0] == 40, "the host above the stalled relay fell behind the trainer"
             assert slowest < 0.25, f"a publish took {slowest:.3f}s while a relay was stalled"
