@@ -6,6 +6,9 @@ import signal
 # Ray swaps a node address of 127.0.0.1 for the host's network address, and binds its servers
 # there, unless it runs as a single-node cluster: keep every server the tests start on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray starts its workers at niceness 15: beside other CPU-bound work they get a few percent of a
+# core and an actor takes minutes to import torch. The tests want them on equal terms.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import pytest
 
