@@ -127,6 +127,17 @@ def set_all(td: TensorDict, value: float) -> None:
         t.fill_(value)
 
 
+def fill(module: nn.Module, value: float) -> None:
+    """Every parameter of ``module`` set to ``value`` in place."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.fill_(value)
+
+
+# QValueActor's one-hot action when both Q-values are equal (all its weights zero).
+TIE = torch.tensor([1, 1])
+
+
 def mixed_values(module: nn.Module) -> set[float]:
     """Distinct values across all parameters and buffers (one value means one consistent version)."""
     vals = set()

@@ -12,7 +12,7 @@ import torch
 from shmsync import ShmWeightSyncScheme
 from shmsync._torchrl_compat import TORCHRL_VERSION
 
-from helpers import make_marked_pendulum, make_pendulum, make_probe_policy
+from helpers import fill, make_marked_pendulum, make_pendulum, make_probe_policy
 
 pytestmark = [pytest.mark.torchrl, pytest.mark.distributed, pytest.mark.timeout(240)]
 needs_0_14 = pytest.mark.skipif(TORCHRL_VERSION < (0, 14), reason="shmsync's local leg needs torchrl >= 0.14")
@@ -34,12 +34,6 @@ def free_ports(n: int = 3) -> int:
         except OSError:
             continue
     raise RuntimeError("no free block of ports")
-
-
-def fill(policy: torch.nn.Module, value: float) -> None:
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.fill_(value)
 
 
 def two_nodes_with_shmsync(name: str, policy, **kwargs):

@@ -13,7 +13,7 @@ import torch
 from shmsync import ShmWeightSyncScheme
 from shmsync._torchrl_compat import TORCHRL_VERSION
 
-from helpers import make_marked_pendulum, make_pendulum, make_probe_policy
+from helpers import fill, make_marked_pendulum, make_pendulum, make_probe_policy
 
 ray = pytest.importorskip("ray")
 
@@ -37,12 +37,6 @@ def cluster(monkeypatch):
         yield ray
     finally:
         ray.shutdown()
-
-
-def fill(policy: torch.nn.Module, value: float) -> None:
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.fill_(value)
 
 
 def ray_collector(policy, sync: bool, total_frames: int = 600, workers: int = 2, **kwargs):

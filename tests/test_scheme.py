@@ -11,6 +11,8 @@ from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
 from shmsync import ShmWeightSyncScheme, StoreNotFoundError, UpdateWeights, WeightStore, staleness
 
 from helpers import (
+    TIE,
+    fill,
     make_env,
     make_loss,
     make_marked_env,
@@ -25,14 +27,6 @@ from helpers import (
 # Each test builds collectors (slow); those marked torchrl also run under every torchrl minor.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-TIE = torch.tensor([1, 1])  # QValueActor's one-hot action when both Q-values are equal (all-zero weights)
-
-
-def _zero_(module):
-    with torch.no_grad():
-        for p in module.parameters():
-            p.zero_()
-
 
 def _is_tie(actions):
     return (actions == TIE).all(-1)
@@ -42,7 +36,7 @@ def _batch_after_publishing_zeros(collector, policy):
     """Collect one batch, zero the trainer's policy and publish it, then collect the next batch."""
     it = iter(collector)
     next(it)
-    _zero_(policy)
+    fill(policy, 0)
     collector.update_policy_weights_()
     return next(it)
 
@@ -74,7 +68,7 @@ def test_published_weights_reach_every_worker_and_edits_do_not(cls, workers, zer
         it = iter(collector)
         batch = next(it)
         assert (batch["policy_version"] == 0).all()
-        _zero_(policy)  # an in-place edit on the trainer, not published
+        fill(policy, 0)  # an in-place edit on the trainer, not published
         for _ in range(2 * workers):
             batch = next(it)
             assert (batch["policy_version"] == 0).all()
@@ -166,7 +160,7 @@ def test_two_keys_publish_atomically():
         assert store is schemes["env.transform"].store and store.destinations == ("policy", "env.transform")
         it = iter(collector)
         next(it)
-        _zero_(policy)
+        fill(policy, 0)
         with torch.no_grad():
             norm.loc.fill_(-1000.0)  # observations become >= 997 once it arrives
         collector.update_policy_weights_(weights_dict={"policy": policy, "env.transform": norm})

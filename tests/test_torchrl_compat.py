@@ -16,16 +16,10 @@ from torchrl.collectors import MultiSyncCollector
 from shmsync import ShmSyncError, ShmWeightSyncScheme
 from shmsync import _torchrl_compat as compat
 
-from helpers import make_pendulum, make_probe_policy
+from helpers import fill, make_pendulum, make_probe_policy
 
 pytestmark = [pytest.mark.torchrl, pytest.mark.timeout(240)]
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def fill(policy: torch.nn.Module, value: float) -> None:
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.fill_(value)
 
 
 def loads_every_version(collector, policy, batches: int = 5) -> None:

@@ -21,7 +21,9 @@ from shmsync import ShmWeightSyncScheme
 from shmsync._torchrl_compat import TORCHRL_VERSION
 
 from helpers import (
+    TIE,
     count_rollouts,
+    fill,
     linear_weights,
     make_env,
     make_linear_policy,
@@ -37,13 +39,6 @@ LEG = pytest.mark.torchrl
 
 COLLECTORS = [functools.partial(MultiSyncCollector, cat_results="stack"), MultiAsyncCollector]
 IDS = ["sync", "async"]
-TIE = torch.tensor([1, 1])  # QValueActor's action when all its weights are zero
-
-
-def _zero_(module):
-    with torch.no_grad():
-        for p in module.parameters():
-            p.zero_()
 
 
 def _collector(cls, envs, policy, scheme=None, frames_per_batch=40, **kwargs):
@@ -255,7 +250,7 @@ def test_hook_setters_keep_the_poll_and_the_tag(cls):
         collector.post_collect_hook = write_rollout_count
         it = iter(collector)
         next(it)
-        _zero_(policy)
+        fill(policy, 0)
         collector.update_policy_weights_()
         for _ in range(5):
             batch = next(it)
