@@ -137,16 +137,16 @@ def test_a_relay_killed_mid_receive_leaves_its_host_whole_and_a_new_relay_catche
     assert host_version == version
 
 
-def _publish_versions_timed(store, weights, last: int) -> float:
-    """Publish versions 1..``last`` (every weight = its version) a little apart; the slowest
-    publish() in seconds."""
+def _slowest_publish(store, weights, n: int = 40, gap: float = 0.0) -> float:
+    """Publish ``n`` more versions (every weight = its version), ``gap`` seconds apart; the
+    slowest publish() in seconds."""
     slowest = 0.0
-    for version in range(1, last + 1):
-        set_all(weights, version)
+    for _ in range(n):
+        set_all(weights, store.version + 1)
         began = time.perf_counter()
         store.publish(weights)
         slowest = max(slowest, time.perf_counter() - began)
-        time.sleep(0.005)
+        time.sleep(gap)
     return slowest
 
 
@@ -162,7 +162,7 @@ def test_a_stalled_host_slows_neither_the_trainer_nor_the_other_hosts(store_fact
         stalled = relays[1]
         os.kill(stalled.pid, signal.SIGSTOP)  # host C stops receiving, mid-version or between
         try:
-            slowest = _publish_versions_timed(store, weights, 40)
+            slowest = _slowest_publish(store, weights, 40, gap=0.005)
             wait_for(lambda: max(sender.relays.values()) == 40, what="the running host to get version 40")
             assert slowest < 0.25, f"a publish took {slowest:.3f}s while a host was stalled"
             assert min(sender.relays.values()) < 40, "the stalled host kept up: the test stalled nothing"
@@ -226,16 +226,6 @@ def test_workers_launched_with_a_relay_run_the_trainers_versions_and_stop_with_i
 
 
 # -- hostile peers ----------------------------------------------------------------------------
-def _publish_pace(store, weights, n=40):
-    """The slowest of ``n`` publishes, in seconds."""
-    slowest = 0.0
-    for _ in range(n):
-        began = time.perf_counter()
-        store.publish(weights)
-        slowest = max(slowest, time.perf_counter() - began)
-    return slowest
-
-
 def _stranger(port, secret=b"not the relay secret, but long", speak=True):
     """Connect as someone who does not hold the secret; returns every byte the server sent."""
     import socket as socket_module
@@ -259,14 +249,14 @@ def test_a_stranger_gets_a_nonce_and_nothing_else_and_the_trainer_keeps_its_pace
     weights = blob_weights(SIZES, 1.0)
     store = store_factory(weights)
     with RelaySender(store, "127.0.0.1", 0, secret=SECRET) as sender:
-        calm = _publish_pace(store, weights)
+        calm = _slowest_publish(store, weights)
         got = _stranger(sender.port)
         assert len(got) == len(_wire.MAGIC) + 32, "a peer without the secret was sent more than the nonce"
         wait_for(lambda: sender.refused == 1, what="the stranger to be refused")
         # A real relay still links, and the trainer publishes as before.
         relay = start_relay(start, host, sender.port)
         wait_for(lambda: sender.relays.get(1, -1) == store.version, what="the real relay to link")
-        assert _publish_pace(store, weights) < max(0.1, 20 * calm)
+        assert _slowest_publish(store, weights) < max(0.1, 20 * calm)
         assert sender.dropped == {}
     relay.expect("done")
 
@@ -292,7 +282,7 @@ def test_a_flood_of_silent_and_garbage_connections_neither_grows_the_trainer_nor
         assert threading.active_count() <= threads_before + 2 + 16, "a handshake thread per connection"
         relay = start_relay(start, host, sender.port)
         wait_for(lambda: 1 in sender.relays, timeout=45, what="a real relay to get past the flood")
-        assert _publish_pace(store, weights) < 0.25
+        assert _slowest_publish(store, weights) < 0.25
         for sock in flood:
             sock.close()
         began = time.monotonic()
@@ -325,7 +315,7 @@ def test_a_relay_that_proves_the_secret_but_breaks_the_protocol_is_dropped(store
             assert link.sock.recv(1) == b"", "the server kept a link that broke the protocol"
             link.close()
         wait_for(lambda: sender.refused == 4, what="each to be dropped")
-        assert _publish_pace(store, weights) < 0.25 and sender.relays == {}
+        assert _slowest_publish(store, weights) < 0.25 and sender.relays == {}
 
 
 @pytest.mark.timeout(60)
@@ -629,7 +619,7 @@ def test_a_stalled_middle_relay_holds_up_only_the_hosts_below_it(store_factory, 
         assert parents[1:] == [serving for _, serving in where[:-1]], f"not a chain: {where}"
         os.kill(relays[1].pid, signal.SIGSTOP)
         try:
-            slowest = _publish_versions_timed(store, weights, 40)
+            slowest = _slowest_publish(store, weights, 40, gap=0.005)
             (first,) = _wait_versions([relays[0]], 40)
             assert first[-1][0] == 40, "the host above the stalled relay fell behind the trainer"
             assert slowest < 0.25, f"a publish took {slowest:.3f}s while a relay was stalled"
