@@ -218,13 +218,16 @@ def bench_raw(kind: str, nbytes: int, pairs: int, reps: int) -> list[float]:
 # -- TorchRL's distributed collector with shmsync as each node's local leg ---------------------------
 def _distributed_row(kind: str, nbytes: int, batches: int, conn) -> None:
     import sync_bench
+    import torchrl.collectors.distributed as torchrl_distributed
     from torchrl.collectors import MultiSyncCollector
-    from torchrl.collectors.distributed import DistributedSyncCollector
 
+    import shmsync.distributed
     from shmsync import ShmWeightSyncScheme
 
     local = {"weight_sync_schemes": {"policy": ShmWeightSyncScheme()}} if kind == "shmsync" else {}
-    collector = DistributedSyncCollector(
+    # TorchRL's own class with its default local scheme; shmsync's subclass with shmsync's.
+    cls = shmsync.distributed if kind == "shmsync" else torchrl_distributed
+    collector = cls.DistributedSyncCollector(
         [sync_bench.make_env] * 2,
         sync_bench.make_policy(nbytes),
         frames_per_batch=256,

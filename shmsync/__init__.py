@@ -5,8 +5,9 @@ version with a :class:`WeightReader` when, and only when, it changed.
 :class:`UpdateWeights` and :class:`ShmWeightSyncScheme` plug into TorchRL.
 
 Names are imported on first use, so ``import shmsync`` (and the ``shmsync`` command) stays
-light; the store and the reader never import TorchRL. ``import shmsync`` also makes
-``"shmsync"`` a backend of TorchRL's ``WeightSyncScheme.from_backend`` (torchrl >= 0.14).
+light; the store and the reader never import TorchRL. The one thing ``import shmsync`` does in
+TorchRL is to make ``"shmsync"`` a backend of ``WeightSyncScheme.from_backend`` (torchrl >= 0.14),
+through TorchRL's public registry; TorchRL's classes and modules are left as they are.
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ _LAZY = {
     "WriterBusyError": "shmsync.errors",
     "ReloadTimeoutError": "shmsync.errors",
     "WriterGoneError": "shmsync.errors",
+    "TorchRLChangedError": "shmsync._torchrl_compat",
 }
 
 if TYPE_CHECKING:
+    from ._torchrl_compat import TorchRLChangedError
     from .errors import (
         ReloadTimeoutError,
         ShmSyncError,
@@ -75,6 +78,7 @@ __all__ = [
     "ShmWeightSyncScheme",
     "Snapshot",
     "StoreNotFoundError",
+    "TorchRLChangedError",
     "UpdateWeights",
     "WeightMismatchError",
     "WeightReader",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import tensordict
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torch.nn.parameter import is_lazy
@@ -22,7 +23,9 @@ from ._header import ALIGN, HEADER_BYTES, MAX_LAYOUT_BYTES, PAGE
 from .errors import StoreCorruptError, WeightMismatchError
 
 # Every dtype torch has, by the name a layout stores: never getattr(torch, name) on a name read from a file.
-DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+DTYPES = {
+    str(d).removeprefix("torch."): d for d in (getattr(torch, n) for n in dir(torch)) if isinstance(d, torch.dtype)
+}
 MAX_ENTRIES = 1 << 20
 MAX_RANK = 64
 MAX_KEY_DEPTH = 32
@@ -49,8 +52,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# tensordict's non-tensor containers (the public classes each tensordict minor has).
+_NON_TENSOR = tuple(
+    c for c in (getattr(tensordict, n, None) for n in ("NonTensorDataBase", "NonTensorStack")) if isinstance(c, type)
+)
+
+
 def _is_leaf(cls: type) -> bool:
-    return not issubclass(cls, TensorDictBase) or getattr(cls, "_is_non_tensor", False)
+    return not issubclass(cls, TensorDictBase) or issubclass(cls, _NON_TENSOR)
 
 
 def _leaves(td: TensorDictBase) -> list[tuple[tuple[str, ...], torch.Tensor]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Callable
 from typing import Any
 
 _TOKEN = re.compile(r"(\.)?([A-Za-z_][A-Za-z0-9_]*)|\[([^\]]+)\]")
@@ -37,11 +38,15 @@ def split_path(path: str) -> list[tuple[str, str | int]]:
     return parts
 
 
-def resolve_path(root: Any, path: str) -> Any:
+def resolve_path(root: Any, path: str, fallback: Callable[[Any, str], Any] | None = None) -> Any:
     """Follow ``path`` from ``root``.
 
-    Attribute names that are not attributes are also looked up in ``root._modules``
-    (where ``Trainer.register_module`` and ``nn.Module`` keep their children).
+    Args:
+        root: the object the path starts from.
+        path: attributes and ``[int]`` / ``['key']`` subscripts, e.g. ``"a.b[0]"``.
+        fallback: ``fallback(obj, name)`` looks up a name that is not an attribute of ``obj``
+            (say, a module added with ``Trainer.register_module``); it raises AttributeError if
+            it has none either.
 
     Raises:
         AttributeError: naming the part of the path that does not resolve.
@@ -51,7 +56,7 @@ def resolve_path(root: Any, path: str) -> Any:
     done = ""
     for kind, part in split_path(path):
         try:
-            obj = obj[part] if kind == "item" else _getattr(obj, part)
+            obj = obj[part] if kind == "item" else _getattr(obj, part, fallback)
         except (AttributeError, KeyError, IndexError, TypeError) as e:
             raise AttributeError(
                 f"path {path!r} does not resolve: {repr(done) if done else 'the root'} ({type(obj).__name__}) has no "
@@ -61,11 +66,10 @@ def resolve_path(root: Any, path: str) -> Any:
     return obj
 
 
-def _getattr(obj: Any, name: str) -> Any:
+def _getattr(obj: Any, name: str, fallback: Callable[[Any, str], Any] | None) -> Any:
     try:
         return getattr(obj, name)
     except AttributeError:
-        modules = getattr(obj, "_modules", None)
-        if isinstance(modules, dict) and name in modules:
-            return modules[name]
-        raise
+        if fallback is None:
+            raise
+        return fallback(obj, name)

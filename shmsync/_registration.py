@@ -1,23 +1,19 @@
-"""What ``import shmsync`` sets up in TorchRL, without importing it: each part is done when the
-TorchRL module it concerns is imported, whichever of the two comes first (at once if it already
-is, else by a finder that wraps that module's loading).
+"""The one thing ``import shmsync`` does in TorchRL: the ``"shmsync"`` entry of TorchRL's
+weight-sync backend registry (torchrl >= 0.14), made through TorchRL's public
+``register_weight_sync_backend``, so that ``WeightSyncScheme.from_backend("shmsync", ...)`` builds
+a :class:`~shmsync.ShmWeightSyncScheme` whichever of the two is imported first.
 
-- ``"shmsync"`` in TorchRL's weight-sync backend registry (torchrl >= 0.14), so that
-  ``WeightSyncScheme.from_backend("shmsync", ...)`` builds a :class:`~shmsync.ShmWeightSyncScheme`.
-- TorchRL's distributed collectors made ready for shmsync as each node's local scheme (see
-  :mod:`shmsync._distributed`), and its Ray scheme made to carry the trainer's versions (see
-  :mod:`shmsync._ray`).
-
-``import shmsync`` must stay light (workers and the CLI never load TorchRL or torch).
+``import shmsync`` must stay light (workers and the CLI never load TorchRL), so the entry is made
+at once if TorchRL's registry module is loaded, else right after it loads: a finder on
+``sys.meta_path`` waits for that one module, runs its code unchanged, then makes the entry, and
+removes itself. No other TorchRL module, class or attribute is touched.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.abc
 import importlib.util
 import sys
-from collections.abc import Callable
 from typing import Any
 
 REGISTRY_MODULE = "torchrl.weight_update.weight_sync_schemes"
@@ -36,17 +32,15 @@ class LazyScheme:
 
 
 def register(module: Any) -> None:
-    """Make the registry entry in TorchRL's loaded registry module (torchrl >= 0.14), through its
-    own ``register_weight_sync_backend``."""
+    """Make the registry entry in TorchRL's loaded registry module (torchrl >= 0.14)."""
     register_backend = getattr(module, "register_weight_sync_backend", None)
-    if callable(register_backend):
+    if callable(register_backend) and _supported():
         register_backend(BACKEND)(LazyScheme)
 
 
 def _supported() -> bool:
     """Whether the installed torchrl is one shmsync supports (read from its metadata: TorchRL is not
-    imported for this). Outside that range shmsync changes nothing in TorchRL; its scheme and hook
-    then refuse to import, saying why."""
+    imported for this). Outside that range the scheme refuses to import, saying why."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -56,58 +50,43 @@ def _supported() -> bool:
     return (0, 11) <= minor <= (0, 14)
 
 
-def _glue(module_name: str, patch: str) -> Callable[[Any], None]:
-    def run(module: Any) -> None:
-        if _supported():
-            getattr(importlib.import_module(module_name), patch)(module)
-
-    return run
-
-
-ON_IMPORT: dict[str, Callable[[Any], None]] = {
-    REGISTRY_MODULE: register,
-    "torchrl.collectors.distributed.sync": _glue("shmsync._distributed", "patch_sync_module"),
-    "torchrl.collectors.distributed.generic": _glue("shmsync._distributed", "patch_generic_module"),
-    "torchrl.weight_update._distributed": _glue("shmsync._distributed", "patch_scheme_module"),
-    "torchrl.weight_update._ray": _glue("shmsync._ray", "patch_scheme_module"),
-}
-
-
-class _OnImport(importlib.abc.MetaPathFinder):
-    def __init__(self, pending: dict[str, Callable[[Any], None]]) -> None:
-        self.pending = pending
+class _AfterRegistryLoads(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when TorchRL's registry module is looked up, it hands out that
+    module's own spec with a loader that runs the module's code, then :func:`register`."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None):
-        callback = self.pending.pop(name, None)
-        if callback is None:
+        if name != REGISTRY_MODULE:
             return None
-        if not self.pending:
-            sys.meta_path.remove(self)
-        # Not seen by this finder any more, so the lookup below finds the real spec.
+        sys.meta_path.remove(self)  # once: and the lookup below must not find this finder
         spec = importlib.util.find_spec(name)
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        exec_module = loader.exec_module
-
-        def exec_and_patch(module: Any) -> None:
-            exec_module(module)
-            callback(module)
-
-        loader.exec_module = exec_and_patch
+        spec.loader = _ThenRegister(loader)
         return spec
 
 
+class _ThenRegister(importlib.abc.Loader):
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        # The module ends up as any import leaves it: its own loader in its spec.
+        module.__loader__ = module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        register(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ... as the real loader has them
+        return getattr(self.loader, name)
+
+
 def install() -> None:
-    """Set up each part now if its TorchRL module is loaded, else as soon as it is."""
-    if any(isinstance(f, _OnImport) for f in sys.meta_path):
-        return
-    pending = {}
-    for name, callback in ON_IMPORT.items():
-        module = sys.modules.get(name)
-        if module is not None:
-            callback(module)
-        else:
-            pending[name] = callback
-    if pending:
-        sys.meta_path.insert(0, _OnImport(pending))
+    """Make the registry entry now if TorchRL's registry is loaded, else as soon as it is."""
+    module = sys.modules.get(REGISTRY_MODULE)
+    if module is not None:
+        register(module)
+    elif not any(isinstance(f, _AfterRegistryLoads) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterRegistryLoads())

@@ -3,9 +3,10 @@
 Two mechanisms load new versions, each enough on its own, so that no single TorchRL call path
 carries the guarantee:
 
-- the policy's own **forward pre-hook** checks the version at every call (~0.1 us when nothing
-  changed) and reloads when it changed: whatever path TorchRL takes to run the policy, its next
-  call finds the newest version;
+- the policy's own **forward pre-hook** checks the version (~0.1 us when nothing changed) and
+  reloads when it changed: whatever path TorchRL takes to run the policy, its next call finds
+  the newest version. With ``poll_every_steps=N`` it checks every N-th call inside a rollout
+  shmsync saw begin, and at every call outside one (a rollout TorchRL started another way);
 - the worker's collector's **rollout** is shadowed by an instance attribute that polls before
   each rollout (so a batch runs one version whenever the trainer published between batches),
   and after it tags ``("next", key)``, and tags the frames itself if the policy's hooks did not
@@ -22,16 +23,13 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from tensordict import TensorDictBase
 from torch import nn
 
 from . import _torchrl_compat as compat
 from .reader import WeightReader
 from .store import WeightStore
-from .tagging import tag_versions, warn_clash
-
-ROLLOUT = "Collector.rollout, shadowed on the worker's instance"
+from .tagging import tag_all, tag_next, tag_versions
 
 
 class Receiver:
@@ -51,6 +49,7 @@ class Receiver:
         self.token = secrets.token_hex(4)
         self.calls = 0
         self.hooked_calls = 0  # policy calls seen by the forward hooks (the rollout wrapper checks)
+        self.in_rollout = False  # inside a rollout that shmsync's shadow saw begin
         self.expected_readers = expected_readers
         self.collector: Any = None  # the worker's own collector, once TorchRL hands it over
 
@@ -80,18 +79,22 @@ class Receiver:
     def poll(self) -> bool:
         reloaded = self.current().poll()
         if reloaded and self.collector is not None:
-            sync_tracker(self.collector, self.version)
+            # The first load may come while the worker's collector is still being built.
+            compat.set_policy_version(self.collector, self.version, built=False)
         return reloaded
 
     def bind(self, collector: Any) -> None:
         """Poll before every rollout of ``collector`` (this worker's own collector)."""
         if collector is None or self.collector is collector:
             return
-        rollout = vars(collector).get("rollout")
-        if not isinstance(rollout, PollingRollout):
-            rollout = PollingRollout(compat.worker_rollout(collector))
-            compat.shadow_rollout(collector, rollout)
         self.collector = collector
+        rollout = compat.shadowed_rollout(collector)
+        if not isinstance(rollout, PollingRollout):
+            original = compat.worker_rollout(collector)
+            if original is None:
+                return  # no rollout to shadow: the policy's hook checks at every call
+            rollout = PollingRollout(original)
+            compat.shadow_rollout(collector, rollout)
         rollout.add(self)
 
     def _install_hooks(self, model: nn.Module) -> None:
@@ -105,7 +108,7 @@ class Receiver:
             tag_versions(model, lambda: self.version, self.scheme.version_key)
 
     def close(self) -> None:
-        rollout = vars(self.collector).get("rollout") if self.collector is not None else None
+        rollout = compat.shadowed_rollout(self.collector) if self.collector is not None else None
         if isinstance(rollout, PollingRollout):
             rollout.discard(self)
         self.collector = None
@@ -136,9 +139,15 @@ class PollingRollout:
         first = receivers[0] if receivers else None
         if first is not None:
             # Also after a load_state_dict() that restored another number with no reload.
-            sync_tracker(first.collector, first.version)
+            compat.set_policy_version(first.collector, first.version)
         hooked, version = (first.hooked_calls, first.version) if first is not None else (0, -1)
-        batch = self.rollout(*args, **kwargs)
+        for receiver in receivers:
+            receiver.in_rollout = True
+        try:
+            batch = self.rollout(*args, **kwargs)
+        finally:
+            for receiver in receivers:
+                receiver.in_rollout = False
         key = first.scheme.version_key if first is not None else None
         if key is not None and isinstance(batch, TensorDictBase):
             if first.hooked_calls == hooked:
@@ -149,43 +158,9 @@ class PollingRollout:
         return batch
 
 
-def sync_tracker(collector: Any, version: int) -> None:
-    """Make TorchRL's ``track_policy_version`` tracker report ``version``: in a worker the version
-    it loaded, in the trainer the last one published."""
-    tracker = compat.tracker_of(collector)
-    if tracker is not None and tracker.version != version:
-        tracker.version = version
-
-
 def find_worker_collector() -> Any:
     """The worker's own collector, when TorchRL does not hand it over (torchrl 0.11, 0.12)."""
     return None if compat.HANDS_WORKERS_THEIR_COLLECTOR else compat.worker_collector_on_stack()
-
-
-def tag_all(batch: TensorDictBase, key: str, version: int) -> None:
-    """Tag every frame of ``batch`` with ``version``, in place where the tag exists (the batch may
-    live in buffers shared with the trainer); a key someone else writes is left alone."""
-    existing = batch.get(key, None)
-    if existing is None:
-        batch.set(key, torch.full(batch.batch_size, version, dtype=torch.int64, device=batch.device))
-    elif existing.dtype == torch.int64:
-        existing.fill_(version)
-
-
-def tag_next(batch: TensorDictBase, key: str) -> None:
-    """Copy the frames' version tag to ``("next", key)``, in place where it exists."""
-    if key not in batch.keys():
-        return
-    root, nxt = batch.get(key), batch.get(("next", key), None)
-    if root.dtype != torch.int64:
-        return  # not shmsync's tag (the policy hook warned)
-    if nxt is not None and nxt.dtype != torch.int64:
-        warn_clash(f"('next', {key!r})", nxt.dtype)
-        return
-    if nxt is not None and nxt.shape == root.shape:
-        nxt.copy_(root)  # in place: the batch may live in buffers shared with the trainer
-    elif "next" in batch.keys():
-        batch.set(("next", key), root.clone())
 
 
 # Hooks are closures, not bound methods: deep-copying a module copies its hooks, and a
@@ -198,13 +173,14 @@ def _state_dict_pre_hook(receiver: Receiver) -> Callable:
 
 
 def _step_poll_hook(receiver: Receiver, every: int | None) -> Callable:
-    """Checks the version at every policy call (every ``every``-th, if given) and reloads when it
-    changed: whatever path TorchRL takes to a rollout, its next step runs the newest version."""
+    """Checks the version at every policy call (every ``every``-th inside a rollout shmsync saw
+    begin, if given) and reloads when it changed: whatever path TorchRL takes to a rollout, its
+    next step runs the newest version."""
 
     def hook(module, args):
         receiver.calls += 1
         receiver.hooked_calls += 1
-        if every is None or receiver.calls % every == 0:
+        if every is None or not receiver.in_rollout or receiver.calls % every == 0:
             receiver.poll()
 
     return hook

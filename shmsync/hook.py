@@ -49,7 +49,7 @@ class UpdateWeights(_TorchRLUpdateWeights):
         >>> import torch
         >>> from shmsync import UpdateWeights, WeightSender, WeightStore
         >>> class Trainer:  # any object with the paths; a torchrl Trainer in practice
-        ...     _optim_count = 0
+        ...     pass
         >>> trainer = Trainer()
         >>> trainer.actor = torch.nn.Linear(2, 2)
         >>> store = WeightStore.create({"policy": trainer.actor})
@@ -57,9 +57,10 @@ class UpdateWeights(_TorchRLUpdateWeights):
         ...     update_weights_interval=2,
         ...     trainer=trainer,
         ...     sender=WeightSender(store, {"policy": "actor"}, root=trainer),
-        ...     interval_unit="optim_steps",
         ... )
-        >>> trainer._optim_count = 2; hook(); store.version
+        >>> hook(); store.version  # the first batch: not yet
+        0
+        >>> hook(); store.version  # the second: published
         1
         >>> store.close()
     """
@@ -99,15 +100,17 @@ class UpdateWeights(_TorchRLUpdateWeights):
                 interval_unit,
             )
             super().__init__(collector, update_weights_interval, policy_weights_getter, weight_update_map, trainer)
-            self.sender, self.interval_unit, self._last_update_count = sender, interval_unit, 0
-        compat.check_hook_state(self)
+            self.sender, self.interval_unit = sender, interval_unit
+        # The interval state is this hook's own (TorchRL's hook keeps its own under other names).
+        self.counter = 0
+        self._steps_at_last_update = 0  # with interval_unit="optim_steps"
         self.version = version
-        self._last_version = -1  # with version="optim_steps": the step count last published
+        self._version_published = -1  # with version="optim_steps": the step count last published
         if version == "optim_steps":
             self._check_takes_versions()
         if weight_update_map is not None:
-            self._resolve_all()
-            schemes = getattr(collector, "_weight_sync_schemes", None)
+            self._resolve_mapped()
+            schemes = compat.schemes_of(collector) if collector is not None else {}
             unknown = [d for d in weight_update_map if schemes and d not in schemes]
             if unknown:
                 raise ValueError(
@@ -125,16 +128,13 @@ class UpdateWeights(_TorchRLUpdateWeights):
                     f"version='optim_steps' needs a shmsync WeightSender, got {type(self.sender).__name__}"
                 )
             return
-        schemes = getattr(self.collector, "_weight_sync_schemes", None) or {}
+        schemes = compat.schemes_of(self.collector)
         others = [k for k, s in schemes.items() if not isinstance(s, ShmWeightSyncScheme)]
         if not schemes or others:
             raise ValueError(
                 "version='optim_steps' needs a collector whose weight_sync_schemes are all ShmWeightSyncScheme "
                 f"(got {sorted(others) or 'none'} without it), or sender=WeightSender(...)"
             )
-
-    def _optimizer_step_count(self) -> int:
-        return compat.optimizer_step_count(self.trainer)
 
     def register(self, trainer: Any, name: str = "update_weights") -> None:
         if self.trainer is None:
@@ -143,25 +143,23 @@ class UpdateWeights(_TorchRLUpdateWeights):
         trainer.register_op("post_optim" if self.interval_unit == "optim_steps" else "post_steps", self)
 
     def __call__(self) -> None:
-        if self.version == "publishes" and HOOK_TAKES_SENDER:
-            return super().__call__()
-        # TorchRL's interval logic, then the same three ways to send, each with a version.
+        # TorchRL's interval logic, then its three ways to send, each with a version.
         if self.interval_unit == "optim_steps":
-            count = self._optimizer_step_count()
-            if count - self._last_update_count < self.update_weights_interval:
+            count = compat.optimizer_step_count(self.trainer)
+            if count - self._steps_at_last_update < self.update_weights_interval:
                 return
-            self._last_update_count = count
+            self._steps_at_last_update = count
         else:
             self.counter += 1
             if self.counter % self.update_weights_interval != 0:
                 return
-        version = int(self._optimizer_step_count()) if self.version == "optim_steps" else None
-        if version is not None and version <= self._last_version:
+        version = compat.optimizer_step_count(self.trainer) if self.version == "optim_steps" else None
+        if version is not None and version <= self._version_published:
             return  # no optimizer step since the last publish: same weights, and versions never repeat
         if self.sender is not None:
             self.sender.update_weights() if version is None else self.sender.update_weights(version=version)
         elif self.weight_update_map is not None:
-            self._update_with_map(version=version)
+            self._publish_mapped(version=version)
         else:
             weights = self.policy_weights_getter() if self.policy_weights_getter is not None else None
             versioned = {} if version is None else {"version": version}
@@ -170,29 +168,32 @@ class UpdateWeights(_TorchRLUpdateWeights):
             else:
                 self.collector.update_policy_weights_(**versioned)
         if version is not None:
-            self._last_version = version
+            self._version_published = version
 
     def state_dict(self) -> dict:
-        state = {"counter": self.counter, "last_update_count": self._last_update_count}
+        state = {"counter": self.counter, "last_update_count": self._steps_at_last_update}
         if self.version == "optim_steps":
-            state["last_version"] = self._last_version
+            state["last_version"] = self._version_published
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.counter = state_dict.get("counter", 0)
-        self._last_update_count = state_dict.get("last_update_count", 0)
-        self._last_version = state_dict.get("last_version", self._last_version)
+        self._steps_at_last_update = state_dict.get("last_update_count", 0)
+        self._version_published = state_dict.get("last_version", self._version_published)
 
-    def _resolve_all(self) -> dict[str, Any]:
-        return {dest: resolve_path(self.trainer, path) for dest, path in self.weight_update_map.items()}
+    def _resolve_mapped(self) -> dict[str, Any]:
+        return {
+            dest: resolve_path(self.trainer, path, fallback=compat.registered_module)
+            for dest, path in self.weight_update_map.items()
+        }
 
-    def _update_with_map(self, version: int | None = None) -> None:
+    def _publish_mapped(self, version: int | None = None) -> None:
         from torchrl.weight_update.weight_sync_schemes import WeightStrategy
 
-        schemes = getattr(self.collector, "_weight_sync_schemes", None) or {}
+        schemes = compat.schemes_of(self.collector)
         weights_dict = {}
         # Resolve every path before sending anything: a bad path changes nothing.
-        for destination, module in self._resolve_all().items():
+        for destination, module in self._resolve_mapped().items():
             scheme = schemes.get(destination)
             if scheme is not None:
                 weights_dict[destination] = WeightStrategy(extract_as=scheme.strategy_str).extract_weights(module)

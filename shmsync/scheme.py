@@ -16,6 +16,7 @@ leaves the host: nothing can leak it, whatever kills the processes.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,8 +25,12 @@ from torch import nn
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 
 from . import _torchrl_compat as compat
-from ._scheme_sender import GROUPS, SenderGroup, find_collector
+from ._collector_glue import CollectorGlue
+from ._remote import make_leg
+from ._scheme_sender import SenderGroup
 from ._scheme_worker import Receiver, find_worker_collector
+from ._versioning import VersionSource
+from .errors import ShmSyncError
 from .store import WeightStore
 
 
@@ -88,8 +93,6 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         >>> scheme.shutdown()
     """
 
-    SHMSYNC = True  # how shmsync's distributed-collector glue tells this scheme from TorchRL's
-
     def __init__(
         self,
         *,
@@ -116,6 +119,8 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         self._expected_readers: int | None = None
         self._group: SenderGroup | None = None
         self._receiver: Receiver | None = None
+        self._leg: str | None = None  # "distributed" / "ray": the local leg of shmsync's remote collector
+        self._served = False  # a collector's glue serves the group
 
     # -- sender ---------------------------------------------------------------------------------
     def _init_on_sender_impl(
@@ -141,6 +146,8 @@ class ShmWeightSyncScheme(WeightSyncScheme):
                 raise ValueError("init_on_sender(context=...) needs model_id")
             self.model_id = model_id
             self.context = context
+            if self._leg is not None and not hasattr(context, "num_workers"):
+                return  # the trainer's single-process probe of a distributed collector: nothing to sync
             self._group = self._join(context)
         else:
             self.model_id = model_id if model_id is not None else "policy"
@@ -191,8 +198,10 @@ class ShmWeightSyncScheme(WeightSyncScheme):
 
     def _join(self, collector: Any) -> SenderGroup:
         """The group of ``collector`` that holds this key; made for all its shmsync keys at once."""
-        for group in GROUPS.get(collector, ()):
+        glue = CollectorGlue.of(collector)
+        for group in glue.groups if glue is not None else ():
             if self.model_id in group.keys:
+                self._served = True
                 return group
         if not hasattr(collector, "num_workers"):
             raise TypeError(
@@ -221,18 +230,32 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             devices=getattr(collector, "policy_device", None),
         )
         try:
-            group.attach(collector)
+            self._serve(collector, group)
         except BaseException:
             group.close()
             raise
         return group
 
+    def _serve(self, collector: Any, group: SenderGroup) -> None:
+        """Make ``group`` the stores of ``collector``'s shmsync keys."""
+        if group.per_worker and getattr(collector, "num_workers", group.num_workers) != group.num_workers:
+            raise ValueError(
+                f"this scheme holds per-worker weights for {group.num_workers} workers, "
+                f"the collector has {collector.num_workers}"
+            )
+        leg = make_leg(self._leg, collector, self.model_id) if self._leg is not None else None
+        glue = CollectorGlue.for_collector(collector, lambda: VersionSource(leg), leg)
+        glue.add(group, self.version_key)
+        self._served = True
+        if glue.leg is not None:
+            glue.leg.started()
+
     def _setup_connection_and_weights_on_sender_impl(self, *, worker_idx: int | None = None, weights: Any = None):
+        if self._group is None:
+            return  # the trainer's probe of a distributed collector
         # Initialized before the collector existed: the collector calling connect() is ours.
-        if self._group._collector is None:
-            collector = find_collector(self)
-            if collector is not None:
-                self._group.attach(collector)
+        if not self._served:
+            self._serve(compat.collector_connecting(self), self._group)
         # The store already holds the initial weights: workers load them on their own.
         if weights is not None:
             self.send(weights)
@@ -314,8 +337,21 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         WeightSyncScheme.context.fset(self, context)
         # TorchRL hands the worker's collector over after building it: poll before its rollouts.
         receiver = getattr(self, "_receiver", None)
-        if receiver is not None and context is not None and callable(getattr(context, "rollout", None)):
+        if receiver is not None and context is not None:
             receiver.bind(context)
+
+    @property
+    def model(self) -> Any | None:
+        """The module this scheme loads into (worker side) or was built from (sender side)."""
+        if getattr(self, "_receiver", None) is None and self._store_names and not self.initialized_on_sender:
+            # A worker's copy of the scheme that TorchRL never set up (init_on_receiver): it would
+            # run its first weights forever.
+            raise compat.changed(compat.WORKERS_SET_UP, "TorchRL uses the scheme in a worker it never set it up in")
+        return WeightSyncScheme.model.fget(self)
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        WeightSyncScheme.model.fset(self, model)
 
     def _setup_connection_and_weights_on_receiver_impl(self, *, worker_idx: int | None = None) -> None:
         if self._receiver.collector is None and self.context is None:
@@ -333,12 +369,34 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         return self._receiver.poll() if self._receiver is not None else False
 
     # -- lifetime -------------------------------------------------------------------------------
-    def __getstate__(self) -> dict:
+    def _state(self) -> dict:
         state = super().__getstate__()
         state["source"] = None  # the trainer's module stays with the trainer
         state["_group"] = None
         state["_receiver"] = None
         return state
+
+    def __getstate__(self) -> dict:
+        if not self._store_names and self._leg is None and not self.initialized_on_receiver:
+            raise ShmSyncError(
+                "a ShmWeightSyncScheme that no collector initialized is being sent to another process: it is in the "
+                "collector_kwargs of one of TorchRL's remote collectors (DistributedSyncCollector, "
+                "DistributedCollector, RayCollector), which carry no trainer version to their nodes. Use "
+                "shmsync.distributed.DistributedSyncCollector, shmsync.distributed.DistributedCollector or "
+                "shmsync.distributed.RayCollector: the same classes, with each push numbered by the trainer"
+            )
+        return self._state()
+
+    def __copy__(self) -> ShmWeightSyncScheme:
+        clone = type(self).__new__(type(self))
+        clone.__setstate__(self._state())
+        return clone
+
+    def __deepcopy__(self, memo: dict) -> ShmWeightSyncScheme:
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        clone.__setstate__(copy.deepcopy(self._state(), memo))
+        return clone
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -376,6 +434,25 @@ def _models_of(collector: Any, key: str, scheme: ShmWeightSyncScheme, workers: i
         f"pass ShmWeightSyncScheme(source=the trainer's module for {key!r}), or call "
         f"scheme.init_on_sender(model=..., devices=..., model_id={key!r}) before building the collector"
     )
+
+
+def claim_remote_legs(collector_kwargs: Any, kind: str, collector_name: str) -> list[ShmWeightSyncScheme]:
+    """Mark the :class:`ShmWeightSyncScheme` s in a remote collector's ``collector_kwargs`` (one
+    dict, or one per node) as the local legs of that collector (``kind``: ``"distributed"`` or
+    ``"ray"``), before they travel to its nodes or actors."""
+    found: list[ShmWeightSyncScheme] = []
+    for kw in collector_kwargs if isinstance(collector_kwargs, (list, tuple)) else [collector_kwargs]:
+        for scheme in ((kw or {}).get("weight_sync_schemes") or {}).values():
+            if isinstance(scheme, ShmWeightSyncScheme) and scheme not in found:
+                found.append(scheme)
+    if found and compat.TORCHRL_VERSION < (0, 14):
+        raise NotImplementedError(
+            f"ShmWeightSyncScheme as the local scheme of {collector_name}'s nodes needs torchrl >= 0.14 (this is "
+            f"{'.'.join(map(str, compat.TORCHRL_VERSION))}); use TorchRL's own local scheme here"
+        )
+    for scheme in found:
+        scheme._leg = kind
+    return found
 
 
 def _register() -> None:

@@ -47,7 +47,8 @@ class WeightSender:
         if not self._paths:
             return self.source
         return {
-            dest: resolve_path(self.root, path) if isinstance(path, str) else path for dest, path in self.source.items()
+            dest: resolve_path(self.root, path, fallback=_registered_module) if isinstance(path, str) else path
+            for dest, path in self.source.items()
         }
 
     def update_weights(self, weights: Any = None, *, version: int | None = None) -> int:
@@ -60,3 +61,10 @@ class WeightSender:
 
     def __repr__(self) -> str:
         return f"WeightSender(store={self.store.name!r})"
+
+
+def _registered_module(root: Any, name: str) -> Any:
+    """A module added with ``Trainer.register_module`` (only looked up when a path needs one)."""
+    from ._torchrl_compat import registered_module
+
+    return registered_module(root, name)

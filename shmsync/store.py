@@ -718,7 +718,15 @@ def _check_version(version: Any) -> None:
 
 def _owned_tensors(module: nn.Module) -> list[torch.Tensor]:
     """Every parameter and buffer object of ``module``, in registration order."""
-    return [t for m in module.modules() for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
+    return [
+        t
+        for m in module.modules()
+        for _, t in (
+            *m.named_parameters(recurse=False, remove_duplicate=False),
+            *m.named_buffers(recurse=False, remove_duplicate=False),
+        )
+        if t is not None
+    ]
 
 
 __all__ = ["WeightStore", "Snapshot"]

@@ -51,3 +51,29 @@ def warn_clash(key: str, dtype: torch.dtype) -> None:
         UserWarning,
         stacklevel=3,
     )
+
+
+def tag_all(batch: TensorDictBase, key: str, version: int) -> None:
+    """Tag every frame of ``batch`` with ``version``, in place where the tag exists (the batch may
+    live in buffers shared with the trainer); a key someone else writes is left alone."""
+    existing = batch.get(key, None)
+    if existing is None:
+        batch.set(key, torch.full(batch.batch_size, version, dtype=torch.int64, device=batch.device))
+    elif existing.dtype == torch.int64:
+        existing.fill_(version)
+
+
+def tag_next(batch: TensorDictBase, key: str) -> None:
+    """Copy the frames' version tag to ``("next", key)``, in place where it exists."""
+    if key not in batch.keys():
+        return
+    root, nxt = batch.get(key), batch.get(("next", key), None)
+    if root.dtype != torch.int64:
+        return  # not shmsync's tag (the policy hook warned)
+    if nxt is not None and nxt.dtype != torch.int64:
+        warn_clash(f"('next', {key!r})", nxt.dtype)
+        return
+    if nxt is not None and nxt.shape == root.shape:
+        nxt.copy_(root)  # in place: the batch may live in buffers shared with the trainer
+    elif "next" in batch.keys():
+        batch.set(("next", key), root.clone())

@@ -9,19 +9,36 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Lowest first. A module may import modules of its own layer or below, never above.
+# The core, lowest first: a module may import modules of its own layer or below, never above.
 LAYERS = [
     {"errors", "_header", "_processes", "_fence", "_paths"},  # words, processes, fences
     {"_segment", "_protocol", "_layout", "_source", "_pinning", "_viewing", "_copy"},  # memory and protocol
     {"_memory"},  # one store's mapping
     {"store", "_cuda", "tagging", "versions", "lifetime", "host"},  # the store, the CUDA publisher beside it
-    {"reader", "sender", "cli", "testing"},  # its clients
-    # TorchRL, and other hosts
-    {"hook", "scheme", "_scheme_sender", "_scheme_worker", "_registration", "_torchrl_compat", "_distributed"}
-    | {"relay", "_wire", "_ray"},
-    {"workers"},  # worker processes
+    {"reader", "cli", "testing"},  # its clients
 ]
-RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+# The top (TorchRL, other hosts, worker processes), each module on its own: it may import the
+# core and, of the top, only these.
+TOP = {
+    "_torchrl_compat": set(),  # the TorchRL boundary
+    "_versioning": set(),
+    "_scheme_sender": {"_torchrl_compat"},
+    "_scheme_worker": {"_torchrl_compat"},
+    "_collector_glue": {"_torchrl_compat", "_versioning", "_scheme_sender"},
+    "_remote": {"_torchrl_compat", "_versioning", "_collector_glue"},
+    "scheme": {"_torchrl_compat", "_versioning", "_scheme_sender", "_scheme_worker", "_collector_glue", "_remote"},
+    "sender": {"_torchrl_compat"},
+    "hook": {"_torchrl_compat", "scheme", "sender"},
+    "distributed": {"_torchrl_compat", "_remote", "scheme"},
+    "_registration": {"scheme"},
+    "_wire": set(),
+    "relay": {"_wire"},
+    "workers.policies": set(),
+    "workers.collector": {"workers.policies"},
+    "workers.relay": {"relay"},
+    "workers.launch": {"workers.collector", "workers.relay"},
+}
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer} | {name: len(LAYERS) for name in TOP}
 
 
 def _modules() -> dict[str, Path]:
@@ -56,17 +73,19 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
-def _rank(name: str) -> int:
-    return RANK["workers"] if name.startswith("workers.") else RANK[name]
+def test_every_module_has_a_place():
+    assert [m for m in _modules() if m not in RANK] == []
 
 
-def test_every_module_has_a_layer():
-    assert [m for m in _modules() if not m.startswith("workers.") and m not in RANK] == []
-
-
-def test_no_module_imports_a_higher_layer():
-    upward = [f"{name} -> {dep}" for name, deps in _graph().items() for dep in deps if _rank(dep) > _rank(name)]
+def test_no_core_module_imports_a_higher_layer_or_the_top():
+    upward = [f"{name} -> {dep}" for name, deps in _graph().items() for dep in deps if RANK[dep] > RANK[name]]
     assert upward == []
+
+
+@pytest.mark.parametrize("module", sorted(TOP))
+def test_a_top_module_imports_only_what_it_builds_on(module):
+    graph = _graph()
+    assert graph[module] & set(TOP) <= TOP[module], f"{module} imports {sorted(graph[module] & set(TOP) - TOP[module])}"
 
 
 def test_the_import_graph_has_no_circle():

@@ -1,4 +1,4 @@
-"""shmsync as each remote collector's local leg under TorchRL's RayCollector, on a local Ray
+"""shmsync as each remote collector's local leg under shmsync's RayCollector, on a local Ray
 cluster bound to 127.0.0.1: every frame carries the trainer's version (whichever actors a push
 reaches), and no store is left, however the actors end."""
 
@@ -43,7 +43,8 @@ def ray_collector(policy, sync: bool, total_frames: int = 600, workers: int = 2,
     """2 remote collectors (actor 2's observations shifted by +100) of ``workers`` Pendulum
     workers each."""
     from torchrl.collectors import MultiSyncCollector
-    from torchrl.collectors.distributed import RayCollector
+
+    from shmsync.distributed import RayCollector
 
     return RayCollector(
         [make_pendulum, make_marked_pendulum],
@@ -128,3 +129,21 @@ def test_killed_actors_and_a_ray_shutdown_leave_no_store(cluster):
             next(it)
     ray.shutdown()  # the other actor, with no shutdown() first
     assert stores_of(pids) == []
+
+
+def test_torchrls_own_ray_collector_with_a_shmsync_local_leg_is_refused_at_once(cluster):
+    """TorchRL's RayCollector carries no trainer version to its actors: refused as it creates
+    them, naming the class to use instead."""
+    from torchrl.collectors import MultiSyncCollector
+    from torchrl.collectors.distributed import RayCollector
+
+    with pytest.raises(Exception, match=r"shmsync\.distributed\.RayCollector"):
+        RayCollector(
+            [make_pendulum],
+            make_probe_policy(),
+            collector_class=MultiSyncCollector,
+            collector_kwargs={"num_workers": 1, "weight_sync_schemes": {"policy": ShmWeightSyncScheme()}},
+            remote_configs={"num_cpus": 1},
+            frames_per_batch=100,
+            total_frames=200,
+        )
