@@ -4,6 +4,8 @@ a TorchRL release that renamed, removed or changed any entry of the catalogue en
 minute, with every worker loading every version under the right tags, or a TorchRLChangedError
 naming the entry. Never a hang, never stale or mislabelled frames, never a raw error.
 
+The TorchRL releases are played by rewriting TorchRL's source in every process of the play (the
+trainer, its workers, nodes and Ray actors alike): ``tests/torchrl_edits/sitecustomize.py``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from __future__ import annotations
 import ast
 import importlib
 import json
+import os
 import re
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -219,6 +224,291 @@ def test_importing_shmsync_changes_no_torchrl_attribute(first):
     with_shmsync = _torchrl_state(first)
     changed = sorted(k for k in without.keys() | with_shmsync.keys() if without.get(k) != with_shmsync.get(k))
     assert changed == [], f"TorchRL attributes that differ once shmsync is imported: {changed[:20]}"
+
+
+# -- TorchRL releases that changed --------------------------------------------------------------------
+def _module_of(path: Path) -> str:
+    return ".".join(("torchrl", *path.relative_to(TORCHRL).with_suffix("").parts)).removesuffix(".__init__")
+
+
+def renamed(name: str, *within: str) -> list[tuple[str, str, str]]:
+    """Edits that rename identifier ``name`` everywhere in the TorchRL packages ``within``."""
+    pattern = re.compile(rf"\b{re.escape(name)}\b")
+    edits = []
+    for package in within:
+        base = TORCHRL.joinpath(*package.split(".")[1:])
+        for path in sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]:
+            if path.exists() and pattern.search(path.read_text()):
+                edits.append((_module_of(path), f"re:{pattern.pattern}", f"{name}_renamed"))
+    return edits
+
+
+def edited(module: str, old: str, new: str) -> list[tuple[str, str, str]]:
+    """One edit of ``module``'s source (``old`` may be ``re:`` + a regular expression)."""
+    return [(module, old, new)]
+
+
+@dataclass
+class Change:
+    """A TorchRL release that changed: the edits, the play that runs on it, what must come of it
+    (``"ok"``, or the catalogue entry the TorchRLChangedError names), and whether it is a case the
+    older torchrl minors play too (the full list plays on the newest)."""
+
+    id: str
+    play: str
+    edits: list[tuple[str, str, str]]
+    expect: str | tuple[str, ...]
+    every_leg: bool = False
+    marks: list = field(default_factory=list)
+
+
+SEND = "scheme.send(weights=processed_weights, worker_ids=worker_ids)"
+CASCADE = r"re:self\.context\.update_policy_weights_\(\s*model_id=model_id,\s*policy_or_weights=weights\s*\)"
+RECEIVE_THEN_VERSION = (
+    "            scheme.receive()\n        self._set_received_policy_version(model_version)\n\n    def _connect"
+)
+ALL = ("torchrl.collectors", "torchrl.weight_update", "torchrl.trainers")
+
+CHANGES = [
+    # -- one host: MultiSyncCollector (every torchrl minor) --
+    Change("schemes renamed", "multisync", renamed("_weight_sync_schemes", *ALL), compat.SCHEMES),
+    Change("tracker renamed", "multisync", renamed("policy_version_tracker", *ALL), compat.TRACKER, every_leg=True),
+    Change(
+        "rollout renamed",
+        "multisync",
+        edited("torchrl.collectors._single", r"re:\bdef rollout\(", "def rollout_renamed(")
+        + edited("torchrl.collectors._single", r"re:\bself\.rollout\(", "self.rollout_renamed("),
+        "ok",
+        every_leg=True,
+    ),
+    Change(
+        "rollout called through the class",
+        "multisync",
+        edited("torchrl.collectors._single", r"re:\bself\.rollout\(\)", "type(self).rollout(self)"),
+        "ok",
+        every_leg=True,
+    ),
+    Change(
+        "the scheme never set up in the workers",
+        "multisync",
+        edited(
+            "torchrl.collectors.utils",
+            r"re:if weight_sync_scheme is not None:(\s*#[^\n]*)?(\s*)weight_sync_scheme\.init_on_receiver\(",
+            r"if False:\1\2weight_sync_scheme.init_on_receiver(",
+        )
+        + edited("torchrl.collectors._runner", "inner_collector.register_scheme_receiver(weight_sync_schemes)", "pass"),
+        compat.WORKERS_SET_UP,
+        every_leg=True,
+    ),
+    Change("update sends nothing", "multisync", edited("torchrl.collectors._base", SEND, "pass"), compat.METHODS),
+    Change("update sends twice", "multisync", edited("torchrl.collectors._base", SEND, f"{SEND}; {SEND}"), "ok"),
+    Change(
+        "update sends through the class",
+        "multisync",
+        edited("torchrl.collectors._base", SEND, SEND.replace("scheme.send(", "type(scheme).send(scheme, ")),
+        "ok",
+    ),
+    Change(
+        "iterator called through the class",
+        "multisync",
+        edited("torchrl.collectors._base", "yield from self.iterator()", "yield from type(self).iterator(self)"),
+        "ok",
+    ),
+    Change(
+        "a scheme made before its collector, the collector's schemes renamed",
+        "multisync_preinitialized",
+        renamed("_weight_sync_schemes", *ALL),
+        (compat.CONNECT, compat.SCHEMES),
+    ),
+    # -- the trainer hook (every torchrl minor) --
+    Change("the hook's interval state renamed", "hook", renamed("_last_update_count", "torchrl.trainers"), "ok"),
+    Change("the optimizer-step count renamed", "hook", renamed("_optim_count", "torchrl.trainers"), compat.OPTIM_COUNT),
+    Change(
+        "the trainer's registered modules renamed",
+        "hook",
+        renamed("_modules", "torchrl.trainers.trainers"),
+        compat.TRAINER_MODULES,
+    ),
+    # -- several hosts (torchrl 0.14) --
+    Change(
+        "DistributedSyncCollector._make_container renamed",
+        "distributed_sync",
+        renamed("_make_container", "torchrl.collectors.distributed.sync"),
+        "ok",
+        every_leg=True,
+    ),
+    Change(
+        "DistributedCollector._make_container renamed",
+        "distributed_generic",
+        renamed("_make_container", "torchrl.collectors.distributed.generic"),
+        "ok",
+        every_leg=True,
+    ),
+    Change(
+        "the schemes' _worker_idx renamed",
+        "distributed_sync",
+        renamed("_worker_idx", "torchrl.weight_update", "torchrl.collectors"),
+        "ok",
+        every_leg=True,
+    ),
+    Change(
+        "DistributedWeightSyncScheme._store renamed",
+        "distributed_sync",
+        renamed("_store", "torchrl.weight_update._distributed"),
+        compat.DIST_STORE,
+        every_leg=True,
+    ),
+    Change(
+        "the receive buffers renamed",
+        "distributed_sync",
+        renamed("_tensordict_out", "torchrl.collectors.distributed.sync"),
+        compat.CONTAINER,
+    ),
+    Change(
+        "a node not told of a push",
+        "distributed_sync",
+        edited("torchrl.weight_update._distributed", CASCADE, "pass"),
+        compat.DIST_PUSH,
+    ),
+    Change(
+        "pushes around the trainer scheme's send",
+        "distributed_sync",
+        edited("torchrl.collectors.distributed.sync", "scheme.send()", "type(scheme).send(scheme)"),
+        compat.DIST_PUSH,
+    ),
+    Change(
+        "DistributedCollector's node not told of a push",
+        "distributed_generic",
+        edited("torchrl.weight_update.weight_sync_schemes", CASCADE, "pass")
+        + edited("torchrl.weight_update._distributed", CASCADE, "pass"),
+        compat.DIST_PUSH,
+    ),
+    Change(
+        "a Ray actor never told the push's version",
+        "ray",
+        edited("torchrl.collectors._base", RECEIVE_THEN_VERSION, "            scheme.receive()\n\n    def _connect"),
+        "ok",
+        every_leg=True,
+    ),
+    Change(
+        "a Ray actor told the version before the weights",
+        "ray",
+        edited(
+            "torchrl.collectors._base",
+            RECEIVE_THEN_VERSION,
+            "            pass\n        self._set_received_policy_version(model_version)\n"
+            "        for scheme in self._receiver_schemes.values():\n            scheme.receive()\n\n    def _connect",
+        ),
+        "ok",
+        every_leg=True,
+    ),
+    Change(
+        "a Ray actor not told of a push",
+        "ray",
+        edited("torchrl.weight_update.weight_sync_schemes", CASCADE, "pass"),
+        compat.RAY_PUSH,
+    ),
+]
+
+_REMOTE = {"distributed_sync", "distributed_generic", "ray"}
+
+
+def _applies(change: Change) -> str | None:
+    """Why ``change`` cannot be played on the installed torchrl, or None."""
+    if not change.edits:
+        return f"torchrl {torchrl.__version__} has nothing of that name"
+    for module, old, _ in change.edits:
+        path = TORCHRL.joinpath(*module.split(".")[1:])
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        source = path.read_text() if path.exists() else ""
+        present = re.search(old[3:], source) if old.startswith("re:") else old in source
+        if not present:
+            return f"torchrl {torchrl.__version__}'s {module} has no {old!r}"
+    if change.play in _REMOTE and compat.TORCHRL_VERSION < (0, 14):
+        return "shmsync's remote legs need torchrl >= 0.14"
+    if change.play == "ray" and importlib.util.find_spec("ray") is None:
+        return "ray is not installed"
+    if not change.every_leg and compat.SUPPORTED[1] > compat.TORCHRL_VERSION:
+        return f"the full list of changes plays on torchrl {compat._minor(compat.SUPPORTED[1])}"
+    return None
+
+
+def _param(change: Change):
+    marks = [pytest.mark.slow]
+    if change.play in _REMOTE:
+        marks.append(pytest.mark.distributed)
+    return pytest.param(change, id=change.id, marks=marks)
+
+
+@pytest.mark.timeout(PLAY_TIMEOUT + 60)
+@pytest.mark.parametrize("change", [_param(c) for c in CHANGES])
+def test_a_torchrl_that_changed_ends_loaded_or_with_the_entry_named(change, request, tmp_path):
+    reason = _applies(change)
+    if reason:
+        pytest.skip(reason)
+    if change.play == "ray":
+        request.getfixturevalue("one_ray_cluster")  # one Ray cluster at a time
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS / "torchrl_edits"), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "SHMSYNC_TORCHRL_EDITS": json.dumps(change.edits),
+    }
+    result, output = _play(change.play, env, tmp_path)
+    expected = change.expect if isinstance(change.expect, tuple) else (change.expect,)
+    if expected == ("ok",):
+        assert result["outcome"] == "ok", result
+    else:
+        assert result["outcome"] == "named" and result["entry"] in expected, result
+        assert f"installed torchrl {torchrl.__version__}" in result["detail"], result
+
+
+def _play(play: str, env: dict, folder: Path) -> tuple[dict, str]:
+    """Run ``helpers.play(play)`` in a session of its own; its result and its output. Fails if it
+    hangs, prints no result, or leaves a process of its session running."""
+    import psutil
+
+    out = folder / "play.out"
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", f"import helpers; helpers.play({play!r})"],
+            cwd=TESTS,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            proc.wait(PLAY_TIMEOUT)
+            hung = False
+        except subprocess.TimeoutExpired:
+            hung = True
+    # What the play started ends with it: its workers notice their parent is gone within seconds.
+    deadline = time.monotonic() + LEFT_PATIENCE
+    while True:
+        left = [p for p in psutil.process_iter(["pid"]) if _session_of(p.pid) == proc.pid and p.pid != proc.pid]
+        if not left or hung or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for p in [proc, *left]:
+        try:
+            os.kill(p.pid, 9)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    output = out.read_text()
+    assert not hung, f"the play hung past {PLAY_TIMEOUT} s:\n{output[-4000:]}"
+    assert not left, f"the play left {len(left)} processes running:\n{output[-4000:]}"
+    results = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    assert results, f"the play printed no result (exit {proc.returncode}):\n{output[-4000:]}"
+    assert proc.returncode == 0, output[-4000:]
+    return json.loads(results[-1].removeprefix("RESULT ")), output
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
 
 
 # -- no single call path carries the guarantee ---------------------------------------------------------
