@@ -26,7 +26,8 @@ from .errors import StoreCorruptError, WeightMismatchError
 DTYPES = {
     str(d).removeprefix("torch."): d for d in (getattr(torch, n) for n in dir(torch)) if isinstance(d, torch.dtype)
 }
-MAX_ENTRIES = 1 << 20
+MAX_ENTRIES = 1 << 17  # tensors a store holds: far more than any model has
+MAX_PAYLOAD_BYTES = 1 << 40  # a slot: 1 TiB
 MAX_RANK = 64
 MAX_KEY_DEPTH = 32
 
@@ -190,6 +191,11 @@ def parse_description(raw: bytes, what: str = "layout") -> tuple[Layout, tuple[s
 
     if not isinstance(raw, (bytes, bytearray)) or not 1 <= len(raw) <= MAX_LAYOUT_BYTES:
         raise bad(f"{len(raw)} bytes; a layout is 1 to {MAX_LAYOUT_BYTES} bytes of JSON")
+    # Parsing costs what the document holds, not what it is: each entry has three lists, so more
+    # than that is refused before a list is made (30 MiB of "[]," would be 10 million of them).
+    lists = bytes(raw).count(b"[")
+    if lists > 3 * MAX_ENTRIES + 2:
+        raise bad(f"{lists} lists; a layout of at most {MAX_ENTRIES} tensors holds at most {3 * MAX_ENTRIES + 2}")
     try:
         doc = json.loads(bytes(raw).decode())
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -242,6 +248,8 @@ def parse_description(raw: bytes, what: str = "layout") -> tuple[Layout, tuple[s
         if not _is_int(offset) or offset != _align(end, ALIGN):
             want = _align(end, ALIGN)
             raise bad(f"entry {i} ({key_str(key)!r}): offset is {offset}, the next {ALIGN}-byte boundary is {want}")
+        if offset + nbytes > MAX_PAYLOAD_BYTES:
+            raise bad(f"entry {i} ({key_str(key)!r}) ends at byte {offset + nbytes}, past {MAX_PAYLOAD_BYTES} (1 TiB)")
         entries.append(Entry(key, tuple(shape), dt, offset, nbytes))
         end, previous = offset + nbytes, key
     return Layout(entries), (tuple(dests) if dests is not None else None)

@@ -168,3 +168,31 @@ def test_a_header_word_that_turns_bad_later_is_refused_where_it_is_used(store_fa
         reader.reload()
     store.memory.header[W_LATEST] = 0
     assert store.publish(torch.nn.Linear(4, 2)) == 1 and reader.poll() and reader.version == 1
+
+
+def test_a_layout_holding_more_lists_than_its_tensors_could_is_refused_before_it_is_parsed():
+    """30 MiB of ``[],`` would be ten million lists (751 MiB and 10 s to parse): refused at once."""
+    import time
+    import tracemalloc
+
+    from shmsync._layout import Layout
+
+    raw = b'{"destinations":null,"entries":[' + b"[]," * (10 << 20) + b"[]]}"
+    tracemalloc.start()
+    began = time.perf_counter()
+    try:
+        with pytest.raises(StoreCorruptError, match=r"10485762 lists; a layout of at most 131072 tensors"):
+            Layout.from_json(raw, "a peer's layout")
+        took, (_, peak) = time.perf_counter() - began, tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert took < 1.0 and peak < len(raw) + (8 << 20), (took, peak)
+
+
+def test_a_layout_past_one_tebibyte_is_refused_naming_the_entry():
+    from shmsync._layout import Layout
+
+    rows = [[["w"], [(1 << 38) + 1], "float32", 0, ((1 << 38) + 1) * 4]]
+    raw = json.dumps({"destinations": None, "entries": rows}).encode()
+    with pytest.raises(StoreCorruptError, match=r"entry 0 \('w'\) ends at byte 1099511627780, past 1099511627776"):
+        Layout.from_json(raw, "a peer's layout")
