@@ -19,7 +19,7 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test,dev,docs,ray]"
+	$(BIN)/python -m pip install -q -e ".[test,dev,docs,ray,relay]"
 	touch $@
 
 install: $(VENV)/.installed

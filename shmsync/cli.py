@@ -1,4 +1,8 @@
-"""The ``shmsync`` command: ``shmsync ls`` and ``shmsync gc``."""
+"""The ``shmsync`` command: ``shmsync ls``, ``shmsync gc`` and ``shmsync new-secret``.
+
+Exit codes: 0 done; 2 a wrong command line; 1 ``new-secret`` could not write its file (one line
+on stderr says why).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import argparse
 import json
 import sys
 
+from ._secret import write_secret_file
 from ._segment import PREFIX, human_bytes
 from .host import collect_garbage, is_garbage, is_orphaned, scan
 
@@ -57,7 +62,9 @@ def _report_skipped(skipped: list[tuple[str, str]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shmsync", description="Inspect and clean up shmsync stores on this host.")
+    parser = argparse.ArgumentParser(
+        prog="shmsync", description="Inspect and clean up shmsync stores on this host.", allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("ls", help="list every store on this host")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
@@ -70,7 +77,20 @@ def main(argv: list[str] | None = None) -> int:
         help="also remove stores that readers still hold but nobody can publish to (they keep their weights)",
     )
     gc.add_argument("--json", action="store_true", help="machine-readable output")
+    new = sub.add_parser(
+        "new-secret", help="write a new random relay secret to a new file only you can read (mode 0600)"
+    )
+    new.add_argument("path", metavar="FILE", help="the file to create (an existing one is never replaced)")
     args = parser.parse_args(argv)
+
+    if args.command == "new-secret":
+        try:
+            write_secret_file(args.path)
+        except OSError as e:
+            print(f"shmsync: cannot write a secret to {ascii(args.path)}: {e.strerror or e}", file=sys.stderr)
+            return 1
+        print(f"wrote a new relay secret to {args.path} (mode 0600); point SHMSYNC_RELAY_SECRET_FILE at it")
+        return 0
 
     stores, skipped = scan()
     _report_skipped(skipped)

@@ -5,20 +5,27 @@ The relays form a tree rooted at the trainer: the trainer's :class:`RelaySender`
 ``fanout`` relays itself and points every further one at a relay below it, so the trainer
 sends each version ``fanout`` times however many hosts there are. A relay receives a version
 straight into a free slot of its host's store and forwards each piece to the relays below it
-as soon as it has arrived (pipelined, not stored and forwarded); it commits the version under
-the trainer's number once the last byte is in. ``fanout=1`` makes a chain.
+as soon as it has arrived and passed its check (pipelined, not stored and forwarded); it
+commits the version under the trainer's number once the last byte is in. ``fanout=1`` makes a
+chain.
 
 Every link starts with the handshake of :mod:`shmsync._wire` (both ends prove the relay
-secret), binds only to the address it is given, and checks every size a peer sends against
-the store's layout before it receives a byte into memory. A peer that breaks the protocol is
-dropped and logged (``logging.getLogger("shmsync.relay")``); nothing it sent is published.
+secret), and its frames are encrypted and authenticated under keys of that connection alone
+(``encrypt=False`` on both ends, only inside a tunnel, sends them plain). Each server binds only
+the address it is given, runs every pending handshake on one thread with a deadline (a peer
+silent for a second is cut), and points relays only at relays whose address it checked: the
+relay there proved the secret and its identity. Every size and version a peer sends is checked
+before a byte is received into memory or published. A peer that breaks the protocol is dropped
+and logged (``logging.getLogger("shmsync.relay")``, refusals at most a few per 10 seconds);
+nothing it sent is published.
 
 Per host, latest wins: a link that is busy sending one version sends the newest one next and
-skips those in between. A slow or stalled relay delays only the relays below it; a dead one
-cuts them off until they re-attach: each relay that loses its parent goes back to the trainer,
-which points it at a relay with room, and continues from the version its host holds. When
-the trainer closes its sender, every relay ends (``run()`` returns); when the trainer dies,
-they raise :class:`~shmsync.errors.TrainerGoneError`.
+skips those in between. A link idle for a while carries a keepalive; a relay that takes no bytes
+for ``timeout`` seconds is dropped, freeing its place and its address. A slow relay delays only
+the relays below it; a dead or stalled one cuts them off until they re-attach: each relay that
+loses its parent goes back to the trainer, which points it at a relay with room, and continues
+from the version its host holds. When the trainer closes its sender, every relay ends
+(``run()`` returns); when the trainer dies, they raise :class:`~shmsync.errors.TrainerGoneError`.
 """
 
 from __future__ import annotations
@@ -26,11 +33,13 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import selectors
 import socket
 import struct
 import sys
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,22 +62,30 @@ from .store import WeightStore
 
 log = logging.getLogger("shmsync.relay")
 
-# Message kinds (see _wire for the framing). Relay -> server: JOIN, then HAVE or MISM.
-# Server -> relay: REDI (go there instead), or LYOT and CONF; then per version VERS, DATA...,
-# CNCL (that version will not complete), and at the end STOP (the trainer closed: end) or BYE
-# (this server leaves: re-attach through the trainer).
-JOIN, HAVE, MISM = b"JOIN", b"HAVE", b"MISM"
+# Message kinds (see _wire for the framing). Relay -> server: JOIN, then HAVE or MISM; or PROB
+# (a server checking this one's address: it answers NODE). Server -> relay: REDI (go there
+# instead), or LYOT and CONF; then per version VERS, DATA..., CNCL (that version will not
+# complete), PING while idle, and at the end STOP (the trainer closed: end) or BYE (this server
+# leaves: re-attach through the trainer).
+JOIN, HAVE, MISM, PROB, NODE = b"JOIN", b"HAVE", b"MISM", b"PROB", b"NODE"
 REDI, LYOT, CONF = b"REDI", b"LYOT", b"CONF"
-VERS, DATA, CNCL, STOP, BYE = b"VERS", b"DATA", b"CNCL", b"STOP", b"BYE_"
+VERS, DATA, CNCL, PING, STOP, BYE = b"VERS", b"DATA", b"CNCL", b"PING", b"STOP", b"BYE_"
 VERSION = struct.Struct(">qQ")  # version, payload bytes
 
 FANOUT = 2
 BUCKET_BYTES = 1 << 20
+MAX_BUCKET_BYTES = 1 << 30
 MAX_FANOUT = 64
-MAX_PENDING = 16  # handshakes under way at once; more connections are closed at once
+MAX_PENDING = 4096  # handshakes under way at once (at most a quarter of the descriptors); beyond, one is cut
+MAX_JOINING = 32  # peers that proved the secret and are joining, at once
+SILENT_CUTOFF = 1.0  # seconds a new connection may send nothing
+STALL_SECONDS = 1.0  # a relay that takes no bytes this long stalls: its link lets its slot go
 MAX_LINKS = 256  # relays one server feeds, overflow included
+MAX_DROPPED = 256  # relays remembered in `dropped`
 MAX_HOPS = 16  # redirects followed before giving up
 MAX_DEPTH = 256
+MAX_VERSION = 1 << 62  # versions a peer may send (a store holds int64 versions)
+MAX_VERSION_LEAP = 1 << 32  # how far above the host's version a relay's next version may be
 CLOSE_WITHIN = 2.0  # close() returns within this many seconds, whatever the peers do
 
 __all__ = ["Relay", "RelaySender", "TrainerGoneError", "describe_difference", "read_secret_file"]
@@ -88,11 +105,173 @@ class _Forwarding:
 @dataclass
 class _Child:
     id: int
-    node: str  # the relay's own random id (for cycle checks)
+    node: str  # the relay's own random id (for cycle checks and its address's check)
     link: _wire.Link
     serve: tuple[str, int] | None
     sent: int
+    verified: bool = False  # a relay at `serve` proved the secret and this node id
+    verifying: bool = True  # that check is under way
+    in_version: bool = False  # a VERS went out, the version's end (its last DATA, or CNCL) not yet
+    stalled_since: float | None = None  # when the relay last took no bytes for STALL_SECONDS
     thread: threading.Thread | None = field(default=None, repr=False)
+
+
+class _Throttled:
+    """Logs a kind of message at most ``burst`` times per ``period`` seconds, then how many more."""
+
+    def __init__(self, burst: int = 5, period: float = 10.0) -> None:
+        self.burst, self.period = burst, period
+        self.start, self.count, self.lock = 0.0, 0, threading.Lock()
+
+    def warning(self, message: str) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if now - self.start > self.period:
+                if self.count > self.burst:
+                    log.warning("... and %d more like it in %.0f s", self.count - self.burst, self.period)
+                self.start, self.count = now, 0
+            self.count += 1
+            if self.count > self.burst:
+                return
+        log.warning("%s", message)
+
+
+@dataclass
+class _Pending:
+    sock: socket.socket
+    peer: str
+    side: _wire.ServerSide
+    began: float
+    got: bytearray = field(default_factory=bytearray)
+
+
+class _Acceptor:
+    """Accepts connections and runs every handshake under way on one thread, on non-blocking
+    sockets: a connection costs a socket and a few bytes until its peer proved the secret, however
+    many there are. A connection that sends nothing for :data:`SILENT_CUTOFF` seconds, or has not
+    finished in ``handshake_timeout``, is cut; at :data:`MAX_PENDING` at once, a new one cuts the
+    oldest that sent nothing (else the oldest), so a flood cannot keep a relay out: a relay's
+    handshake takes one round trip."""
+
+    def __init__(self, server: _Server) -> None:
+        self.server = server
+        self.pending: OrderedDict[int, _Pending] = OrderedDict()
+        self.selector = selectors.DefaultSelector()
+        self.most = max(16, min(MAX_PENDING, _descriptors() // 4))
+        self.resume_accepting = 0.0  # out of descriptors: accept again from then on
+
+    def run(self) -> None:
+        server = self.server
+        server.sock.setblocking(False)
+        self.selector.register(server.sock, selectors.EVENT_READ)
+        try:
+            while not server.stopping.is_set():
+                for key, _ in self.selector.select(0.1):
+                    if key.fileobj is server.sock:
+                        self._accept()
+                    else:
+                        self._read(self.pending.get(key.fileobj.fileno()))
+                self._expire()
+                if self.resume_accepting and time.monotonic() > self.resume_accepting:
+                    self.resume_accepting = 0.0
+                    self.selector.register(server.sock, selectors.EVENT_READ)
+        finally:
+            for pending in list(self.pending.values()):
+                self._cut(pending, None)
+            self.selector.close()
+
+    def _accept(self) -> None:
+        server = self.server
+        for _ in range(64):  # a burst at a time, then the handshakes under way get their turn
+            try:
+                sock, peer = server.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            sock.setblocking(False)
+            pending = _Pending(
+                sock, f"{peer[0]}:{peer[1]}", _wire.ServerSide(server.secret, server.encrypt), time.monotonic()
+            )
+            try:
+                sock.send(pending.side.hello())  # 48 bytes: a new socket's buffer takes them
+            except OSError:
+                sock.close()
+                continue
+            if len(self.pending) >= self.most:
+                silent = next((p for p in self.pending.values() if not p.got), None)
+                self._cut(silent or next(iter(self.pending.values())), f"{self.most} handshakes under way")
+            self.pending[sock.fileno()] = pending
+            self.selector.register(sock, selectors.EVENT_READ)
+
+    def _read(self, pending: _Pending | None) -> None:
+        if pending is None:
+            return
+        try:
+            data = pending.sock.recv(_wire.CLIENT_HELLO - len(pending.got))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._cut(pending, f"its connection failed ({e})")
+            return
+        if not data:
+            self._cut(pending, "it hung up during the handshake")
+            return
+        pending.got += data
+        if len(pending.got) < _wire.CLIENT_HELLO:
+            return
+        self._forget(pending)
+        try:
+            reply, keys = pending.side.answer(bytes(pending.got))
+        except AuthenticationError as e:
+            if isinstance(getattr(e, "reply", None), bytes):
+                _send_now(pending.sock, e.reply)
+            pending.sock.close()
+            self.server.refuse(f"refused {pending.peer}: {e}")
+            return
+        if not _send_now(pending.sock, reply):
+            pending.sock.close()
+            return
+        self.server.admit(pending.sock, pending.peer, keys)
+
+    def _expire(self) -> None:
+        now, server = time.monotonic(), self.server
+        for pending in list(self.pending.values()):
+            if now - pending.began > server.handshake_timeout:
+                self._cut(pending, f"no handshake within {server.handshake_timeout:.1f} s")
+            elif not pending.got and now - pending.began > min(SILENT_CUTOFF, server.handshake_timeout):
+                self._cut(pending, f"silent for {min(SILENT_CUTOFF, server.handshake_timeout):.1f} s")
+
+    def _forget(self, pending: _Pending) -> None:
+        self.pending.pop(pending.sock.fileno(), None)
+        try:
+            self.selector.unregister(pending.sock)
+        except (KeyError, ValueError):
+            pass
+
+    def _cut(self, pending: _Pending, why: str | None) -> None:
+        self._forget(pending)
+        pending.sock.close()
+        if why is not None:
+            self.server.refuse(f"cut {pending.peer}: {why}")
+
+
+def _descriptors() -> int:
+    """This process's limit on open descriptors."""
+    try:
+        import resource
+
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, ValueError, OSError):
+        return 1024
+
+
+def _send_now(sock: socket.socket, data: bytes) -> bool:
+    """Send a few bytes on a non-blocking socket (a buffer takes them at once); False if it failed."""
+    try:
+        return sock.send(data) == len(data)
+    except OSError:
+        return False
 
 
 class _Server:
@@ -110,29 +289,34 @@ class _Server:
         bucket_bytes: int,
         timeout: float,
         handshake_timeout: float,
+        encrypt: bool,
+        root: bool,
     ) -> None:
-        self.secret, self.node = secret, node
+        self.secret, self.node, self.encrypt, self.root = secret, node, encrypt, root
         self.bucket_bytes = int(bucket_bytes)
-        if not 1 <= self.bucket_bytes <= 1 << 30:
-            raise ValueError(f"bucket_bytes must be between 1 and 2**30, got {bucket_bytes}")
+        if not 1 <= self.bucket_bytes <= MAX_BUCKET_BYTES:
+            raise ValueError(f"bucket_bytes must be between 1 and {MAX_BUCKET_BYTES}, got {bucket_bytes}")
+        if not timeout > 0 or not handshake_timeout > 0:
+            raise ValueError(f"timeouts must be > 0, got timeout={timeout}, handshake_timeout={handshake_timeout}")
         self.timeout, self.handshake_timeout = timeout, handshake_timeout
+        self.ping_every = min(5.0, timeout / 4)
         self.fanout = FANOUT
         self.path: list[str] = []  # node ids from the trainer down to this node
         self.description: bytes | None = None
         self.store: WeightStore | None = None
         self.forwarding: _Forwarding | None = None
         self.children: dict[int, _Child] = {}
-        self.dropped: dict[int, str] = {}
+        self.dropped: OrderedDict[int, str] = OrderedDict()
         self.refused = 0  # connections that did not prove the secret, or broke the handshake
         self.changed = threading.Condition()
-        self._pending = threading.BoundedSemaphore(MAX_PENDING)
+        self.stopping = threading.Event()
+        self._throttled = _Throttled()
+        self._joining = threading.BoundedSemaphore(MAX_JOINING)
         self._next_id, self._turn = 1, 0
-        self._admitting: dict[int, tuple[str, int] | None] = {}  # seated, handshake under way: where they serve
-        self._stop = threading.Event()
+        self._admitting: dict[int, tuple[str, int] | None] = {}  # seated, joining: where they serve
         self._final = STOP
         self._warned_overflow = False
-        self.sock = socket.create_server((address, port), backlog=64)
-        self.sock.settimeout(0.2)  # the accept loop looks at the stop flag this often
+        self.sock = socket.create_server((address, port), backlog=512)
         self.address = self.sock.getsockname()[:2]
         self._accept: threading.Thread | None = None
 
@@ -141,7 +325,8 @@ class _Server:
         with self.changed:
             self.description, self.path, self.fanout = description, path, fanout
         if self._accept is None:
-            self._accept = threading.Thread(target=self._accept_loop, name="shmsync-relay-accept", daemon=True)
+            acceptor = _Acceptor(self)
+            self._accept = threading.Thread(target=acceptor.run, name="shmsync-relay-accept", daemon=True)
             self._accept.start()
 
     def set_store(self, store: WeightStore) -> None:
@@ -157,32 +342,36 @@ class _Server:
         with self.changed:
             self.changed.notify_all()
 
-    # -- admitting relays ------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sock, peer = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    return
-                continue
-            if not self._pending.acquire(blocking=False):
-                self._refuse(f"refused {peer[0]}:{peer[1]}: {MAX_PENDING} handshakes are already under way")
-                sock.close()
-                continue
-            threading.Thread(target=self._admit, args=(sock, f"{peer[0]}:{peer[1]}"), daemon=True).start()
+    def refuse(self, why: str) -> None:
+        self._throttled.warning(why)
+        with self.changed:
+            self.refused += 1
 
-    def _admit(self, sock: socket.socket, peer: str) -> None:
-        link, owned, seated = None, False, None
+    # -- admitting relays ------------------------------------------------------------------------
+    def admit(self, sock: socket.socket, peer: str, keys: _wire.Keys | None) -> None:
+        """A peer proved the secret: let it join (or answer its probe) on a thread of its own."""
+        if not self._joining.acquire(blocking=False):
+            sock.close()
+            self.refuse(f"cut {peer}: {MAX_JOINING} relays are joining at once")
+            return
+        sock.setblocking(True)
+        threading.Thread(target=self._join, args=(sock, peer, keys), name="shmsync-relay-join", daemon=True).start()
+
+    def _join(self, sock: socket.socket, peer: str, keys: _wire.Keys | None) -> None:
+        link, owned, seated = _wire.Link(sock, peer, keys, min(STALL_SECONDS, self.timeout)), False, None
         try:
             _wire.tune(sock)
-            _wire.server_handshake(sock, self.secret, self.handshake_timeout)
-            link = _wire.Link(sock, peer)
-            _, doc = link.recv_json({JOIN: _wire.MAX_JSON_BYTES}, self.handshake_timeout)
+            kind, doc = link.recv_json({JOIN: _wire.MAX_JSON_BYTES, PROB: 0}, self.handshake_timeout)
+            if kind == PROB:  # a server checking that this address is this node's
+                link.send_json(NODE, {"node": self.node})
+                return
             node, serve = _check_join(doc, peer)
             with self.changed:
+                # A relay admitted just before may still be having its address checked: wait
+                # for that (a round trip) rather than take this one on as an overflow.
+                deadline = time.monotonic() + self.handshake_timeout
+                while self._checks_pending() and time.monotonic() < deadline and not self.stopping.is_set():
+                    self.changed.wait(0.05)
                 target = self._redirect_target()
                 if target is None and len(self.children) + len(self._admitting) >= MAX_LINKS:
                     raise ProtocolError(f"{MAX_LINKS} relays are linked here already")
@@ -191,80 +380,133 @@ class _Server:
                     self._admitting[seated] = serve
             if target is not None:
                 link.send_json(REDI, {"to": list(target)})
-                link.close()
                 return
             link.send(LYOT, self.description)
-            link.send_json(CONF, {"fanout": self.fanout, "path": [*self.path, self.node]})
+            link.send_json(CONF, {"fanout": self.fanout, "path": [*self.path, self.node], "bucket": self.bucket_bytes})
             kind, doc = link.recv_json({HAVE: _wire.MAX_JSON_BYTES, MISM: _wire.MAX_JSON_BYTES}, self.handshake_timeout)
             with self.changed:
                 relay_id, self._next_id = self._next_id, self._next_id + 1
             if kind == MISM:
                 why = str(doc.get("why", "?"))[:500] if isinstance(doc, dict) else "?"
                 self._drop(relay_id, f"WeightMismatchError: its host's store holds another model: {why}")
-                link.close()
                 return
             have = doc.get("version") if isinstance(doc, dict) else None
-            if not (isinstance(have, int) and not isinstance(have, bool) and have >= -1):
-                raise ProtocolError(f"{peer} answered the layout with {str(doc)[:100]}, not {{'version': int}}")
+            self._check_have(have, peer)
             child = _Child(relay_id, node, link, serve, have)
             child.thread = threading.Thread(target=self._feed, args=(child,), name=f"shmsync-relay-{relay_id}")
             child.thread.daemon = True
             with self.changed:
-                if self._stop.is_set():
+                if self.stopping.is_set():
                     raise EOFError("closing")
                 self.children[relay_id] = child
                 self._admitting.pop(seated, None)
                 seated = None
             child.thread.start()
             owned = True  # the feeding thread closes it
-        except AuthenticationError as e:
-            self._refuse(f"refused {peer}: {e}")
-        except (ProtocolError, EOFError, OSError, ValueError) as e:
-            self._refuse(f"dropped {peer} during its handshake: {e}")
+            if serve is not None:
+                threading.Thread(target=self._verify, args=(child,), name="shmsync-relay-verify", daemon=True).start()
+            else:
+                child.verifying = False
+        except (ProtocolError, AuthenticationError, EOFError, OSError, ValueError) as e:
+            self.refuse(f"dropped {peer} during its handshake: {e}")
         finally:
             if seated is not None:
                 with self.changed:
                     self._admitting.pop(seated, None)
             if not owned:
-                (link or _wire.Link(sock, peer)).close()
-            self._pending.release()
+                link.close()
+            self._joining.release()
 
-    def _refuse(self, why: str) -> None:
-        log.warning("%s", why)
+    def _check_have(self, have: Any, peer: str) -> None:
+        """The version a joining relay holds: none (-1) up to this node's newest (a relay's server,
+        which may be behind the trainer: up to a bound above it)."""
+        if not (isinstance(have, int) and not isinstance(have, bool) and -1 <= have <= MAX_VERSION):
+            raise ProtocolError(f"{peer} answered the layout with {str(have)[:100]}, not a version")
         with self.changed:
-            self.refused += 1
+            newest = self._newest()
+        most = newest if self.root else newest + MAX_VERSION_LEAP
+        if have > most:
+            raise ProtocolError(f"{peer} claims version {have}, but the newest here is {newest}")
+
+    def _newest(self) -> int:
+        """With ``changed`` held: the newest version this node holds or is receiving."""
+        newest = self.store.version if self.store is not None and not self.store.closed else -1
+        fwd = self.forwarding
+        return max(newest, fwd.version) if fwd is not None and fwd.state != "cancelled" else newest
+
+    def _checks_pending(self) -> bool:
+        """With ``changed`` held: the fan-out is full, nobody below takes relays yet, and a relay's
+        address is being checked."""
+        full = len(self.children) + len(self._admitting) >= self.fanout
+        return (
+            full
+            and not any(c.verified for c in self.children.values())
+            and any(c.verifying for c in self.children.values())
+        )
 
     def _redirect_target(self) -> tuple[str, int] | None:
         """With ``changed`` held: where to point a relay that joins now, or None to admit it."""
         if len(self.children) + len(self._admitting) < self.fanout:
             return None
-        serving = [c.serve for c in self.children.values() if c.serve is not None]
-        serving += [serve for serve in self._admitting.values() if serve is not None]
+        serving = [c.serve for c in self.children.values() if c.serve is not None and c.verified]
         if not serving:  # nobody below can take it: admit it anyway, and say so once
             if not self._warned_overflow:
                 self._warned_overflow = True
                 log.warning(
-                    "more than %d relays joined here and none below takes relays of its own (started with "
-                    "listen=None): this node now sends each version to each of them",
+                    "more than %d relays joined here and none below takes relays of its own at an address checked "
+                    "to be its own: this node now sends each version to each of them",
                     self.fanout,
                 )
             return None
         self._turn += 1
         return serving[self._turn % len(serving)]
 
+    def _verify(self, child: _Child) -> None:
+        """Check that the relay at ``child.serve`` proves the secret and is ``child`` (its node id):
+        only then are other relays pointed there."""
+        host, port = child.serve
+        verified = False
+        try:
+            link = _wire.connect(host, port, self.secret, self.handshake_timeout, encrypt=self.encrypt)
+            try:
+                link.send(PROB)
+                _, doc = link.recv_json({NODE: _wire.MAX_JSON_BYTES}, self.handshake_timeout)
+                verified = doc == {"node": child.node}
+            finally:
+                link.close()
+        except (OSError, EOFError, RelayError, AuthenticationError) as e:
+            log.info("relay %d serves at %s:%s, which does not answer as it (%s)", child.id, host, port, e)
+        with self.changed:
+            child.verified = verified and child.id in self.children
+            child.verifying = False
+            self.changed.notify_all()
+
     # -- feeding one relay ----------------------------------------------------------------------
     def _feed(self, child: _Child) -> None:
-        row = -1
-        buffer = None  # a private copy, for when no slot can be leased
-        store = None
+        """Send ``child`` the newest version whenever there is a newer one (a keepalive while
+        idle). A lease on the slot sent from is held only while the relay takes bytes: one that
+        takes none for :data:`STALL_SECONDS` has the rest of the frame kept on the link (at most a
+        bucket), the lease released and that version given up (CNCL) once it takes bytes again;
+        one that takes none for ``timeout`` is dropped."""
+        row, store = -1, None
         try:
             while True:
+                if child.link.kept is not None:
+                    self._recover(child)
+                    continue
                 with self.changed:
-                    while not self._stop.is_set() and not self._newer(child.sent):
+                    waited = time.monotonic()
+                    while not self.stopping.is_set() and not self._newer(child.sent):
+                        if time.monotonic() - waited > self.ping_every:
+                            break
                         self.changed.wait(0.05)  # also sees publishes of other processes
-                    if self._stop.is_set():
+                    if self.stopping.is_set():
                         break
+                    newer = self._newer(child.sent)
                     store, fwd = self.store, self.forwarding
+                if not newer:
+                    self._sent(child, child.link.send_or_keep(PING))  # idle: the relay can tell this node lives
+                    continue
                 protocol = store.memory.protocol
                 if row < 0:
                     row = protocol.claim_row()
@@ -274,13 +516,12 @@ class _Server:
                     if protocol.lease_written(row, fwd.write):
                         try:
                             with store.memory.slot_buffer(fwd.write.slot) as view:
-                                if self._send(child, fwd.version, view, fwd):
-                                    child.sent = fwd.version
+                                self._send(child, fwd.version, view, fwd)
                         finally:
                             protocol.release_lease(row)
                     else:  # no lease to be had: wait for the commit, then send it whole
                         with self.changed:
-                            while fwd.state == "receiving" and not self._stop.is_set():
+                            while fwd.state == "receiving" and not self.stopping.is_set():
                                 self.changed.wait(0.05)
                     continue
                 leased = protocol.lease_latest(row)
@@ -289,28 +530,24 @@ class _Server:
                         slot, version = leased
                         if version > child.sent:
                             with store.memory.slot_buffer(slot) as view:
-                                if self._send(child, version, view, None):
-                                    child.sent = version
+                                self._send(child, version, view, None)
                         continue
                 finally:
                     protocol.release_lease(row)
-                if buffer is None:
-                    buffer = bytearray(store.nbytes)
-                version = store.read_bytes(buffer, timeout=self.timeout)
-                if version > child.sent:
-                    with memoryview(buffer) as view:
-                        if self._send(child, version, view, None):
-                            child.sent = version
+                # No slot can be leased now (another link sends from the one that can be, or the
+                # writer is on it): no private copy; the newest version goes once one can be.
+                with self.changed:
+                    self.changed.wait(0.05)
             self._say_goodbye(child)
         except (OSError, EOFError, ShmSyncError) as e:
-            if not self._stop.is_set():
+            if not self.stopping.is_set():
                 self._drop(child.id, f"{type(e).__name__}: {e}")
         finally:
             if store is not None and row >= 0 and not store.closed:
                 store.memory.protocol.release_lease(row)
                 store.memory.protocol.release_row(row)
             with self.changed:
-                self.children.pop(child.id, None)
+                self.children.pop(child.id, None)  # its place and its address go with it
             child.link.close()
 
     def _newer(self, sent: int) -> bool:
@@ -322,38 +559,64 @@ class _Server:
             return True
         return self.store.version > sent
 
-    def _send(self, child: _Child, version: int, view: memoryview, fwd: _Forwarding | None) -> bool:
-        """Send one version from ``view`` (as far as ``fwd`` has received it, if given); False if it
-        was cut short (cancelled upstream, or this server closes)."""
+    def _sent(self, child: _Child, whole: bool) -> bool:
+        """Note whether a frame went whole; if not, the relay stalls from now on."""
+        if not whole and child.stalled_since is None:
+            child.stalled_since = time.monotonic()
+        return whole
+
+    def _recover(self, child: _Child) -> None:
+        """A stalled relay: wait (no lease held) until it takes the rest of its frame, then give up
+        the version it was in the middle of; raise if it takes nothing for ``timeout`` seconds."""
+        deadline = child.stalled_since + self.timeout
+        if not child.link.flush_kept(deadline, self.stopping.is_set):
+            if self.stopping.is_set():
+                raise EOFError("closing")
+            raise TimeoutError(f"it took no bytes for {self.timeout:.0f} s")
+        child.stalled_since = None
+        if child.in_version:
+            child.in_version = not self._sent(child, child.link.send_or_keep(CNCL))
+
+    def _send(self, child: _Child, version: int, view: memoryview, fwd: _Forwarding | None) -> None:
+        """Send one version from ``view`` (as far as ``fwd`` has received it, if given). Sets
+        ``child.sent`` once it went whole; returns early if it was cancelled upstream, this server
+        closes, or the relay stalls (the rest of the frame is then kept on the link)."""
         link, n = child.link, len(view)
-        link.send(VERS, VERSION.pack(version, n))
+        child.in_version = True
+        if not self._sent(child, link.send_or_keep(VERS, VERSION.pack(version, n))):
+            return
         offset = 0
         while offset < n:
             available = n
             if fwd is not None:
                 with self.changed:
-                    while fwd.received <= offset and fwd.state == "receiving" and not self._stop.is_set():
+                    while fwd.received <= offset and fwd.state == "receiving" and not self.stopping.is_set():
                         self.changed.wait(0.05)
                     available = fwd.received if fwd.state != "cancelled" else -1
-            if self._stop.is_set() or available < 0:
-                link.send(CNCL)
-                return False
+            if self.stopping.is_set() or available < 0:
+                child.in_version = not self._sent(child, link.send_or_keep(CNCL))
+                return
             end = min(available, offset + self.bucket_bytes)
-            link.send(DATA, view[offset:end])
+            if not self._sent(child, link.send_or_keep(DATA, view[offset:end])):
+                return
             offset = end
-        return True
+        child.in_version = False
+        child.sent = version
 
     def _say_goodbye(self, child: _Child) -> None:
-        child.link.sock.settimeout(0.5)  # a relay that stopped reading must not hold close() up
+        if child.link.kept is not None:
+            return  # a stalled relay: it sees the link close
         try:
-            child.link.send(self._final)
+            child.link.send_or_keep(self._final)  # a relay that stopped reading must not hold close() up
         except OSError:
             pass
 
     def _drop(self, relay_id: int, why: str) -> None:
-        log.warning("dropped relay %d: %s", relay_id, why)
+        self._throttled.warning(f"dropped relay {relay_id}: {why}")
         with self.changed:
             self.dropped[relay_id] = why
+            while len(self.dropped) > MAX_DROPPED:
+                self.dropped.popitem(last=False)
 
     # -- forwarding (a relay's server) ----------------------------------------------------------
     def begin(self, version: int, nbytes: int, write: Write) -> _Forwarding:
@@ -379,21 +642,21 @@ class _Server:
         and return within :data:`CLOSE_WITHIN` seconds whatever they do."""
         deadline = time.monotonic() + CLOSE_WITHIN
         with self.changed:
-            if self._stop.is_set():
+            if self.stopping.is_set():
                 return
             self._final = final
-            self._stop.set()
+            self.stopping.set()
             self.changed.notify_all()
             children, store = list(self.children.values()), self.store
         if store is not None:
             store.remove_publish_listener(self.notify)
+        if self._accept is not None:
+            self._accept.join(max(0.0, min(0.5, deadline - time.monotonic())))
         self.sock.close()
         for child in children:
             child.thread.join(max(0.0, deadline - time.monotonic() - 0.2))
         for child in children:
             child.link.close()  # a thread still blocked in a send to a stalled relay wakes up
-        if self._accept is not None:
-            self._accept.join(max(0.0, deadline - time.monotonic()))
 
 
 def _check_join(doc: Any, peer: str) -> tuple[str, tuple[str, int] | None]:
@@ -410,9 +673,12 @@ class RelaySender:
     """Trainer side: relays every new version of ``store`` to the relays that join.
 
     It takes at most ``fanout`` relays itself and points the others at relays below them
-    (see :mod:`shmsync.relay`); each linked relay gets a thread that sends it the newest
-    version straight from its slot of the store (leased, so the trainer does not rewrite it
-    meanwhile), waking on each publish. ``publish()`` never waits for any of it.
+    (see :mod:`shmsync.relay`), once it checked that a relay answers at the address it
+    announced; each linked relay gets a thread that sends it the newest version straight from
+    its slot of the store (leased, so the trainer does not rewrite it meanwhile), waking on
+    each publish. ``publish()`` never waits for any of it. A relay that takes no bytes for
+    ``timeout`` seconds, in the middle of a version or not, is dropped (:attr:`dropped`),
+    freeing its place and its address; no link ever keeps a copy of the weights.
 
     Args:
         store: the trainer's store (this process publishes into it).
@@ -420,21 +686,24 @@ class RelaySender:
             relays on this machine; this host's address on the network relays reach it by, to
             serve other hosts.
         port: the TCP port (0: any free one, see :attr:`port`).
-        secret: the relay secret every relay must prove (at least 16 bytes). Default:
-            ``$SHMSYNC_RELAY_SECRET``, else the file ``$SHMSYNC_RELAY_SECRET_FILE``, else a new
-            random one, printed once to stderr (and in :attr:`secret`).
+        secret: the relay secret every relay must prove: at least 32 random bytes (see
+            ``shmsync new-secret``). Default: ``$SHMSYNC_RELAY_SECRET``, else the file
+            ``$SHMSYNC_RELAY_SECRET_FILE``, else a new random one, printed once to stderr
+            (and in :attr:`secret`).
         fanout: relays this sender, and each relay, feeds directly (1: a chain).
-        bucket_bytes: a version travels in messages of at most this many bytes (pieces a relay
-            forwards as soon as they arrive).
-        timeout: seconds a link may stall in the middle of a version before it is dropped.
+        bucket_bytes: a version travels in frames of at most this many bytes (pieces a relay
+            checks and forwards as soon as they arrive).
+        timeout: seconds a relay may take no bytes before it is dropped.
         handshake_timeout: seconds a connecting relay has to prove the secret and say hello.
+        encrypt: encrypt and authenticate every frame (the default). False only for links
+            inside a tunnel that does so (WireGuard, SSH): every relay must say the same.
 
     Example:
         >>> import torch
         >>> from shmsync import WeightStore
         >>> from shmsync.relay import RelaySender
         >>> policy = torch.nn.Linear(4, 2)
-        >>> secret = "a secret of at least sixteen bytes"
+        >>> secret = "a random secret of at least 32 bytes, as `shmsync new-secret` makes"
         >>> with WeightStore.create(policy) as store, RelaySender(store, "127.0.0.1", 0, secret=secret) as sender:
         ...     store.publish(policy)  # relays on other hosts receive version 1
         ...     sender.relays  # none joined in this example
@@ -453,10 +722,13 @@ class RelaySender:
         bucket_bytes: int = BUCKET_BYTES,
         timeout: float = 60.0,
         handshake_timeout: float = 5.0,
+        encrypt: bool = True,
     ) -> None:
         if isinstance(fanout, bool) or not isinstance(fanout, int) or not 1 <= fanout <= MAX_FANOUT:
             raise ValueError(f"fanout must be an int between 1 and {MAX_FANOUT}, got {fanout!r}")
         raw, generated = _wire.resolve_secret(secret, generate=True)
+        if encrypt:
+            _wire.Keys(bytes(32), bytes(32))  # the cipher is installed (else a clear ImportError now)
         self.secret = raw.decode(errors="replace")
         self.store = store
         self._server = _Server(
@@ -467,6 +739,8 @@ class RelaySender:
             bucket_bytes=bucket_bytes,
             timeout=timeout,
             handshake_timeout=handshake_timeout,
+            encrypt=encrypt,
+            root=True,
         )
         if generated:
             print(
@@ -494,20 +768,28 @@ class RelaySender:
             return {i: c.sent for i, c in self._server.children.items()}
 
     @property
+    def serving(self) -> dict[int, tuple[str, int]]:
+        """Relays fed directly whose announced address was checked (others are pointed there)."""
+        with self._server.changed:
+            return {i: c.serve for i, c in self._server.children.items() if c.verified and c.serve is not None}
+
+    @property
     def bytes_sent(self) -> dict[int, int]:
-        """Bytes sent to each relay fed directly now (messages and payloads), by relay id."""
+        """Bytes sent to each relay fed directly now (frames and payloads), by relay id."""
         with self._server.changed:
             return {i: c.link.bytes_sent for i, c in self._server.children.items()}
 
     @property
     def dropped(self) -> dict[int, str]:
-        """Relays dropped: relay id -> why (it went away, broke the protocol, holds another model)."""
+        """Relays dropped (the last 256): relay id -> why (it went away, took no bytes for
+        ``timeout`` seconds, broke the protocol, holds another model)."""
         with self._server.changed:
             return dict(self._server.dropped)
 
     @property
     def refused(self) -> int:
-        """Connections refused before they became a relay (no secret, a broken handshake, too many)."""
+        """Connections refused before they became a relay (no secret, a broken or silent
+        handshake, too many at once)."""
         return self._server.refused
 
     def close(self) -> None:
@@ -532,14 +814,15 @@ class Relay:
             (else :class:`~shmsync.WeightMismatchError`, nothing written); if not, it is created
             from the first version received (so readers here never see any other first version).
         secret: the relay secret (default: ``$SHMSYNC_RELAY_SECRET``, else the file
-            ``$SHMSYNC_RELAY_SECRET_FILE``).
+            ``$SHMSYNC_RELAY_SECRET_FILE``): at least 32 random bytes.
         listen: ``(address, port)`` to take relays of its own on. Default ``"auto"``: this
             host's address towards the trainer, any free port. None: take none (a leaf).
         num_slots: slots of a store created here (4: one for the relays below to send from
             while the next version arrives).
-        timeout: seconds to keep trying to reach the trainer, and that a link may stall in the
-            middle of a version.
+        timeout: seconds to keep trying to reach the trainer, and that a link may stay silent
+            (a parent sends keepalives while idle) before this relay re-attaches.
         handshake_timeout: seconds each handshake may take.
+        encrypt: as the trainer's :class:`RelaySender` has it (both ends must agree).
 
     Example:
         >>> relay = Relay("10.0.0.1", 29600, store="policy")  # doctest: +SKIP
@@ -558,10 +841,14 @@ class Relay:
         bucket_bytes: int = BUCKET_BYTES,
         timeout: float = 60.0,
         handshake_timeout: float = 5.0,
+        encrypt: bool = True,
     ) -> None:
         self.root = (address, int(port))
         self.name = store
         self.secret, _ = _wire.resolve_secret(secret)
+        if encrypt:
+            _wire.Keys(bytes(32), bytes(32))  # the cipher is installed (else a clear ImportError now)
+        self.encrypt = encrypt
         self.listen = listen
         self.num_slots = num_slots
         self.bucket_bytes = bucket_bytes
@@ -574,6 +861,7 @@ class Relay:
         self._server: _Server | None = None
         self._description: bytes | None = None
         self._layout: Layout | None = None
+        self._bucket = MAX_BUCKET_BYTES  # the most bytes the parent puts in one frame
 
     @property
     def serving(self) -> tuple[str, int] | None:
@@ -585,9 +873,12 @@ class Relay:
         re-attaching through the trainer whenever the relay it receives from goes away.
 
         Raises:
-            TrainerGoneError: the trainer cannot be reached any more (its process died).
+            TrainerGoneError: the trainer cannot be reached any more (its process died), or no
+                version arrived for ``timeout`` seconds while re-attaching.
             WeightMismatchError: this host's store holds another model; nothing written.
-            AuthenticationError: the trainer (or a relay it pointed at) holds another secret.
+            AuthenticationError: the trainer (or a relay it pointed at) holds another secret,
+                or wants the other mode; or the trainer's frames failed their check.
+            ProtocolError: the trainer itself broke the protocol (nothing it sent was published).
         """
         try:
             lost = []  # when links were lost since the last version received
@@ -598,7 +889,7 @@ class Relay:
                     if self._follow(link, max_versions) == "stopped" and self._server is not None:
                         self._server.close(STOP)  # the trainer closed its sender: the tree ends
                     return
-                except ProtocolError:
+                except (ProtocolError, AuthenticationError):
                     if self.parent == self.root:
                         raise  # the trainer itself broke the protocol: no other parent to try
                     self._lost(link, lost, received, "it broke the protocol")
@@ -623,6 +914,7 @@ class Relay:
                 f"relay {self.name!r}: no version arrived for {self.timeout} s while re-attaching ({why})"
             )
         log.warning("relay %r: lost %s (%s); re-attaching through the trainer", self.name, link.peer, why)
+        time.sleep(min(1.0, 0.05 * 2 ** (len(lost) - 1)))  # links that keep failing: back off
 
     # -- attaching ------------------------------------------------------------------------------
     def _attach(self) -> _wire.Link:
@@ -631,11 +923,14 @@ class Relay:
         target, hops = self.root, 0
         while True:
             try:
-                link = _wire.connect(*target, self.secret, self.handshake_timeout)
+                link = _wire.connect(
+                    *target, self.secret, self.handshake_timeout, encrypt=self.encrypt, send_timeout=self.timeout
+                )
             except ConnectionRefusedError as e:
                 if target == self.root:
                     raise TrainerGoneError(f"relay {self.name!r}: nobody listens at {target[0]}:{target[1]}") from e
                 target, hops = self.root, 0  # the relay it was pointed at is gone: ask again
+                self._give_up_after(deadline, e)
                 continue
             except AuthenticationError:
                 raise
@@ -644,6 +939,7 @@ class Relay:
                 time.sleep(0.2)
                 target, hops = self.root, 0
                 continue
+            why: BaseException
             try:
                 if self._server is None and self.listen is not None:
                     self._server = self._make_server(link)
@@ -651,25 +947,29 @@ class Relay:
                 allowed = {REDI: _wire.MAX_JSON_BYTES, LYOT: MAX_LAYOUT_BYTES}
                 kind, length = link.recv_frame(allowed, self.handshake_timeout)
                 if kind == REDI:
-                    doc = link.recv_payload_json(kind, length, self.handshake_timeout)
+                    doc = link.recv_payload_json(kind, self.handshake_timeout)
                     link.close()
                     target = _wire.address(doc.get("to") if isinstance(doc, dict) else None, "a redirect")
                     hops += 1
                     if hops > MAX_HOPS:
                         raise ProtocolError(f"pointed from relay to relay {MAX_HOPS} times without being admitted")
                     continue
-                if self._admitted(link, link.recv_bytes(length, self.handshake_timeout)):
+                if self._admitted(link, link.recv_payload(self.handshake_timeout)):
                     self.parent = target
                     self.attachments += 1
                     return link
-                link.close()  # a cycle: the trainer points it elsewhere next time
+                link.close()
+                why = ProtocolError(f"{link.peer} is below this relay in the tree (a cycle)")
             except WeightMismatchError:
                 link.close()
                 raise
-            except (ProtocolError, EOFError, OSError, ValueError) as e:
+            except (ProtocolError, AuthenticationError, EOFError, OSError, ValueError) as e:
                 link.close()
-                self._give_up_after(deadline, e)
-                log.warning("relay %r: attaching through %s:%s failed (%s); trying the trainer", self.name, *target, e)
+                if target == self.root and isinstance(e, (ProtocolError, AuthenticationError)):
+                    raise  # the trainer itself broke the protocol
+                why = e
+            self._give_up_after(deadline, why)
+            log.warning("relay %r: attaching through %s:%s failed (%s); trying the trainer", self.name, *target, why)
             time.sleep(0.05)
             target, hops = self.root, 0
 
@@ -689,19 +989,25 @@ class Relay:
             bucket_bytes=self.bucket_bytes,
             timeout=self.timeout,
             handshake_timeout=self.handshake_timeout,
+            encrypt=self.encrypt,
+            root=False,
         )
 
     def _admitted(self, link: _wire.Link, description: bytes) -> bool:
         """Check the layout and the tree path the parent sent, answer with the version this host
         holds; False if admitting would make a cycle. Raises WeightMismatchError (after telling
         the parent) when this host's store holds another model."""
-        try:
-            layout, _ = Layout.from_json(description, f"the layout {link.peer} sent")
-        except StoreCorruptError as e:
-            raise ProtocolError(str(e)) from None
+        if self._description is None or description != self._description:  # parsed once, not at every re-attach
+            if self._description is not None:
+                raise ProtocolError(f"{link.peer} serves another layout than the one this relay had")
+            try:
+                layout, _ = Layout.from_json(description, f"the layout {link.peer} sent")
+            except StoreCorruptError as e:
+                raise ProtocolError(str(e)) from None
+        else:
+            layout = self._layout
         _, conf = link.recv_json({CONF: _wire.MAX_JSON_BYTES}, self.handshake_timeout)
-        fanout = conf.get("fanout") if isinstance(conf, dict) else None
-        path = conf.get("path") if isinstance(conf, dict) else None
+        fanout, path, bucket = (conf.get(k) if isinstance(conf, dict) else None for k in ("fanout", "path", "bucket"))
         if not (
             isinstance(fanout, int)
             and not isinstance(fanout, bool)
@@ -709,12 +1015,13 @@ class Relay:
             and isinstance(path, list)
             and 0 < len(path) <= MAX_DEPTH
             and all(isinstance(p, str) and len(p) == 16 for p in path)
+            and isinstance(bucket, int)
+            and not isinstance(bucket, bool)
+            and 1 <= bucket <= MAX_BUCKET_BYTES
         ):
             raise ProtocolError(f"{link.peer} sent the tree's settings as {str(conf)[:100]}")
         if self.node in path:
             return False
-        if self._description is not None and description != self._description:
-            raise ProtocolError(f"{link.peer} serves another layout than the one this relay had")
         if self.store is None:
             try:
                 self.store = WeightStore.attach(self.name)
@@ -727,7 +1034,7 @@ class Relay:
                 f"relay: this host's store {self.name!r} holds another model than the trainer's: {why}; nothing written"
             )
         link.send_json(HAVE, {"version": self.store.version if self.store is not None else -1})
-        self._description, self._layout = description, layout
+        self._description, self._layout, self._bucket = description, layout, bucket
         if self._server is not None:
             if self.store is not None:
                 self._server.set_store(self.store)
@@ -740,15 +1047,21 @@ class Relay:
         ``max_versions`` were published here (``"enough"``)."""
         nbytes = self._layout.payload_bytes
         while max_versions is None or self.received < max_versions:
-            kind, length = link.recv_frame({VERS: VERSION.size, STOP: 0, BYE: 0})
+            # The parent sends a keepalive while idle: silence for `timeout` means it is gone.
+            kind, _ = link.recv_frame({VERS: (VERSION.size, VERSION.size), PING: 0, STOP: 0, BYE: 0}, self.timeout)
+            if kind == PING:
+                continue
             if kind == STOP:
                 return "stopped"
             if kind == BYE:
                 raise _Left(f"{link.peer} left the tree")
-            version, size = VERSION.unpack(link.recv_bytes(VERSION.size, self.timeout))
+            version, size = VERSION.unpack(link.recv_payload(self.timeout))
             held = self.store.version if self.store is not None else -1
-            if version < 0 or version <= held:
-                raise ProtocolError(f"{link.peer} sent version {version}; this host holds {held} (versions only go up)")
+            if not (held < version <= MAX_VERSION) or (held >= 0 and version - held > MAX_VERSION_LEAP):
+                raise ProtocolError(
+                    f"{link.peer} sent version {version}; this host holds {held} (versions only go up, by at most "
+                    f"{MAX_VERSION_LEAP} at a time, to at most {MAX_VERSION})"
+                )
             if size != nbytes:
                 raise ProtocolError(f"{link.peer} announced {size} bytes for version {version}, the layout {nbytes}")
             if self._receive(link, version):
@@ -789,22 +1102,23 @@ class Relay:
         return True
 
     def _fill(self, link: _wire.Link, buffer: memoryview, fwd: _Forwarding | None) -> None:
+        """Receive a version's frames into ``buffer``; each piece is there (and forwarded) only
+        once it passed its check."""
         n, got = len(buffer), 0
         while got < n:
-            kind, length = link.recv_frame({DATA: n - got, CNCL: 0, STOP: 0, BYE: 0}, self.timeout)
+            kind, length = link.recv_frame(
+                {DATA: (1, min(n - got, self._bucket)), CNCL: 0, STOP: 0, BYE: 0}, self.timeout
+            )
             if kind in (CNCL, STOP, BYE):
                 if fwd is not None:
                     self._server.end(fwd, complete=False)
                 if kind == CNCL:
                     raise _Cancelled()
                 raise _Left(f"{link.peer} stopped in the middle of a version")
-            if length == 0:
-                raise ProtocolError(f"{link.peer} sent an empty piece of a version")
-            end = got + length
-            while got < end:
-                got += link.recv_into(buffer[got:end], self.timeout)
-                if fwd is not None:
-                    self._server.advance(fwd, got)
+            link.recv_payload_into(buffer[got : got + length], self.timeout)
+            got += length
+            if fwd is not None:
+                self._server.advance(fwd, got)
 
     def close(self) -> None:
         """Stop feeding relays below (they re-attach elsewhere) and let go of this host's store."""

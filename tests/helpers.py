@@ -423,6 +423,67 @@ def tree_relay(host_dir: str, port: int, name: str, conn) -> None:
         relay.close()
 
 
+def flood(port: int, n: int, conn) -> None:
+    """Connections to a relay server that never finish a handshake: ``n`` kept open, half of them
+    silent and half cut off in the middle of their hello, each one the server cuts replaced at
+    once (a reconnect loop). Reports ("flooding",) once ``n`` were opened; runs until killed. It
+    waits for the server's cuts rather than polling, so that it takes no more of this machine's
+    cores than an attacker on another host would."""
+    import resource
+    import selectors
+    import socket
+
+    from shmsync import _wire
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * n + 64)), hard))
+    selector = selectors.DefaultSelector()
+
+    def connect(i):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if i % 2:
+            sock.sendall(_wire.MAGIC + os.urandom(20))  # a hello that stops halfway
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ, i)
+
+    for i in range(n):
+        connect(i)
+    conn.send(("flooding",))
+    while True:
+        for key, _ in selector.select(1.0):
+            sock = key.fileobj
+            try:
+                data = sock.recv(4096)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if data == b"":  # cut: another takes its place at once
+                selector.unregister(sock)
+                sock.close()
+                try:
+                    connect(key.data)
+                except OSError:
+                    time.sleep(0.01)
+
+
+def join_and_stall(port: int, secret: str, n: int, conn) -> None:
+    """``n`` relays that join the trainer at ``port``, answer HAVE -1, then never read a byte."""
+    from shmsync import _wire
+
+    links = []
+    for _ in range(n):
+        link = _wire.connect("127.0.0.1", port, secret.encode(), 10)
+        link.send_json(b"JOIN", {"node": os.urandom(8).hex(), "serve": None})
+        link.recv_frame({b"LYOT": 64 << 20}, 10)
+        link.recv_payload(10)
+        link.recv_json({b"CONF": 4096}, 10)
+        link.send_json(b"HAVE", {"version": -1})
+        links.append(link)
+    conn.send(("stalling",))
+    time.sleep(3600)
+
+
 def follow(host_dir: str, name: str, sizes, last: int, conn) -> None:
     """A reader on host ``host_dir``: loads every version it sees until ``last``; reports, per
     load, (version, distinct values in the weights)."""

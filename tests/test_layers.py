@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The core, lowest first: a module may import modules of its own layer or below, never above.
 LAYERS = [
-    {"errors", "_header", "_processes", "_fence", "_paths"},  # words, processes, fences
+    {"errors", "_header", "_processes", "_fence", "_paths", "_secret"},  # words, processes, fences, secrets
     {"_segment", "_protocol", "_layout", "_source", "_pinning", "_viewing", "_copy"},  # memory and protocol
     {"_memory"},  # one store's mapping
     {"store", "_cuda", "tagging", "versions", "lifetime", "host"},  # the store, the CUDA publisher beside it

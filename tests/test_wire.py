@@ -1,5 +1,7 @@
-"""The relay's wire protocol on real sockets: both ends prove the secret without sending it, and
-no frame a peer sends is read beyond the kind and size the reader expects."""
+"""The relay's wire protocol on real sockets: both ends prove the secret without sending it; every
+frame after is encrypted and authenticated under keys of that connection alone, so nobody on the
+path reads or alters one; and no frame a peer sends is read beyond the kind and size the reader
+expects."""
 
 import os
 import socket
@@ -8,26 +10,26 @@ import time
 
 import pytest
 
-from shmsync import _wire
+from shmsync import _secret, _wire
 from shmsync.errors import AuthenticationError, ProtocolError
 
-from helpers import wait_for
+from helpers import cli, wait_for
 
-SECRET = b"sixteen bytes or more of secret"
+SECRET = b"thirty-two bytes or more of relay secret"
+PAYLOAD = b"the weights of version seven, in clear: " * 100
 
 
 def _pair():
-    a, b = socket.socketpair()
-    return a, b
+    return socket.socketpair()
 
 
-def _run(fn, *args):
+def _run(fn, *args, **kwargs):
     """Run ``fn(*args)`` in a thread; returns a callable giving its result or raising its error."""
     out = {}
 
     def target():
         try:
-            out["value"] = fn(*args)
+            out["value"] = fn(*args, **kwargs)
         except BaseException as e:
             out["error"] = e
 
@@ -44,35 +46,119 @@ def _run(fn, *args):
     return result
 
 
-def _recording_pipe():
-    """``(server end, client end, bytes)``: a connection through a thread that records every byte
-    crossing it, either way."""
-    server, inner_server = _pair()
-    inner_client, client = _pair()
-    crossed = bytearray()
+def _links(encrypt=True, secret=SECRET, client_secret=SECRET):
+    """A linked (server, client) pair after a real handshake over a socket pair."""
+    a, b = _pair()
+    served = _run(_wire.server_handshake, a, secret, 5, encrypt=encrypt)
+    keys = _wire.client_handshake(b, client_secret, 5, encrypt=encrypt)
+    return _wire.Link(a, "client", served()), _wire.Link(b, "server", keys)
 
-    def pump(src, dst):
-        while data := src.recv(65536):
-            crossed.extend(data)
-            dst.sendall(data)
-        dst.shutdown(socket.SHUT_WR)
 
-    for src, dst in ((inner_server, inner_client), (inner_client, inner_server)):
-        threading.Thread(target=pump, args=(src, dst), daemon=True).start()
-    return server, client, crossed
+class Path:
+    """A connection through a man in the middle: a thread per direction passes each byte on, and
+    may record it or replace it (``alter(direction, data) -> data``)."""
+
+    def __init__(self, alter=None):
+        self.server, inner_server = _pair()
+        inner_client, self.client = _pair()
+        self.crossed = bytearray()
+        self.alter = alter or (lambda direction, data: data)
+        for direction, src, dst in (("down", inner_server, inner_client), ("up", inner_client, inner_server)):
+            threading.Thread(target=self._pump, args=(direction, src, dst), daemon=True).start()
+
+    def _pump(self, direction, src, dst):
+        try:
+            while data := src.recv(65536):
+                self.crossed.extend(data)
+                dst.sendall(self.alter(direction, data))
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
 
 
 def test_both_ends_prove_the_secret_and_it_never_crosses_the_wire():
-    server, client, crossed = _recording_pipe()
-    done = _run(_wire.server_handshake, server, SECRET, 5)
-    _wire.client_handshake(client, SECRET, 5)
+    path = Path()
+    done = _run(_wire.server_handshake, path.server, SECRET, 5)
+    _wire.client_handshake(path.client, SECRET, 5)
     done()
-    wait_for(lambda: len(crossed) >= 2 * len(_wire.MAGIC) + 4 * 32, timeout=10, what="the pipe to pass it all")
-    assert len(crossed) == 2 * len(_wire.MAGIC) + 32 + 32 + 32 + 32
-    assert SECRET not in crossed and SECRET[:16] not in crossed
+    want = _wire.SERVER_HELLO + _wire.CLIENT_HELLO + _wire.SERVER_ANSWER
+    wait_for(lambda: len(path.crossed) >= want, timeout=10, what="the pipe to pass it all")
+    assert len(path.crossed) == want == 48 + 81 + 33
+    assert SECRET not in path.crossed and SECRET[:16] not in path.crossed
 
 
-@pytest.mark.parametrize("client_secret", [b"another secret of enough bytes", SECRET[:-1] + b"!"])
+def test_frames_are_unreadable_on_the_path_and_each_connection_has_keys_of_its_own():
+    sealed = []
+    for _ in range(2):
+        path = Path()
+        served = _run(_wire.server_handshake, path.server, SECRET, 5)
+        client = _wire.Link(path.client, "server", _wire.client_handshake(path.client, SECRET, 5))
+        server = _wire.Link(path.server, "client", served())
+        start = len(path.crossed)
+        client.send(b"DATA", PAYLOAD)
+        kind, n = server.recv_frame({b"DATA": len(PAYLOAD)}, 5)
+        assert (kind, n, server.recv_payload(5)) == (b"DATA", len(PAYLOAD), PAYLOAD)  # all crossed the path
+        on_the_wire = bytes(path.crossed[start:])
+        assert b"in clear" not in on_the_wire and PAYLOAD[:32] not in on_the_wire
+        sealed.append(on_the_wire[12:])
+    assert sealed[0] != sealed[1], "two connections sealed the same bytes alike: their keys are not their own"
+
+
+@pytest.mark.parametrize("how", ["a flipped byte", "a forged length", "a replayed frame", "a frame of another link"])
+def test_a_frame_altered_replayed_or_moved_on_the_path_fails_its_check(how):
+    server, client = _links()
+    if how == "a flipped byte":
+        client.send(b"DATA", PAYLOAD)
+        raw = bytearray(server.sock.recv(12 + len(PAYLOAD) + 16, socket.MSG_PEEK | socket.MSG_WAITALL))
+        server.sock.recv(len(raw))
+        raw[40] ^= 1
+        injected = bytes(raw)
+    elif how == "a forged length":  # the kind and length are checked too, though in clear
+        client.send(b"DATA", PAYLOAD)
+        raw = bytearray(server.sock.recv(12 + len(PAYLOAD) + 16, socket.MSG_WAITALL))
+        injected = _wire.FRAME.pack(b"DATA", len(PAYLOAD) - 1) + bytes(raw[12:-1])
+    elif how == "a replayed frame":
+        client.send(b"DATA", PAYLOAD)
+        raw = server.sock.recv(12 + len(PAYLOAD) + 16, socket.MSG_PEEK | socket.MSG_WAITALL)
+        server.recv_frame({b"DATA": len(PAYLOAD)}, 5)
+        server.recv_payload(5)  # the real one, taken
+        injected = raw  # the same bytes again
+    else:
+        other_server, other_client = _links()  # same secret, another connection
+        other_client.send(b"DATA", PAYLOAD)
+        injected = other_server.sock.recv(12 + len(PAYLOAD) + 16, socket.MSG_WAITALL)
+    client.sock.sendall(injected)
+    server.recv_frame({b"DATA": len(PAYLOAD)}, 5)
+    with pytest.raises(AuthenticationError, match="failed its check"):
+        server.recv_payload(5)
+
+
+def test_a_stranger_passing_the_handshake_through_can_neither_read_nor_alter_a_frame():
+    """Whoever answers at an address the trainer announced and passes the handshake through to a
+    real relay learns no key: the frames it passes on stay sealed, and one it alters is refused."""
+    flip = {"on": False}
+
+    def alter(direction, data):
+        if flip["on"] and direction == "down":
+            data = bytearray(data)
+            data[-1] ^= 0xFF
+        return bytes(data)
+
+    path = Path(alter)
+    served = _run(_wire.server_handshake, path.server, SECRET, 5)
+    relay = _wire.Link(path.client, "trainer", _wire.client_handshake(path.client, SECRET, 5))
+    trainer = _wire.Link(path.server, "relay", served())
+    trainer.send(b"DATA", PAYLOAD)
+    relay.recv_frame({b"DATA": len(PAYLOAD)}, 5)
+    assert relay.recv_payload(5) == PAYLOAD and b"in clear" not in path.crossed
+    flip["on"] = True
+    trainer.send(b"DATA", PAYLOAD)
+    relay.recv_frame({b"DATA": len(PAYLOAD)}, 5)
+    with pytest.raises(AuthenticationError, match="failed its check"):
+        relay.recv_payload(5)
+
+
+@pytest.mark.parametrize("client_secret", [b"another secret, of thirty-two bytes too", SECRET[:-1] + b"!"])
 def test_a_client_without_the_secret_is_refused(client_secret):
     server, client = _pair()
     served = _run(_wire.server_handshake, server, SECRET, 5)
@@ -86,25 +172,46 @@ def test_a_client_without_the_secret_is_refused(client_secret):
 
 def test_a_server_without_the_secret_is_refused_by_the_client():
     server, client = _pair()
-    done = _run(_pretending_server, server)
+
+    def pretending_server(sock):
+        """Answers the client's proof with one of its own, made with another secret."""
+        side = _wire.ServerSide(b"a server of another secret, 32 bytes long")
+        sock.sendall(side.hello())
+        hello = sock.recv(_wire.CLIENT_HELLO, socket.MSG_WAITALL)
+        transcript = _wire.MAGIC + side.nonce + hello[16:48] + hello[48:49]
+        sock.sendall(b"\0" + _wire._mac(side.secret, b"server", transcript, b"\0"))
+
+    done = _run(pretending_server, server)
     with pytest.raises(AuthenticationError, match="the server does not hold the relay secret"):
         _wire.client_handshake(client, SECRET, 5)
     done()
 
 
-def _pretending_server(sock):
-    """A server that answers the client's proof with one of its own, made with another secret."""
-    nonce = os.urandom(32)
-    sock.sendall(_wire.MAGIC + nonce)
-    hello = sock.recv(len(_wire.MAGIC) + 64)
-    theirs = hello[len(_wire.MAGIC) : len(_wire.MAGIC) + 32]
-    sock.sendall(_wire._mac(b"a server of another secret here", b"server", theirs, nonce))
+@pytest.mark.parametrize("server_encrypts", [True, False])
+def test_both_ends_must_want_the_same_frames(server_encrypts):
+    server, client = _pair()
+    served = _run(_wire.server_handshake, server, SECRET, 5, encrypt=server_encrypts)
+    with pytest.raises(AuthenticationError, match="encrypt= must be the same on both ends"):
+        _wire.client_handshake(client, SECRET, 5, encrypt=not server_encrypts)
+    with pytest.raises(AuthenticationError, match="encrypt= must be the same on both ends"):
+        served()
+
+
+def test_plain_frames_inside_a_tunnel_carry_no_tag_and_are_still_checked_for_size():
+    server, client = _links(encrypt=False)
+    assert server.keys is None and client.keys is None
+    client.send(b"DATA", PAYLOAD)
+    assert server.recv_frame({b"DATA": len(PAYLOAD)}, 5) == (b"DATA", len(PAYLOAD))
+    assert server.recv_payload(5) == PAYLOAD
+    client.send(b"DATA", PAYLOAD)
+    with pytest.raises(ProtocolError, match="at most 10"):
+        server.recv_frame({b"DATA": 10}, 5)
 
 
 def test_a_peer_that_does_not_speak_the_protocol_is_refused():
     server, client = _pair()
     done = _run(_wire.server_handshake, server, SECRET, 5)
-    client.recv(len(_wire.MAGIC) + 32)
+    client.recv(_wire.SERVER_HELLO)
     client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 60)
     with pytest.raises(AuthenticationError, match="does not speak the shmsync relay protocol"):
         done()
@@ -119,51 +226,105 @@ def test_a_silent_peer_is_dropped_at_the_handshake_deadline():
     client.close()
 
 
-def test_a_frame_of_an_unexpected_kind_or_size_is_refused_before_its_payload_is_read():
-    a, b = _pair()
-    link = _wire.Link(a, "peer")
-    b.sendall(_wire.FRAME.pack(b"EVIL", 0))
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_a_frame_of_an_unexpected_kind_or_size_is_refused_before_its_payload_is_read(encrypt):
+    server, client = _links(encrypt)
+    client.sock.sendall(_wire.FRAME.pack(b"EVIL", 0))
     with pytest.raises(ProtocolError, match=r"sent a b'EVIL' message where only \['JOIN'\] may come"):
-        link.recv_frame({b"JOIN": 100}, timeout=5)
-    b.sendall(_wire.FRAME.pack(b"JOIN", 1 << 40) + b"x" * 10)
+        server.recv_frame({b"JOIN": 100}, timeout=5)
+    client.sock.sendall(_wire.FRAME.pack(b"JOIN", 1 << 40) + b"x" * 10)
     with pytest.raises(ProtocolError, match="JOIN message of 1099511627776 bytes, at most 100"):
-        link.recv_frame({b"JOIN": 100}, timeout=5)
-    assert a.recv(10) == b"x" * 10, "the payload of a refused frame was read"
-    b.sendall(_wire.FRAME.pack(b"JOIN", 5) + b"{oops")
+        server.recv_frame({b"JOIN": 100}, timeout=5)
+    assert server.sock.recv(10) == b"x" * 10, "the payload of a refused frame was read"
+    client.sock.sendall(_wire.FRAME.pack(b"VERS", 8))
+    with pytest.raises(ProtocolError, match="VERS message of 8 bytes, 16"):
+        server.recv_frame({b"VERS": (16, 16)}, timeout=5)
+
+
+def test_a_frame_that_is_not_json_where_json_is_due_is_refused():
+    server, client = _links()
+    client.send(b"JOIN", b"{oops")
     with pytest.raises(ProtocolError, match="not JSON"):
-        link.recv_json({b"JOIN": 100}, timeout=5)
+        server.recv_json({b"JOIN": 100}, timeout=5)
 
 
 def test_a_frame_cut_short_is_an_end_of_link_not_a_hang():
-    a, b = _pair()
-    b.sendall(_wire.FRAME.pack(b"JOIN", 10) + b"abc")
-    b.close()
-    link = _wire.Link(a, "peer")
-    assert link.recv_frame({b"JOIN": 100}, timeout=5) == (b"JOIN", 10)
+    server, client = _links()
+    client.sock.sendall(_wire.FRAME.pack(b"JOIN", 10) + b"abc")
+    client.sock.close()
+    assert server.recv_frame({b"JOIN": 100}, timeout=5) == (b"JOIN", 10)
     with pytest.raises(EOFError):
-        link.recv_bytes(10, timeout=5)
+        server.recv_payload(timeout=5)
+
+
+def test_a_peer_that_stops_reading_leaves_the_rest_of_a_frame_kept_and_then_takes_it():
+    server, client = _links()
+    client = _wire.Link(client.sock, "server", client.keys, send_timeout=0.2)
+    big = os.urandom(32 << 20)  # more than both socket buffers hold
+    began = time.monotonic()
+    assert not client.send_or_keep(b"DATA", big), "a peer that reads nothing took 32 MB"
+    assert 0.15 < time.monotonic() - began < 5 and client.kept is not None
+    assert len(client.kept) < len(big) + 16
+    got = _run(lambda: (server.recv_frame({b"DATA": len(big)}, 10), server.recv_payload(10))[1])
+    assert client.flush_kept(time.monotonic() + 10)
+    assert got() == big and client.kept is None
+
+
+def test_a_link_that_cannot_hand_its_frame_on_says_so_and_is_broken():
+    server, client = _links()
+    client = _wire.Link(client.sock, "server", client.keys, send_timeout=0.2)
+    with pytest.raises(TimeoutError, match="took no bytes"):
+        client.send(b"DATA", os.urandom(32 << 20))
 
 
 def test_the_secret_comes_from_an_argument_the_environment_or_a_private_file(tmp_path, monkeypatch):
-    monkeypatch.delenv(_wire.SECRET_ENV, raising=False)
-    monkeypatch.delenv(_wire.SECRET_FILE_ENV, raising=False)
+    monkeypatch.delenv(_secret.SECRET_ENV, raising=False)
+    monkeypatch.delenv(_secret.SECRET_FILE_ENV, raising=False)
     with pytest.raises(ValueError, match="no relay secret"):
-        _wire.resolve_secret()
-    generated, made = _wire.resolve_secret(generate=True)
-    assert made and len(generated) >= 32
-    with pytest.raises(ValueError, match="at least 16 bytes"):
-        _wire.resolve_secret("short")
-    monkeypatch.setenv(_wire.SECRET_ENV, "from the environment, long")
-    assert _wire.resolve_secret() == (b"from the environment, long", False)
-    monkeypatch.delenv(_wire.SECRET_ENV)
+        _secret.resolve_secret()
+    generated, made = _secret.resolve_secret(generate=True)
+    assert made and len(generated) == 43, "a generated secret is 32 random bytes, URL-safe"
+    monkeypatch.setenv(_secret.SECRET_ENV, "x" * 40)
+    assert _secret.resolve_secret() == (b"x" * 40, False)
+    monkeypatch.delenv(_secret.SECRET_ENV)
     path = tmp_path / "secret"
-    path.write_text("from a file, long enough\n")
-    monkeypatch.setenv(_wire.SECRET_FILE_ENV, str(path))
+    path.write_text("y" * 40 + "\n")
+    monkeypatch.setenv(_secret.SECRET_FILE_ENV, str(path))
     os.chmod(path, 0o644)
     with pytest.raises(PermissionError, match="only you can read"):
-        _wire.resolve_secret()
+        _secret.resolve_secret()
     os.chmod(path, 0o600)
-    assert _wire.resolve_secret() == (b"from a file, long enough", False)
+    assert _secret.resolve_secret() == (b"y" * 40, False)
+
+
+@pytest.mark.parametrize("short", ["passwordpassword", "correct horse battery staple!!!"])
+def test_a_secret_given_by_hand_shorter_than_32_bytes_is_refused_without_being_echoed(short):
+    with pytest.raises(ValueError, match=r"is \d+ bytes; a relay secret must be 32 to 4096 random bytes") as info:
+        _secret.resolve_secret(short)
+    assert short not in str(info.value)
+
+
+def test_new_secret_writes_a_random_secret_only_its_owner_can_read_and_never_replaces_a_file(tmp_path):
+    loose = tmp_path / "under-a-loose-umask"
+    old = os.umask(0)
+    try:
+        _secret.write_secret_file(str(loose))
+    finally:
+        os.umask(old)
+    assert os.stat(loose).st_mode & 0o777 == 0o600, "the umask loosened the secret file's mode"
+    path = tmp_path / "relay-secret"
+    out = cli("new-secret", str(path))
+    assert "mode 0600" in out.stdout
+    st = os.stat(path)
+    assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid()
+    first = _secret.read_secret_file(str(path))
+    assert len(first) == 43 and _secret.resolve_secret(first) == (first, False)
+    again = cli("new-secret", str(path), check=False)
+    assert again.returncode == 1 and "File exists" in again.stderr and "Traceback" not in again.stderr
+    assert _secret.read_secret_file(str(path)) == first, "an existing secret file was replaced"
+    other = tmp_path / "another"
+    cli("new-secret", str(other))
+    assert _secret.read_secret_file(str(other)) != first
 
 
 @pytest.mark.parametrize(

@@ -1,15 +1,20 @@
-"""One host's relay: receives the trainer's versions over torch.distributed and publishes each
-into this host's store, under the trainer's version number (see :mod:`shmsync.relay`).
+"""One host's relay: receives the trainer's versions over its relay link and publishes each into
+this host's store, under the trainer's version number (see :mod:`shmsync.relay`).
 
 Run one per host besides the trainer's, then start that host's workers on the same store name::
 
-    export SHMSYNC_RELAY_SECRET_FILE=~/.shmsync-secret   # or SHMSYNC_RELAY_SECRET=...
+    shmsync new-secret ~/.shmsync-secret                 # once; copy it to every host
+    export SHMSYNC_RELAY_SECRET_FILE=~/.shmsync-secret
     python -m shmsync.workers.relay --connect 10.0.0.1:29600 --store policy
     python -m shmsync.workers.launch --store policy --num-workers 8
 
-Exit codes: 0 when the trainer closed its sender; 3 when the trainer went away mid-run; 4 when
-this host's store holds another model than the trainer's (nothing written); 5 when the trainer
-(or a relay it pointed at) does not hold this relay's secret.
+Exit codes, each with one line on stderr saying why (never a traceback): 0 the trainer closed
+its sender; 1 an unexpected error; 2 a wrong command line or secret; 3 the trainer went away
+mid-run (or no version came for ``--timeout`` seconds while re-attaching); 4 this host's store
+holds another model than the trainer's (nothing written); 5 the trainer (or a relay it pointed
+at) does not hold this relay's secret, wants the other ``--plaintext-inside-tunnel`` setting, or
+sent a frame that failed its check; 6 the trainer broke the protocol (nothing it sent was
+published); 7 this host cannot hold the store (no room in its shared memory); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -19,15 +24,28 @@ import sys
 import time
 from typing import Any
 
-from shmsync.errors import AuthenticationError, StoreNotFoundError, TrainerGoneError, WeightMismatchError
+from shmsync.errors import (
+    AuthenticationError,
+    ProtocolError,
+    RelayError,
+    StoreCorruptError,
+    StoreNotFoundError,
+    TrainerGoneError,
+    WeightMismatchError,
+)
 from shmsync.relay import Relay, read_secret_file
 
-EXIT_TRAINER_GONE, EXIT_MISMATCH, EXIT_AUTH = 3, 4, 5
+EXIT_ERROR, EXIT_USAGE, EXIT_TRAINER_GONE, EXIT_MISMATCH, EXIT_AUTH, EXIT_PROTOCOL, EXIT_NO_ROOM = 1, 2, 3, 4, 5, 6, 7
 REASONS = {
     0: "the trainer closed its sender",
+    EXIT_ERROR: "an unexpected error",
+    EXIT_USAGE: "a wrong command line or secret",
     EXIT_TRAINER_GONE: "the trainer went away",
     EXIT_MISMATCH: "this host's store holds another model than the trainer's",
-    EXIT_AUTH: "the trainer does not hold this relay's secret",
+    EXIT_AUTH: "the trainer does not hold this relay's secret (or its frames failed their check)",
+    EXIT_PROTOCOL: "the trainer broke the relay protocol",
+    EXIT_NO_ROOM: "this host cannot hold the store",
+    130: "interrupted",
 }
 
 
@@ -78,7 +96,18 @@ def start_relay(ctx: Any, connect: str, store: str, timeout: float, secret: str 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shmsync.workers.relay", description=__doc__.splitlines()[0])
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--secret" or a.startswith("--secret=") for a in argv):
+        # argparse would echo the value in its error: a secret never goes on a command line.
+        print(
+            "python -m shmsync.workers.relay: --secret is not an option: a secret on a command line shows in the "
+            "process list; use --secret-file FILE or $SHMSYNC_RELAY_SECRET_FILE",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    parser = argparse.ArgumentParser(
+        prog="python -m shmsync.workers.relay", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
     parser.add_argument("--connect", required=True, help="ADDRESS:PORT of the trainer's RelaySender")
     parser.add_argument("--store", required=True, help="name of this host's store (created if it does not exist)")
     parser.add_argument(
@@ -95,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--num-slots", type=int, default=4, help="slots of a store created here")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to keep trying to reach the trainer")
+    parser.add_argument(
+        "--plaintext-inside-tunnel",
+        action="store_true",
+        help="plain frames, as the trainer's RelaySender(encrypt=False): only for links inside a tunnel that "
+        "encrypts (WireGuard, SSH), never across a network you do not trust",
+    )
     args = parser.parse_args(argv)
     address, _, port = args.connect.rpartition(":")
     if not address or not port.isdigit():
@@ -111,29 +146,43 @@ def main(argv: list[str] | None = None) -> int:
         secret = read_secret_file(args.secret_file) if args.secret_file else None
         relay = Relay(
             address, int(port), store=args.store, secret=secret, listen=listen, num_slots=args.num_slots,
-            timeout=args.timeout,
+            timeout=args.timeout, encrypt=not args.plaintext_inside_tunnel,
         )  # fmt: skip
-    except (ValueError, PermissionError, OSError) as e:
+    except (ValueError, PermissionError, OSError, ImportError) as e:
         parser.error(str(e))
     return _run(relay)
 
 
+# What each way of ending means, most specific first (WeightMismatchError is a ValueError).
+_ENDINGS: list[tuple[tuple[type[BaseException], ...], int]] = [
+    ((TrainerGoneError,), EXIT_TRAINER_GONE),
+    ((WeightMismatchError,), EXIT_MISMATCH),
+    ((AuthenticationError,), EXIT_AUTH),
+    ((ProtocolError, StoreCorruptError, RelayError), EXIT_PROTOCOL),
+    ((OSError, OverflowError, MemoryError), EXIT_NO_ROOM),
+    ((KeyboardInterrupt,), 130),
+    ((Exception,), EXIT_ERROR),
+]
+
+
 def _run(relay: Relay) -> int:
+    """Run ``relay``; its exit code, with one line on stderr saying how it ended."""
     try:
         relay.run()
-    except TrainerGoneError as e:
-        print(f"relay: {e}; exiting", file=sys.stderr)
-        return EXIT_TRAINER_GONE
-    except WeightMismatchError as e:
-        print(f"relay: {e}", file=sys.stderr)
-        return EXIT_MISMATCH
-    except AuthenticationError as e:
-        print(f"relay: {e}", file=sys.stderr)
-        return EXIT_AUTH
+    except BaseException as e:
+        code = next((code for kinds, code in _ENDINGS if isinstance(e, kinds)), None)
+        if code is None:
+            raise  # SystemExit and the like
+        print(f"relay: {type(e).__name__}: {_one_line(e)}; exiting ({REASONS[code]})", file=sys.stderr)
+        return code
     finally:
         relay.close()
     print(f"relay: the trainer closed its sender after {relay.received} versions", file=sys.stderr)
     return 0
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:1000]
 
 
 if __name__ == "__main__":
