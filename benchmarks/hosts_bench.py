@@ -1,5 +1,7 @@
 """shmsync across hosts: a relay tree's time from publish() to visible on each host, and the
-trainer's bytes sent per publish, against raw sends of the same bytes measured in the same run.
+trainer's bytes sent per publish, against raw sends of the same bytes measured in the same run;
+the encrypted link against the plain one and against its floor (the plain link plus the
+cipher's own time on the same bytes, timed in the same run).
 
     python benchmarks/hosts_bench.py            # full run (a few minutes on 2 cores)
     python benchmarks/hosts_bench.py --quick    # fewer repetitions and hosts
@@ -32,7 +34,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 SIZES = {"1MB": 1 << 20, "16MB": 16 << 20}
-SECRET = "the hosts benchmark's relay secret"
+SECRET = "the hosts benchmark's relay secret, 32 bytes or more"
+BUCKET = 1 << 20
 
 
 def weights(nbytes: int, value: float = 0.0) -> TensorDict:
@@ -46,7 +49,7 @@ def free_port() -> int:
 
 
 # -- a simulated host: its relay, and the time each version becomes visible there ------------------
-def _host(host_dir: str, port: int, index: int, seen, reps: int, conn) -> None:
+def _host(host_dir: str, port: int, index: int, seen, reps: int, encrypt: bool, conn) -> None:
     import threading
 
     torch.set_num_threads(1)
@@ -54,7 +57,7 @@ def _host(host_dir: str, port: int, index: int, seen, reps: int, conn) -> None:
     from shmsync.relay import Relay
 
     _segment.SHM_DIR = host_dir
-    relay = Relay("127.0.0.1", port, store="bench", secret=SECRET, timeout=60)
+    relay = Relay("127.0.0.1", port, store="bench", secret=SECRET, timeout=60, encrypt=encrypt)
     runner = threading.Thread(target=relay.run, daemon=True)
     runner.start()
     while relay.store is None:
@@ -70,7 +73,7 @@ def _host(host_dir: str, port: int, index: int, seen, reps: int, conn) -> None:
     relay.close()
 
 
-def bench_tree(nbytes: int, hosts: int, fanout: int, reps: int) -> dict:
+def bench_tree(nbytes: int, hosts: int, fanout: int, reps: int, encrypt: bool = True) -> dict:
     """publish() to visible on every host of a tree, and the trainer's bytes sent per publish."""
     from shmsync import WeightStore
     from shmsync.relay import RelaySender
@@ -81,10 +84,11 @@ def bench_tree(nbytes: int, hosts: int, fanout: int, reps: int) -> dict:
     store = WeightStore.create(source, num_slots=max(3, fanout + 2))
     procs, dirs = [], [tempfile.mkdtemp(prefix="shmsync-host-") for _ in range(hosts)]
     try:
-        with RelaySender(store, "127.0.0.1", 0, secret=SECRET, fanout=fanout) as sender:
+        with RelaySender(store, "127.0.0.1", 0, secret=SECRET, fanout=fanout, encrypt=encrypt) as sender:
             for i, host_dir in enumerate(dirs):  # one after the other: the tree's shape is known
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_host, args=(host_dir, sender.port, i, seen, reps, child), daemon=True)
+                args = (host_dir, sender.port, i, seen, reps, encrypt, child)
+                proc = ctx.Process(target=_host, args=args, daemon=True)
                 proc.start()
                 procs.append((proc, parent))
                 if not parent.poll(120):
@@ -122,6 +126,28 @@ def bench_tree(nbytes: int, hosts: int, fanout: int, reps: int) -> dict:
         "bytes_per_publish": sent / reps,
         "publish": publish,
     }
+
+
+# -- the cipher's own time: seal and open a payload, piece by piece, as a link does ----------------
+def bench_cipher(nbytes: int, reps: int) -> list[float]:
+    """Seconds to encrypt and then decrypt ``nbytes`` in pieces of :data:`BUCKET` (AES-256-GCM, into
+    buffers made once), ``reps`` times: what the two ends of an encrypted link add to a plain one."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    aead = AESGCM(os.urandom(32))
+    data = memoryview(torch.ones(nbytes, dtype=torch.uint8).numpy())
+    pieces = [(off, min(BUCKET, nbytes - off)) for off in range(0, nbytes, BUCKET)]
+    sealed = [bytearray(n + 16) for _, n in pieces]
+    back = memoryview(bytearray(nbytes))
+    times = []
+    for rep in range(reps):
+        began = time.perf_counter()
+        for i, (off, n) in enumerate(pieces):
+            aead.encrypt_into((rep * len(pieces) + i).to_bytes(12, "big"), data[off : off + n], b"aad", sealed[i])
+        for i, (off, n) in enumerate(pieces):
+            aead.decrypt_into((rep * len(pieces) + i).to_bytes(12, "big"), sealed[i], b"aad", back[off : off + n])
+        times.append(time.perf_counter() - began)
+    return times
 
 
 # -- the floors: raw sends of the same bytes between pairs of processes ------------------------------
@@ -313,20 +339,38 @@ def main(argv: list[str] | None = None) -> int:
     machine = {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
     report: dict = {"machine": machine}
     p50 = statistics.median
-    one_host, trees = [], []
+    one_host, trees, protection = [], [], []
     for label, nbytes in SIZES.items():
         n = reps[label]
         print(f"{label}: one host ...", file=sys.stderr, flush=True)
         relay = bench_tree(nbytes, 1, 2, n)
+        plain = bench_tree(nbytes, 1, 2, n, encrypt=False)
         gloo, tcp = bench_raw("gloo", nbytes, 1, n), bench_raw("tcp", nbytes, 1, n)
+        cipher = bench_cipher(nbytes, n)
         one_host.append({"payload": label, "relay": relay, "raw_gloo": gloo, "raw_tcp": tcp})
+        protection.append({"payload": label, "hosts": 1, "protected": relay, "plain": plain, "cipher": cipher})
+        last = max(host_counts)
+        print(f"{label}: {last} hosts, plain frames ...", file=sys.stderr, flush=True)
+        protection.append(
+            {
+                "payload": label,
+                "hosts": last,
+                "protected": None,  # the tree of fan-out 2 below, encrypted
+                "plain": bench_tree(nbytes, last, 2, n, encrypt=False),
+                "cipher": cipher,
+            }
+        )
         for hosts in host_counts:
             print(f"{label}: {hosts} hosts ...", file=sys.stderr, flush=True)
             floor = bench_raw("gloo", nbytes, hosts, n)
             tree = bench_tree(nbytes, hosts, 2, n)
             star = bench_tree(nbytes, hosts, hosts, n)
             trees.append({"payload": label, "hosts": hosts, "tree": tree, "star": star, "floor": floor})
-    report["one_host"], report["trees"] = one_host, trees
+    for row in protection:
+        if row["protected"] is None:
+            same = (t for t in trees if t["payload"] == row["payload"] and t["hosts"] == row["hosts"])
+            row["protected"] = next(same)["tree"]
+    report["one_host"], report["trees"], report["protection"] = one_host, trees, protection
 
     rows = []
     for r in one_host:
@@ -376,6 +420,29 @@ def main(argv: list[str] | None = None) -> int:
             "sent / payload: the trainer's bytes sent per publish over the payload. H sends: H raw gloo sends of\n"
             "the payload between H pairs of processes, started together, until the last completes (what the\n"
             "cores can move); 1 send: one raw gloo send, for the first host.",
+        )
+    )
+    rows = []
+    cores = machine["cores"] or 1
+    for r in protection:
+        h, key = r["hosts"], "first" if r["hosts"] == 1 else "last"
+        protected, plain, cipher = p50(r["protected"][key]), p50(r["plain"][key]), p50(r["cipher"])
+        # Each of the H links seals and opens the payload once; the cores share that work.
+        floor = plain + cipher * h / min(cores, h)
+        rows.append(
+            [r["payload"], str(h), ms(plain), ms(protected), f"{protected / plain:.2f}x", ms(cipher)]
+            + [ms(floor), f"{protected / floor:.2f}x"]
+        )
+    parts.append(
+        table(
+            "Encrypted links (AES-256-GCM) against plain frames: publish() to visible on the last host (p50)",
+            ["payload", "H", "plain", "encrypted", "encrypted / plain", "cipher", "floor", "encrypted / floor"],
+            rows,
+            "cipher: sealing and opening the payload once, in the link's pieces, on one core (timed here, in\n"
+            "this run). floor: the plain link plus the cipher's time for the H links that carry the version,\n"
+            "shared by the cores. Hosts here share this machine's cores with the trainer, so the cipher\n"
+            "competes with the copies; between real hosts each relay has cores of its own, and the wire,\n"
+            "not the cipher, is the limit.",
         )
     )
     if not args.no_distributed:
