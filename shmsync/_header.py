@@ -43,7 +43,7 @@ W_LEASES = 96  # W_LEASES + i: readers whose modules view slot i in place (see _
 # Reader table: one row per attached reader, each row written only by its own reader
 # (and its lease word also by whoever reclaims a dead reader's row).
 W_READERS = 128
-READER_WORDS = 5  # pid, loaded version, reloads, time of the last reload (ns), leased slot + 1
+READER_WORDS = 5  # pid, loaded version, reloads, time of the last reload (ns), leased slot + 1 (see _protocol.py)
 MAX_READERS = (HEADER_WORDS - W_READERS) // READER_WORDS
 
 
@@ -142,8 +142,8 @@ def check_words(h, file_size: int, name: str) -> tuple[int, int]:
     if not 0 <= h[W_PIN_SLOT] < n:
         raise bad("pin_slot", h[W_PIN_SLOT], f"it indexes one of the {n} slots")
     for row, lease in enumerate(reader_column(h, 4)):
-        if not 0 <= lease <= n:
-            raise bad(f"reader row {row} lease", lease, f"a slot + 1, 0 to {n}")
+        if not -n <= lease <= n:
+            raise bad(f"reader row {row} lease", lease, f"a slot + 1, negative while being decided, -{n} to {n}")
     return lo, ln
 
 

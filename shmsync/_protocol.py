@@ -38,9 +38,10 @@ Reader, bounded fallback (slot pinning, :meth:`Protocol.read_pinned`): after
 a fresh ticket into ``pin_request``. At the start of its next publish the writer sets
 ``pin_slot = latest`` (or a slot leased by a zero-copy reader, already safe from it) and
 ``pin_grant = ticket``, and from then on never writes into ``pin_slot`` until
-``pin_release == pin_grant``. With 3 slots there is always a slot that is neither latest
-nor pinned, so the writer still never waits, and the pinned reader's copy cannot be
-invalidated: it completes in one copy. A writer that is idle grants nothing, but then an
+``pin_release >= pin_grant`` (tickets only grow: a ticket released before its grant, by a
+reader whose optimistic copy succeeded meanwhile, pins nothing). With 3 slots there is always a
+slot that is neither latest nor pinned, so the writer still never waits, and the pinned reader's
+copy cannot be invalidated: it completes in one copy. A writer that is idle grants nothing, but then an
 optimistic copy succeeds, so the reader keeps trying those while it waits. A reader that
 dies while pinned only costs the writer one slot until the next ticket replaces its pin.
 A reader whose last copy took longer than the writer, publishing at its current pace, leaves
@@ -60,16 +61,30 @@ Leases (zero-copy readers, :meth:`Protocol.lease_latest`)
 ---------------------------------------------------------
 A zero-copy reader points its module's parameters at the read-only memory of one slot and
 holds a *lease* on it; the writer never writes a leased slot. Leases are recorded in the
-reader table (each row's lease word, ``slot + 1``) and summed per slot into
-``leases[i]``, which is all the writer reads. Rules that keep the writer from waiting:
+reader table (each row's lease word: ``slot + 1``, or ``-(slot + 1)`` while the lease is
+being decided) and summed per slot into ``leases[i]``, which is what the writer reads
+first. A lease is taken in two steps, each ended by a full fence:
+
+1. *decided*: under the table lock, the row's lease word turns negative and the counts move
+   to the new slot; then the reader looks at the pin words and is refused if afterwards
+   more than ``N - 2`` distinct slots would be leased or pinned, or while a pin is being
+   granted (a ticket waits: its slot is not known yet);
+2. *confirmed*: the lease word turns positive; then the reader checks that the slot's
+   sequence number did not move. Only now does it use the slot.
+
+Rules that keep the writer from waiting:
 
 * a reader leases only the ``latest`` slot, and gives up its previous lease in the same
   step (its module is not in use while it reloads); a reader without a row of the reader
-  table (the table is full) never leases: it copies;
-* a lease is refused if afterwards more than ``N - 2`` distinct slots would be leased or
-  pinned: the writer then always has a slot that is neither latest, nor leased, nor
-  pinned. A refused reader copies instead. The writer pins a leased slot when there is one
-  besides the latest, so a pin costs no slot of its own;
+  table (the table is full) never leases: it copies. A refused reader leases nothing, not
+  even its previous slot (it may be rewritten from the moment the lease moved), and copies;
+* confirmed leases and pins never hold more than ``N - 2`` distinct slots, and at most one
+  lease is being decided at a time (the table lock): the writer always has a slot that is
+  neither latest, nor pinned, nor under a confirmed lease. It prefers one that nobody
+  leases; failing that, it writes through a lease being decided (whose reader then sees the
+  sequence move and gives it up), never into a pin (but with 2 slots, where the pinned
+  reader retries). The writer pins a leased slot when there is one besides the latest, so
+  a pin costs no slot of its own;
 * lease changes happen under the table lock (readers only: the writer never takes it)
   and update the per-slot counts. A count may only be too high (a reader that died
   holding a lease, a lease given up without the lock); the rows are the truth. So a
@@ -78,10 +93,25 @@ reader table (each row's lease word, ``slot + 1``) and summed per slot into
   PID namespace, or one whose pid was reused, is told apart), and the writer, when a count
   says a slot is leased, asks the rows before believing it.
 
-Handshake: the writer marks its target odd, issues a full fence, then reads the target's
-lease count, and backs off to another slot if it is leased. A reader records its lease,
-issues a full fence, then checks that the slot's sequence number did not move. Of two such
-racing parties at least one sees the other, so a slot is never both written and leased.
+Handshakes, each a store, a full fence, then a load on both sides, so that of two racing
+parties at least one sees the other:
+
+* *a write against a lease*: the writer marks its target odd, issues a full fence, then reads
+  the target's lease count and rows, and backs off to another slot if a confirmed lease is
+  on it. The reader confirms its lease, issues a full fence, then checks that the slot's
+  sequence number did not move. So a slot is never both written and used by a lease.
+* *a pin against a lease*: the pinned reader's ticket, then the writer's look at the leases
+  (``pin_candidate``), then its grant; the leasing reader's decided lease, a full fence,
+  then its look at the pin words. Either the leasing reader sees the ticket (and is refused
+  until the pin's slot is known, and then if it is another slot), or the ticket came after
+  its lease, and the writer, looking after the ticket, sees the lease and pins the leased
+  slot (or the latest, if that is the one leased). So a confirmed lease and a pin never
+  hold more than ``N - 2`` slots between them.
+
+Without the second handshake and the writer's way through a lease being decided, a reader
+that read ``latest`` just before a publish and a writer granting a pin just after it would
+hold three slots of three between them, and the writer would have to write into the pin
+(both found by ``tests/protocol_model.py``, the exhaustive checker of this protocol).
 
 Ordering
 --------
@@ -294,7 +324,7 @@ class Protocol:
             odd = seq + 2 if seq & 1 else seq + 1  # odd already: a writer died mid-copy
             h[W_SEQ + target] = odd
             self.full_fence()  # the store above before the lease loads below
-            if not h[W_LEASES + target] or not self.row_leased(target):
+            if not h[W_LEASES + target] or not self.row_leased(target, confirmed=True):
                 self.writing = Write(target, odd)
                 return self.writing
             h[W_SEQ + target] = odd + 1  # a reader leased it meanwhile: leave it, untouched
@@ -336,16 +366,21 @@ class Protocol:
         h = self.h
         request = h[W_PIN_REQUEST]
         if request != h[W_PIN_GRANT]:
+            self.fence()  # the ticket before the leases pin_candidate reads (see Handshakes)
             h[W_PIN_SLOT] = self.pin_candidate()
             self.fence()
             h[W_PIN_GRANT] = request
-        pinned = h[W_PIN_SLOT] if h[W_PIN_RELEASE] != h[W_PIN_GRANT] else -1
+        pinned = h[W_PIN_SLOT] if h[W_PIN_RELEASE] < h[W_PIN_GRANT] else -1
         latest = h[W_LATEST] if h[W_VERSION] >= 0 else -1
         others = [s for s in range(self.num_slots) if s != latest and s not in backed_off]
         free = [s for s in others if not h[W_LEASES + s]]
         if not free:  # a count may be too high: the rows tell
             free = [s for s in others if not self.row_leased(s)]
-        candidates = [s for s in free if s != pinned] or free  # 2 slots and a pin: the pinned reader retries
+        candidates = [s for s in free if s != pinned]
+        if not candidates:  # a lease still being decided gives way (see Handshakes)
+            undecided = [s for s in others if not self.row_leased(s, confirmed=True)]
+            # With 2 slots, so does a pin: the pinned reader retries.
+            candidates = [s for s in undecided if s != pinned] or free or undecided
         return min(candidates, key=lambda s: h[W_SLOT_VERSION + s]) if candidates else None
 
     def pin_candidate(self) -> int:
@@ -436,7 +471,7 @@ class Protocol:
                     version = self._await_pin(copy, ticket, deadline)
                 finally:
                     self.fence()  # the copy's loads before the release
-                    h[W_PIN_RELEASE] = ticket  # a newer ticket's pin stays active: GRANT != this
+                    h[W_PIN_RELEASE] = ticket  # a newer ticket's pin stays active: GRANT > this
                 if version is not None:
                     return version
         finally:
@@ -465,13 +500,18 @@ class Protocol:
                 self.copy_ns = self.timer() - began
                 self.fence()
                 return version if h[W_SEQ + slot] == seq else None  # None: 2 slots only
-            # No grant yet. A writer that has not published since the request is idle or
-            # in a long copy; an optimistic copy then succeeds (or at worst fails once).
-            if h[W_PUBLISH_COUNT] == published and time.monotonic() - waited_since > patience:
+            # No grant yet. A writer that has not published for `patience` is idle or in a
+            # long copy; an optimistic copy then succeeds (or at worst fails once). The wait
+            # counts from the writer's last publish, not from the request: a writer may publish
+            # once more without seeing the ticket, and then stop.
+            count = h[W_PUBLISH_COUNT]
+            if count != published:
+                published, waited_since = count, time.monotonic()
+            elif time.monotonic() - waited_since > patience:
                 version = self.try_read(copy)
                 if version is not None:
                     return version
-                published, waited_since = h[W_PUBLISH_COUNT], time.monotonic()
+                waited_since = time.monotonic()
             self._check_deadline(deadline, "waiting for the writer to pin a slot")
             time.sleep(0.0001)
 
@@ -513,9 +553,11 @@ class Protocol:
             self.locks.release_row(row)
 
     # -- leases ---------------------------------------------------------------------------------
-    def row_leased(self, slot: int) -> bool:
-        """Whether any row of the reader table leases ``slot`` (dead readers' rows included)."""
-        return slot + 1 in reader_column(self.h, LEASE)
+    def row_leased(self, slot: int, confirmed: bool = False) -> bool:
+        """Whether any row of the reader table leases ``slot`` (dead readers' rows included);
+        ``confirmed``: only leases past their handshake count, not those still being decided."""
+        column = reader_column(self.h, LEASE)
+        return slot + 1 in column or (not confirmed and -(slot + 1) in column)
 
     def recount(self) -> set[int]:
         """Recompute the per-slot lease counts from the rows of live readers; the leased slots.
@@ -525,9 +567,9 @@ class Protocol:
         for row, lease in enumerate(reader_column(h, LEASE)):
             if not lease:
                 continue
-            slot_index(lease - 1, self.num_slots, f"reader row {row} lease - 1", self.name)
+            slot = slot_index(abs(lease) - 1, self.num_slots, f"reader row {row} lease", self.name)
             if self.locks.row_alive(row):
-                counts[lease - 1] += 1
+                counts[slot] += 1
             else:
                 h[lease_word(row)] = 0  # a dead reader's lease
         for slot, n in enumerate(counts):
@@ -536,7 +578,8 @@ class Protocol:
 
     def lease_latest(self, row: int) -> tuple[int, int] | None:
         """Move ``row``'s lease to the latest slot. Returns ``(slot, version)``, or None if the
-        lease is refused (the row then keeps its previous lease, if any; without a row, always)."""
+        lease is refused (always without a row). After a refusal the previous slot may be
+        rewritten at any moment: stop using it, and :meth:`release_lease` what is left."""
         if row < 0:
             return None  # the lease would live in the row: no row, no lease
         h = self.h
@@ -545,6 +588,7 @@ class Protocol:
                 return None
             slot = slot_index(h[W_LATEST], self.num_slots, "latest", self.name)
             seq = h[W_SEQ + slot]
+            self.fence()  # the sequence before the version, as in try_read
             version = h[W_SLOT_VERSION + slot]
             if seq & 1 or version < 0:
                 return None  # `latest` moved on and that slot is already being rewritten
@@ -555,8 +599,8 @@ class Protocol:
     def lease_written(self, row: int, write: Write) -> bool:
         """Move ``row``'s lease to the slot of ``write``, a write this process has open or has
         just committed (a relay forwards the bytes of a version while it still receives them).
-        Refused (False, the row keeps its previous lease) if the rule above would break, or if
-        the slot has moved on to another write meanwhile."""
+        Refused (False; as for :meth:`lease_latest`, the previous slot is no longer safe) if the
+        rule above would break, or if the slot has moved on to another write meanwhile."""
         if row < 0:
             return False
         with self.locks.table(0.01) as locked:
@@ -565,31 +609,40 @@ class Protocol:
         return self._lease_holds(row, write.slot, (write.seq, write.seq + 1))  # this write or its commit
 
     def _move_lease(self, row: int, slot: int) -> bool:
-        """With the table lock held: lease ``slot`` for ``row`` instead of its previous slot, unless
-        afterwards more than ``N - 2`` distinct slots would be leased or pinned."""
+        """With the table lock held: lease ``slot`` for ``row``, for now as a lease being decided,
+        instead of its previous slot, unless afterwards more than ``N - 2`` distinct slots would be
+        leased or pinned, or a pin is being granted; refused, the row leases nothing."""
         h, n = self.h, self.num_slots
         word = lease_word(row)
-        previous = h[word]
+        previous = abs(h[word])
+        h[word] = -(slot + 1)  # being decided: counted, pinned by a writer that sees it, not yet used
         counts = [h[W_LEASES + s] for s in range(n)]
         if previous:
-            counts[slot_index(previous - 1, n, f"reader row {row} lease - 1", self.name)] -= 1
+            counts[slot_index(previous - 1, n, f"reader row {row} lease", self.name)] -= 1
         counts[slot] += 1
-        h[word] = slot + 1
-        pinned = {h[W_PIN_SLOT]} if h[W_PIN_RELEASE] != h[W_PIN_GRANT] else set()
-        if len({s for s, c in enumerate(counts) if c > 0} | pinned) <= n - 2:
+        leased = {s for s, c in enumerate(counts) if c > 0}
+        if len(leased) > n - 2:
+            leased = self.recount()  # dead readers' leases dropped (this row's new one counted)
+        else:
             for s in {slot, previous - 1} - {-1}:
                 h[W_LEASES + s] = counts[s]
-        elif len(self.recount() | pinned) > n - 2:  # dead readers' leases dropped
-            h[word] = previous
+        self.full_fence()  # the lease before the pin words (a pin against a lease, see Handshakes)
+        request, grant, release = h[W_PIN_REQUEST], h[W_PIN_GRANT], h[W_PIN_RELEASE]
+        pinned = {h[W_PIN_SLOT]} if release < grant else set()
+        granting = request != grant and request != release  # a ticket waits: its slot is unknown
+        if granting or len(leased | pinned) > n - 2:
+            h[word] = 0
             self.recount()
             return False
         return True
 
     def _lease_holds(self, row: int, slot: int, seqs: tuple[int, ...]) -> bool:
-        """The reader's half of the handshake: after its lease store, is ``slot`` still at one of
-        ``seqs``? A writer that starts on it from now on sees the lease; one that started before
-        has already moved its sequence, and the lease is given up."""
-        self.full_fence()  # the lease stores before the sequence load below
+        """The reader's half of the write handshake: confirm the lease, then, after a full fence,
+        is ``slot`` still at one of ``seqs``? A writer that starts on it from now on sees the
+        confirmed lease; one that started before, or went through the lease while it was being
+        decided, has already moved its sequence, and the lease is given up."""
+        self.h[lease_word(row)] = slot + 1
+        self.full_fence()  # the confirmed lease before the sequence load below
         if self.h[W_SEQ + slot] in seqs:
             return True
         self.release_lease(row)
@@ -606,7 +659,7 @@ class Protocol:
             return
         self.fence()  # the module's last loads from the slot before the release
         with self.locks.table(0.01) as locked:
-            slot = slot_index(h[word] - 1, self.num_slots, f"reader row {row} lease - 1", self.name)
+            slot = slot_index(abs(h[word]) - 1, self.num_slots, f"reader row {row} lease", self.name)
             h[word] = 0
             if locked:
                 h[W_LEASES + slot] = max(0, h[W_LEASES + slot] - 1)

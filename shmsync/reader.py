@@ -142,6 +142,7 @@ class WeightReader:
         version = self._view_latest() if can_view else None
         if version is None:
             if self._viewing:  # leasing refused: back to private memory before copying into it
+                # (the old slot may be rewritten meanwhile; the copy below overwrites it all)
                 _make_private(self._viewing)
                 protocol.release_lease(self._row)
             # Optimistic copies, or the pin at once for a reader slower than the writer.

@@ -4,11 +4,22 @@ plain list of header words, without torch or processes (see shmsync/_protocol.py
 import itertools
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
-from shmsync._header import HEADER_WORDS, MAX_READERS, W_PIN_REQUEST, W_VERSION
+from shmsync._header import (
+    HEADER_WORDS,
+    MAX_READERS,
+    W_LATEST,
+    W_LEASES,
+    W_PIN_GRANT,
+    W_PIN_RELEASE,
+    W_PIN_REQUEST,
+    W_PIN_SLOT,
+    W_VERSION,
+)
 from shmsync._protocol import LocalLocks, Protocol, initialize, lease_word
 from shmsync.errors import ReloadTimeoutError, ShmSyncError
 
@@ -317,6 +328,104 @@ def test_leases_leave_the_writer_a_free_slot():
         assert store.slots[slot] == [0, 0], "the writer wrote a leased slot"
     a.release_lease(ra)
     assert b.lease_latest(rb) is not None
+
+
+class Turns:
+    """Real protocol calls in threads, each stopped at a chosen point and let go by the test: a
+    schedule the interleaving checker found, replayed on the code itself."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.stopped: set[str] = set()
+        self.threads: list[threading.Thread] = []
+        self.results: dict[str, object] = {}
+
+    def stop_here(self, who: str) -> None:
+        with self.cv:
+            self.stopped.add(who)
+            self.cv.notify_all()
+            assert self.cv.wait_for(lambda: who not in self.stopped, 10), f"{who} was never let go"
+
+    def run(self, who: str, call) -> None:
+        thread = threading.Thread(target=lambda: self.results.__setitem__(who, call()), daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def wait_stopped(self, who: str) -> None:
+        with self.cv:
+            assert self.cv.wait_for(lambda: who in self.stopped, 10), f"{who} never reached its stop"
+
+    def go(self, who: str) -> None:
+        with self.cv:
+            self.stopped.discard(who)
+            self.cv.notify_all()
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(10)
+            assert not thread.is_alive()
+
+
+def stop_at_call(turns: Turns, who: str, fence, n: int):
+    """``fence``, stopping ``who`` at its ``n``-th call (counted from 1)."""
+    calls = [0]
+
+    def wrapped():
+        calls[0] += 1
+        fence()
+        if calls[0] == n:
+            turns.stop_here(who)
+
+    return wrapped
+
+
+def test_a_lease_decided_while_a_pin_is_granted_never_leaves_the_writer_short():
+    """The checker's schedule (tests/test_protocol_interleavings.py, no_granting_check): a
+    zero-copy reader reads ``latest`` just before a publish; a reader's ticket comes in; the
+    writer picks the pin's slot (the new latest, no lease being there yet), and before it grants
+    it, the zero-copy reader leases the old latest. The lease and the pin would hold 2 slots of
+    3, and the writer would have to write into one of them. The lease must be refused."""
+    store = Store(3)
+    zero_copy = store.protocol(3)
+    row = zero_copy.claim_row()
+    turns = Turns()
+    zero_copy.fence = stop_at_call(turns, "reader", zero_copy.fence, 1)  # latest and its seq read
+    turns.run("reader", lambda: zero_copy.lease_latest(row))
+    turns.wait_stopped("reader")
+    store.publish(1)
+    store.h[W_PIN_REQUEST] += 1  # a starving reader's ticket
+    store.writer.fence = stop_at_call(turns, "writer", store.writer.fence, 2)  # the pin's slot chosen, not granted
+    turns.run("writer", lambda: store.publish(2))
+    turns.wait_stopped("writer")
+    turns.go("reader")
+    turns.threads[0].join(10)
+    turns.go("writer")
+    turns.join()
+    h = store.h
+    assert turns.results["reader"] is None, "a lease was taken while the pin's slot was being chosen"
+    pinned = {h[W_PIN_SLOT]} if h[W_PIN_RELEASE] < h[W_PIN_GRANT] else set()
+    leased = {h[lease_word(row)] - 1} if h[lease_word(row)] > 0 else set()
+    assert len(pinned | leased) <= 1
+    h[W_PIN_RELEASE] = h[W_PIN_GRANT]  # the pinned reader is done
+    assert zero_copy.lease_latest(row) is not None
+
+
+def test_with_two_slots_a_lease_being_decided_and_a_pin_never_make_the_writer_wait():
+    """The checker's schedule for 2 slots: a reader copies the old latest under a pin while a
+    zero-copy reader decides a lease on it. The only slot the writer may write is both: it writes
+    through them (the lease is then given up when its reader checks the sequence, and the pinned
+    reader retries, as with 2 slots it must)."""
+    store = Store(2)
+    zero_copy = store.protocol(3)
+    row = zero_copy.claim_row()
+    h = store.h
+    h[W_PIN_REQUEST] = h[W_PIN_GRANT] = 1  # a pin granted on slot 0 while it was latest
+    h[W_PIN_SLOT] = 0
+    store.publish(1)  # into slot 1
+    h[lease_word(row)] = -1  # a lease of slot 0 being decided
+    h[W_LEASES + 0] = 1
+    store.publish(2)
+    assert h[W_LATEST] == 0 and store.slots[0] == [2, 2]
 
 
 def test_the_protocol_needs_no_torch():
