@@ -11,7 +11,7 @@ PYTEST_ARGS ?= -n 2
 # Older TorchRL minors the tests marked `torchrl` (TorchRL's call paths) also run under.
 TORCHRL_LEGS ?= 0.13 0.12 0.11
 
-.PHONY: install demo test test-main test-fast test-legs docs lint bench bench-quick clean
+.PHONY: install demo test test-main test-fast test-protocol test-legs docs lint bench bench-quick soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test-main: install
 # The core: protocol, store, reader, files, CLI, relay wire (no collectors, no clusters).
 test-fast: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not slow and not torchrl and not distributed and not cuda" tests shmsync
+
+# Every interleaving of the slot protocol's small configurations, and the checker itself.
+test-protocol: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS) tests/test_protocol_interleavings.py tests/test_interleavings.py tests/test_protocol_model.py
 
 # .venv-torchrl-0.13 (and so on): that TorchRL minor with its own tensordict minor, and shmsync.
 # Everything else (torch, pytest, ...) comes from .venv through a .pth line placed after this
@@ -66,6 +70,9 @@ bench: install
 
 bench-quick: install
 	$(BIN)/python benchmarks/sync_bench.py --quick
+
+soak: install
+	$(BIN)/python benchmarks/soak.py
 
 clean:
 	rm -rf $(VENV) .venv-torchrl-* *.egg-info .pytest_cache docs/_build

@@ -85,3 +85,18 @@ def start(ctx):
                 pass
             proc.kill()
         proc.join(10)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The state counts the protocol's interleaving checker explored (recorded as "explored")."""
+    lines = {
+        value
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        for name, value in getattr(report, "user_properties", ())
+        if name == "explored"
+    }
+    if lines:
+        terminalreporter.section("protocol interleavings explored")
+        for line in sorted(lines):
+            terminalreporter.write_line(line)
