@@ -340,7 +340,7 @@ class Explorer:
                 raise RuntimeError(f"more than {self.max_states:,} states: the configuration is too large to explore")
         result.states = len(parent)
         if failed is not None:
-            result.failure, result.trace = problem, self._shortest(successors, start, failed, parent)
+            result.failure, result.trace = problem, self._shortest(successors, start, {failed}, parent)[1]
         else:
             self._check_progress(successors, lasting, parent, start, result)
         return result
@@ -853,11 +853,11 @@ class Explorer:
                 if p not in can_finish:
                     can_finish.add(p)
                     queue.append(p)
-        stuck = [s for s in successors if s not in can_finish]
+        stuck = {s for s in successors if s not in can_finish}
         if stuck:
-            worst = min(stuck, key=lambda s: len(self._trace(parent, s)))
+            nearest, trace = self._shortest(successors, start, stuck, parent)
             result.failure = "a state from which the parties still alive can never all get done (stuck or livelocked)"
-            result.trace = self._trace(parent, worst) + self._describe(worst)
+            result.trace = trace + self._describe(nearest)
 
     # -- reports -----------------------------------------------------------------------------------
     def _trace(self, parent: dict, state: tuple) -> list[str]:
@@ -868,26 +868,31 @@ class Explorer:
             steps.append(labels)
         return self._numbered(reversed(steps))
 
-    def _shortest(self, successors: dict, start: tuple, target: tuple, parent: dict) -> list[str]:
-        """The shortest schedule to ``target`` among the moves explored."""
+    def _shortest(self, successors: dict, start: tuple, targets: set, parent: dict) -> tuple[tuple, list[str]]:
+        """The nearest of ``targets`` and the shortest schedule to it among the moves explored."""
         back: dict[tuple, tuple | None] = {start: None}
         queue = deque([start])
-        while queue and target not in back:
+        found = start if start in targets else None
+        while queue and found is None:
             state = queue.popleft()
             for nxt in successors.get(state, ()):
                 if nxt not in back:
                     back[nxt] = state
+                    if nxt in targets:
+                        found = nxt
+                        break
                     queue.append(nxt)
-        if target not in back:
-            return self._trace(parent, target)
-        path = [target]
+        if found is None:  # a failure found on a move out of a state not expanded yet
+            target = next(iter(targets))
+            return target, self._trace(parent, target)
+        path = [found]
         while back[path[-1]] is not None:
             path.append(back[path[-1]])
         path.reverse()
         steps = []
         for before, after in zip(path, path[1:]):
             steps.append(next(m.label for m in self._all_moves(before) if m.state == after))
-        return self._numbered(steps)
+        return found, self._numbered(steps)
 
     def _all_moves(self, state: tuple) -> list[Move]:
         return [m for i in range(len(self.parties)) for m in self.moves_of(state, i)]
