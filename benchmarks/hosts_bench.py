@@ -128,6 +128,15 @@ def bench_tree(nbytes: int, hosts: int, fanout: int, reps: int, encrypt: bool = 
     }
 
 
+def pooled(runs: list[dict]) -> dict:
+    """Several :func:`bench_tree` runs of one configuration as one: their samples together."""
+    out = dict(runs[0])
+    for key in ("first", "last", "publish"):
+        out[key] = [x for run in runs for x in run[key]]
+    out["bytes_per_publish"] = statistics.mean(run["bytes_per_publish"] for run in runs)
+    return out
+
+
 # -- the cipher's own time: seal and open a payload, piece by piece, as a link does ----------------
 def bench_cipher(nbytes: int, reps: int) -> list[float]:
     """Seconds to encrypt and then decrypt ``nbytes`` in pieces of :data:`BUCKET` (AES-256-GCM, into
@@ -339,24 +348,35 @@ def main(argv: list[str] | None = None) -> int:
     machine = {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
     report: dict = {"machine": machine}
     p50 = statistics.median
+    # Encrypted and plain links are timed in alternate runs, pooled: a drift of the machine during
+    # the run (the 1 MB link's median moves by a tenth of a millisecond) falls on both alike.
+    rounds = 1 if args.quick else 3
     one_host, trees, protection = [], [], []
     for label, nbytes in SIZES.items():
         n = reps[label]
         print(f"{label}: one host ...", file=sys.stderr, flush=True)
-        relay = bench_tree(nbytes, 1, 2, n)
-        plain = bench_tree(nbytes, 1, 2, n, encrypt=False)
+        encrypted_runs, plain_runs = [], []
+        for _ in range(rounds):
+            encrypted_runs.append(bench_tree(nbytes, 1, 2, n))
+            plain_runs.append(bench_tree(nbytes, 1, 2, n, encrypt=False))
+        relay, plain = pooled(encrypted_runs), pooled(plain_runs)
         gloo, tcp = bench_raw("gloo", nbytes, 1, n), bench_raw("tcp", nbytes, 1, n)
         cipher = bench_cipher(nbytes, n)
         one_host.append({"payload": label, "relay": relay, "raw_gloo": gloo, "raw_tcp": tcp})
         protection.append({"payload": label, "hosts": 1, "protected": relay, "plain": plain, "cipher": cipher})
         last = max(host_counts)
-        print(f"{label}: {last} hosts, plain frames ...", file=sys.stderr, flush=True)
+        print(f"{label}: {last} hosts, plain and encrypted frames ...", file=sys.stderr, flush=True)
+        encrypted_runs, plain_runs = [], []
+        for _ in range(rounds - 1):  # the last encrypted run is the tree of fan-out 2 below
+            encrypted_runs.append(bench_tree(nbytes, last, 2, n))
+            plain_runs.append(bench_tree(nbytes, last, 2, n, encrypt=False))
+        plain_runs.append(bench_tree(nbytes, last, 2, n, encrypt=False))
         protection.append(
             {
                 "payload": label,
                 "hosts": last,
-                "protected": None,  # the tree of fan-out 2 below, encrypted
-                "plain": bench_tree(nbytes, last, 2, n, encrypt=False),
+                "protected": encrypted_runs,  # and the tree of fan-out 2 below, once it ran
+                "plain": pooled(plain_runs),
                 "cipher": cipher,
             }
         )
@@ -367,9 +387,9 @@ def main(argv: list[str] | None = None) -> int:
             star = bench_tree(nbytes, hosts, hosts, n)
             trees.append({"payload": label, "hosts": hosts, "tree": tree, "star": star, "floor": floor})
     for row in protection:
-        if row["protected"] is None:
+        if isinstance(row["protected"], list):
             same = (t for t in trees if t["payload"] == row["payload"] and t["hosts"] == row["hosts"])
-            row["protected"] = next(same)["tree"]
+            row["protected"] = pooled([*row["protected"], next(same)["tree"]])
     report["one_host"], report["trees"], report["protection"] = one_host, trees, protection
 
     rows = []
@@ -438,9 +458,10 @@ def main(argv: list[str] | None = None) -> int:
             "Encrypted links (AES-256-GCM) against plain frames: publish() to visible on the last host (p50)",
             ["payload", "H", "plain", "encrypted", "encrypted / plain", "cipher", "floor", "encrypted / floor"],
             rows,
-            "cipher: sealing and opening the payload once, in the link's pieces, on one core (timed here, in\n"
-            "this run). floor: the plain link plus the cipher's time for the H links that carry the version,\n"
-            "shared by the cores. Hosts here share this machine's cores with the trainer, so the cipher\n"
+            "plain and encrypted: the samples of alternate runs of each, pooled (three of each in a full\n"
+            "run). cipher: sealing and opening the payload once, in the link's pieces, on one core (timed\n"
+            "here, in this run). floor: the plain link plus the cipher's time for the H links that carry the\n"
+            "version, shared by the cores. Hosts here share this machine's cores with the trainer, so the cipher\n"
             "competes with the copies; between real hosts each relay has cores of its own, and the wire,\n"
             "not the cipher, is the limit.",
         )
