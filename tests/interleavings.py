@@ -245,6 +245,9 @@ class Explorer:
         replacement: the new writer, when one dies.
         monotonic: words whose value must never go down.
         reduce: explore a persistent subset of the moves where one is found (see the docstring).
+        later_first: try the later parties' moves first. Only the order of the depth-first search
+            changes: the same states are explored when there is nothing to find; a problem that
+            needs the later parties to go first is met sooner.
         max_states: give up (an error) beyond this many states.
     """
 
@@ -260,6 +263,7 @@ class Explorer:
         replacement: Party | None = None,
         monotonic: tuple = (),
         reduce: bool = True,
+        later_first: bool = False,
         max_states: int = 2_000_000,
     ) -> None:
         if mode not in ("sc", "tso", "weak"):
@@ -268,6 +272,7 @@ class Explorer:
         self.replacing = len(parties) if replacement is not None else None
         self.programs = [Program(p) for p in self.parties]
         self.mode, self.crashes, self.reduce, self.max_states = mode, crashes, reduce, max_states
+        self.later_first = later_first
         self.observe, self.check, self.monotonic = observe, check, monotonic
         self._simulated: dict = {}  # _simulate's results by what they depended on
         self._observed: dict = {}  # observe's facts by state
@@ -309,6 +314,8 @@ class Explorer:
                 return problem
             on_stack.add(state)
             moves, reduced = self._expand(state, on_stack)
+            if self.later_first:
+                moves.reverse()
             result.reduced += reduced
             result.transitions += len(moves)
             successors[state] = [m.state for m in moves]

@@ -49,9 +49,15 @@ class Options:
     reloads: int = 2  # the zero-copy reader's reloads (its lease moves between them)
 
 
-def writer(o: Options, publishes: int) -> Generator:
-    """``begin_write`` (with ``choose_target`` and ``pin_candidate``), the copy, ``commit``."""
-    for _ in range(publishes):
+def writer(o: Options, publishes: int, begun: bool = False) -> Generator:
+    """``begin_write`` (with ``choose_target`` and ``pin_candidate``), the copy, ``commit``.
+    ``begun``: the first publish has already begun and copied version 1 into slot 1 (see
+    :func:`initial_memory`); it goes on from there."""
+    for k in range(publishes):
+        if begun and k == 0:
+            yield Mark("writing", 1)
+            yield from commit(o, 1, 1, 1)
+            continue
         backed_off = ()
         target = odd = -1
         for _attempt in range(4):  # the code's 1000 back-offs: more than 3 here is a writer that waits
@@ -80,20 +86,25 @@ def writer(o: Options, publishes: int) -> Generator:
         version = version + 1
         for cell in range(CELLS):
             yield Store(("data", target, cell), version)
-        yield Store(("ver", target), version)
-        if not o.no_commit_fence:
-            yield Fence()
-        if o.latest_before_even:
-            yield Store("latest", target)
-            yield Store(("seq", target), odd + 1)
-        else:
-            yield Store(("seq", target), odd + 1)
-            yield Mark("writing")
-            yield Store("latest", target)
+        yield from commit(o, target, odd, version)
+
+
+def commit(o: Options, target: int, odd: int, version: int) -> Generator:
+    """``commit``: the version, the even sequence, ``latest``, ``version``, the publish count."""
+    yield Store(("ver", target), version)
+    if not o.no_commit_fence:
+        yield Fence()
+    if o.latest_before_even:
+        yield Store("latest", target)
+        yield Store(("seq", target), odd + 1)
+    else:
+        yield Store(("seq", target), odd + 1)
         yield Mark("writing")
-        yield Store("version", version)
-        count = yield Load("publish_count")
-        yield Store("publish_count", count + 1)
+        yield Store("latest", target)
+    yield Mark("writing")
+    yield Store("version", version)
+    count = yield Load("publish_count")
+    yield Store("publish_count", count + 1)
 
 
 def choose_target(o: Options, backed_off: tuple) -> Generator:
@@ -361,8 +372,9 @@ def stopping_reader(o: Options) -> Generator:
 READER_PID, STOPPED_PID = 7, 9
 
 
-def initial_memory(slots: int) -> dict:
-    """A fresh store holding version 0 in slot 0 (as ``create`` leaves it)."""
+def initial_memory(slots: int, begun: bool = False) -> dict:
+    """A fresh store holding version 0 in slot 0 (as ``create`` leaves it); ``begun``: and the
+    writer's first publish has marked slot 1 and copied version 1 into it, not committed yet."""
     mem = {"version": 0, "latest": 0, "publish_count": 1, "token_pid": 0}
     mem |= {"pin_request": 0, "pin_grant": 0, "pin_slot": 0, "pin_release": 0, ("row", 0): 0}
     for s in range(slots):
@@ -371,6 +383,10 @@ def initial_memory(slots: int) -> dict:
         mem[("leases", s)] = 0
         for cell in range(CELLS):
             mem[("data", s, cell)] = 0 if s == 0 else -1
+    if begun:
+        mem[("seq", 1)] = 1
+        for cell in range(CELLS):
+            mem[("data", 1, cell)] = 1
     return mem
 
 
@@ -420,6 +436,7 @@ def explorer(
     readers: str = "plain,zero-copy",
     crashes: bool = False,
     new_writer: bool = True,
+    begun: bool = False,
     **kwargs: Any,
 ) -> Explorer:
     """The writer publishing ``publishes`` times beside ``readers``, explored in ``mode``.
@@ -429,9 +446,10 @@ def explorer(
     (each of those two alone), ``zero-copy`` and ``stopped`` (takes the token, asks for a pin and
     is stopped there for good). With ``crashes``, any party may die anywhere; with ``new_writer``
     a new writer publishing once then takes over from a dead one, without it the readers must
-    still get done on what the dead writer left."""
+    still get done on what the dead writer left. With ``begun`` the exploration starts with the
+    writer's first publish copied and not yet committed (the readers may start anywhere after)."""
     o = options or Options()
-    parties = [Party("writer", lambda: writer(o, publishes), stores=WRITER_STORES, writer=True)]
+    parties = [Party("writer", lambda: writer(o, publishes, begun), stores=WRITER_STORES, writer=True)]
     for kind in readers.split(","):
         if kind in ("plain", "pinned", "optimistic"):
             outpaced = {"plain": None, "pinned": True, "optimistic": False}[kind]
@@ -461,7 +479,7 @@ def explorer(
     )
     x = Explorer(
         parties,
-        initial_memory(o.slots),
+        initial_memory(o.slots, begun),
         mode,
         observe=observe,
         check=check,
