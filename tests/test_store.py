@@ -136,7 +136,7 @@ def test_torn_read_stress(store_factory, start, ordering, monkeypatch):
     store = store_factory(blob_weights(STRESS, 0.0))
     assert (store.memory.protocol.fence is store.memory.protocol.full_fence) == (ordering == "weak")
     store.release_writer()
-    min_reloads = 1000
+    min_reloads = 500  # sampling only: benchmarks/soak.py runs 10^8 reloads, the checker every interleaving
     readers = [start(stress_reader, store, STRESS, min_reloads) for _ in range(2)]
     for r in readers:
         r.expect("ready")
@@ -146,7 +146,7 @@ def test_torn_read_stress(store_factory, start, ordering, monkeypatch):
     w.conn.send("stop")
     w.expect("done")
     total = sum(r[0] for r in results)
-    assert total >= 2000, results
+    assert total >= 2 * min_reloads, results
     assert sum(r[1] for r in results) == 0, f"mixed versions loaded: {results}"
     assert sum(r[2] for r in results) == 0, f"loaded values differ from the version tag: {results}"
 
