@@ -106,19 +106,20 @@ def soak(label: str, nbytes: int, seconds: float, min_reloads: int) -> dict:
         for _, conn in readers:
             if not conn.poll(120) or conn.recv() != "ready":
                 raise RuntimeError("a reader did not start")
-        publishes, began = 0, time.monotonic()
-        last_check, reloads_so_far = began, 0
+        publishes = 0
+        began = last_check = time.monotonic()
         while True:
             source.w.fill_(publishes + 1)
             store.publish(source)
             publishes += 1
             now = time.monotonic()
-            if now - began >= seconds and (not min_reloads or now - last_check > 5):
-                if not min_reloads:
-                    break
+            if now - began < seconds:
+                continue
+            if not min_reloads:
+                break
+            if now - last_check > 5:  # the reader table's counters, read every few seconds only
                 last_check = now
-                reloads_so_far = _peek(store)
-                if reloads_so_far >= min_reloads:
+                if _peek(store) >= min_reloads:
                     break
         elapsed = time.monotonic() - began
         for _, conn in readers:
