@@ -371,25 +371,23 @@ def main(argv: list[str] | None = None) -> int:
             encrypted_runs.append(bench_tree(nbytes, last, 2, n))
             plain_runs.append(bench_tree(nbytes, last, 2, n, encrypt=False))
         plain_runs.append(bench_tree(nbytes, last, 2, n, encrypt=False))
-        protection.append(
-            {
-                "payload": label,
-                "hosts": last,
-                "protected": encrypted_runs,  # and the tree of fan-out 2 below, once it ran
-                "plain": pooled(plain_runs),
-                "cipher": cipher,
-            }
-        )
         for hosts in host_counts:
             print(f"{label}: {hosts} hosts ...", file=sys.stderr, flush=True)
             floor = bench_raw("gloo", nbytes, hosts, n)
             tree = bench_tree(nbytes, hosts, 2, n)
             star = bench_tree(nbytes, hosts, hosts, n)
             trees.append({"payload": label, "hosts": hosts, "tree": tree, "star": star, "floor": floor})
-    for row in protection:
-        if isinstance(row["protected"], list):
-            same = (t for t in trees if t["payload"] == row["payload"] and t["hosts"] == row["hosts"])
-            row["protected"] = pooled([*row["protected"], next(same)["tree"]])
+            if hosts == last:
+                encrypted_runs.append(tree)
+        protection.append(
+            {
+                "payload": label,
+                "hosts": last,
+                "protected": pooled(encrypted_runs),
+                "plain": pooled(plain_runs),
+                "cipher": cipher,
+            }
+        )
     report["one_host"], report["trees"], report["protection"] = one_host, trees, protection
 
     rows = []
