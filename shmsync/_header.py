@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+
 from .errors import ShmSyncError, StoreCorruptError, StoreNotFoundError
 
 MAGIC = 0x534D5359_4E433031  # "SMSYNC01"
-FORMAT = 4  # 4: liveness from lock bytes (creator, reader rows), not from pids
-HEADER_BYTES = 48 * 1024  # mostly the reader table: room for 1,203 readers
+FORMAT = 5  # 5: reader rows of 8 words (worker, flags, process start), 72 KiB header
+HEADER_BYTES = 72 * 1024  # mostly the reader table: room for 1,136 readers
 HEADER_WORDS = HEADER_BYTES // 8
 MAX_SLOTS = 16
 ALIGN = 64
@@ -37,14 +39,29 @@ W_PUBLISH_COUNT = 19
 W_CREATOR_PPID = 20  # lets a test's leak check find stores made by its children
 W_TOKEN_PID = 21  # pid of the reader holding the starvation token, 0 if none (see _protocol.py)
 W_PUBLISH_INTERVAL = 22  # ns between the last two publishes: tells a slow reader to ask for a pin at once
+W_ROWS = 23  # rows of the reader table ever claimed: the table is read up to there (see shmsync.table)
 W_SEQ = 32  # W_SEQ + i: slot i's sequence number, odd while it is being written
 W_SLOT_VERSION = 64  # W_SLOT_VERSION + i: the version slot i holds
 W_LEASES = 96  # W_LEASES + i: readers whose modules view slot i in place (see _protocol.py)
 # Reader table: one row per attached reader, each row written only by its own reader
 # (and its lease word also by whoever reclaims a dead reader's row).
 W_READERS = 128
-READER_WORDS = 5  # pid, loaded version, reloads, time of the last reload (ns), leased slot + 1 (see _protocol.py)
+READER_WORDS = 8
 MAX_READERS = (HEADER_WORDS - W_READERS) // READER_WORDS
+# The words of a row. Only R_LEASE takes part in the slot protocol (see _protocol.py); the others
+# are what the readers' table shows (see shmsync.table), written by the row's reader alone.
+R_PID = 0
+R_VERSION = 1  # the version loaded, -1 before the first load
+R_RELOADS = 2
+R_RELOAD_NS = 3  # wall-clock time of the last reload
+R_LEASE = 4  # leased slot + 1, negative while being decided, 0 if none
+R_WORKER = 5  # the worker index its collector gave it, + 1 (0: none)
+R_FLAGS = 6  # ROW_* bits below
+R_START_NS = 7  # its process's start time: tells a reused pid, or one of another namespace, apart
+ROW_WAITING = 1  # between rollouts: waiting for work, not running stale weights
+ROW_ZERO_COPY = 2  # asked to view the store in place (zero_copy=True)
+ROW_DEVICE = 4  # loads into an accelerator's memory (a private device copy by necessity)
+ROW_LINK = 8  # a relay's link sending versions to another host (leases to send from; loads nothing)
 
 
 def header_view(buf) -> memoryview:
@@ -62,19 +79,27 @@ def row_base(row: int) -> int:
 
 
 def reader_column(h, field: int) -> list[int]:
-    """Word ``field`` (0: pid ... 4: leased slot + 1) of every row of the reader table, in one
-    strided read of header words ``h`` (a memoryview, a list or an int64 array)."""
-    return [int(w) for w in h[W_READERS + field : W_READERS + MAX_READERS * READER_WORDS : READER_WORDS]]
+    """Word ``field`` (an ``R_*`` constant) of every row of the reader table, in one strided read
+    of header words ``h`` (a memoryview, a list or an int64 array)."""
+    column = h[W_READERS + field : W_READERS + MAX_READERS * READER_WORDS : READER_WORDS]
+    return column.tolist() if hasattr(column, "tolist") else [int(w) for w in column]
 
 
-def reader_rows(h) -> list[tuple[int, int, int, int, int]]:
-    """``(row, pid, loaded version, reloads, last reload ns)`` for every claimed row of the
-    reader table in header words ``h`` (a memoryview or an int64 array); pids may be dead."""
+def reader_rows(h) -> list[tuple[int, list[int]]]:
+    """``(row, words)`` for every claimed row of the reader table in header words ``h`` (a
+    memoryview or an int64 array), up to its high-water mark, ``words`` indexed by the ``R_*``
+    constants; pids may be dead. The flags are read before the rest (see :mod:`shmsync.table`)."""
+    rows = min(max(int(h[W_ROWS]), 0), MAX_READERS)
+    end = W_READERS + rows * READER_WORDS
+    flags = h[W_READERS + R_FLAGS : end : READER_WORDS]
+    flags = flags.tolist() if hasattr(flags, "tolist") else [int(w) for w in flags]
+    block = h[W_READERS:end]
+    block = block.tolist() if hasattr(block, "tolist") else [int(w) for w in block]
     out = []
-    for row, pid in enumerate(reader_column(h, 0)):
-        if pid:
-            base = row_base(row)
-            out.append((row, pid, int(h[base + 1]), int(h[base + 2]), int(h[base + 3])))
+    for row in itertools.compress(range(rows), block[R_PID::READER_WORDS]):
+        words = block[row * READER_WORDS : (row + 1) * READER_WORDS]
+        words[R_FLAGS] = flags[row]
+        out.append((row, words))
     return out
 
 
@@ -139,9 +164,11 @@ def check_words(h, file_size: int, name: str) -> tuple[int, int]:
             raise bad(f"slot_version[{i}]", h[W_SLOT_VERSION + i], "versions are -1 (empty) or more")
         if not 0 <= h[W_LEASES + i] <= MAX_READERS:
             raise bad(f"leases[{i}]", h[W_LEASES + i], f"a count of readers, 0 to {MAX_READERS}")
+    if not 0 <= h[W_ROWS] <= MAX_READERS:
+        raise bad("rows", h[W_ROWS], f"a count of reader-table rows, 0 to {MAX_READERS}")
     if not 0 <= h[W_PIN_SLOT] < n:
         raise bad("pin_slot", h[W_PIN_SLOT], f"it indexes one of the {n} slots")
-    for row, lease in enumerate(reader_column(h, 4)):
+    for row, lease in enumerate(reader_column(h, R_LEASE)):
         if not -n <= lease <= n:
             raise bad(f"reader row {row} lease", lease, f"a slot + 1, negative while being decided, -{n} to {n}")
     return lo, ln

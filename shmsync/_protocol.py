@@ -140,6 +140,14 @@ from typing import Protocol as Interface
 
 from . import _fence
 from ._header import (
+    R_FLAGS,
+    R_LEASE,
+    R_PID,
+    R_RELOAD_NS,
+    R_RELOADS,
+    R_START_NS,
+    R_VERSION,
+    R_WORKER,
     W_LATEST,
     W_LEASES,
     W_NUM_SLOTS,
@@ -150,6 +158,7 @@ from ._header import (
     W_PUBLISH_COUNT,
     W_PUBLISH_INTERVAL,
     W_PUBLISH_NS,
+    W_ROWS,
     W_SEQ,
     W_SLOT_VERSION,
     W_TOKEN_PID,
@@ -159,13 +168,13 @@ from ._header import (
     row_base,
     slot_index,
 )
-from ._processes import pid_stopped
+from ._processes import own_start_ns, pid_stopped
 from .errors import ReloadTimeoutError, ShmSyncError
 
 Words = MutableSequence[int]
 CopyFn = Callable[[int], None]  # copies out of (or into) the slot with that index
 
-LEASE = 4  # a reader row's lease word: leased slot + 1, 0 if none
+LEASE = R_LEASE  # a reader row's lease word: leased slot + 1, 0 if none
 
 
 class Locks(Interface):
@@ -292,6 +301,7 @@ class Protocol:
         self.stopped = stopped
         self.fence, self.full_fence = _fence.ordering(ordering)
         self.pid = os.getpid() if pid is None else pid
+        self.start_ns = own_start_ns() if pid is None else 0  # shown beside the pid in the readers' table
         self.clock, self.timer = clock, timer
         self.writing: Write | None = None  # the write this process has open
         self.listeners: list[Callable[[int], None]] = []  # called with each version this process commits
@@ -520,14 +530,16 @@ class Protocol:
             raise ReloadTimeoutError(f"store {self.name!r}: no complete version could be read in time ({doing})")
 
     # -- reader table ---------------------------------------------------------------------------
-    def claim_row(self, patience: float | None = 5.0) -> int:
+    def claim_row(self, patience: float | None = 5.0, *, worker: int | None = None, flags: int = 0) -> int:
         """A free row of the reader table for this process, or -1 if the table is full or its
-        lock stayed busy for ``patience`` seconds (the reader then copies, unlisted)."""
+        lock stayed busy for ``patience`` seconds (the reader then copies, unlisted). ``worker``
+        (the index a collector gave the reader) and ``flags`` (``ROW_*`` bits) are shown in the
+        readers' table."""
         h = self.h
         with self.locks.table(patience) as locked:
             if not locked:
                 return -1
-            pids = reader_column(h, 0)
+            pids = reader_column(h, R_PID)
             # Free rows first, then rows whose reader died (its lock is free; its lease stays
             # counted until a recount). The row's lock, not its pid, says who lives.
             candidates = [row for row, pid in enumerate(pids) if pid == 0]
@@ -535,8 +547,12 @@ class Protocol:
             for row in candidates:
                 if self.locks.hold_row(row):
                     base = row_base(row)
-                    h[base + 1], h[base + 2], h[base + 3], h[base + LEASE] = -1, 0, 0, 0
-                    h[base] = self.pid
+                    h[base + R_VERSION], h[base + R_RELOADS], h[base + R_RELOAD_NS], h[base + LEASE] = -1, 0, 0, 0
+                    h[base + R_WORKER] = 0 if worker is None else worker + 1
+                    h[base + R_FLAGS], h[base + R_START_NS] = flags, self.start_ns
+                    h[base + R_PID] = self.pid
+                    if h[W_ROWS] <= row:
+                        h[W_ROWS] = row + 1  # how far the readers' table is read
                     return row
             return -1
 
@@ -545,7 +561,12 @@ class Protocol:
         if row >= 0:
             base = row_base(row)
             h = self.h
-            h[base + 1], h[base + 2], h[base + 3] = version, reloads, self.clock()
+            h[base + R_VERSION], h[base + R_RELOADS], h[base + R_RELOAD_NS] = version, reloads, self.clock()
+
+    def set_row_flags(self, row: int, flags: int) -> None:
+        """Set reader ``row``'s ``ROW_*`` flags (shown in the readers' table; no part of the protocol)."""
+        if row >= 0:
+            self.h[row_base(row) + R_FLAGS] = flags
 
     def release_row(self, row: int) -> None:
         if row >= 0:

@@ -12,7 +12,7 @@ from torch import nn
 
 from . import _viewing
 from ._copy import copy_all
-from ._header import W_VERSION
+from ._header import ROW_DEVICE, ROW_WAITING, ROW_ZERO_COPY, W_VERSION
 from ._memory import StoreMemory
 from ._source import is_destinations, module_weights, parts
 from .errors import ReloadTimeoutError, ShmSyncError, WeightMismatchError, WriterGoneError
@@ -50,6 +50,8 @@ class WeightReader:
             Not needed when the store holds a single destination.
         timeout: seconds a reload may take before :class:`~shmsync.errors.ReloadTimeoutError`.
         zero_copy: point the parameters at shared memory instead of copying (see above).
+        worker: the index of the worker this reader serves, shown in the readers' table
+            (:meth:`WeightStore.readers`) and in the stale-reader alarm's messages.
 
     Examples:
         >>> import torch
@@ -83,6 +85,7 @@ class WeightReader:
         destination: str | None = None,
         timeout: float = 60.0,
         zero_copy: bool = False,
+        worker: int | None = None,
     ) -> None:
         if not isinstance(store, WeightStore):
             raise TypeError(f"store must be a WeightStore, got {type(store).__name__}")
@@ -101,7 +104,11 @@ class WeightReader:
         self._on_cpu = True
         self.zero_copy = zero_copy
         self._viewing: list[torch.Tensor] = []  # parameters now pointing at a leased slot
-        self._row = self._protocol.claim_row()  # for `shmsync ls` and store.readers(); -1: unlisted
+        if worker is not None and (isinstance(worker, bool) or not isinstance(worker, int) or worker < 0):
+            raise ValueError(f"worker must be an int >= 0 or None, got {worker!r}")
+        self._flags = ROW_ZERO_COPY if zero_copy else 0
+        # A row in the readers' table (`shmsync ls`, store.readers()); -1: the table is full, unlisted.
+        self._row = self._protocol.claim_row(worker=worker, flags=self._flags)
         self._finalizer = weakref.finalize(self, _leave, memory, self._row, self._viewing)
         # Check the module against the store now (clear error at construction time).
         if not any(_is_meta(m) for _, m in self._parts):
@@ -111,6 +118,34 @@ class WeightReader:
     def version(self) -> int:
         """The version loaded in the module (-1 before the first load)."""
         return self._version
+
+    @property
+    def waiting(self) -> bool:
+        """Whether this reader says it waits for work (see :meth:`set_waiting`)."""
+        return bool(self._flags & ROW_WAITING)
+
+    def set_waiting(self, waiting: bool) -> None:
+        """Say whether the process is between rollouts, waiting for work rather than running the
+        weights it loaded: the readers' table shows it, and the stale-reader alarm leaves a
+        waiting reader alone unless its process is stopped. Poll before you stop waiting.
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightReader, WeightStore
+            >>> with WeightStore.create(torch.nn.Linear(4, 2)) as store:
+            ...     reader = WeightReader(store, torch.nn.Linear(4, 2))
+            ...     reader.set_waiting(True)
+            ...     store.readers()[0].waiting
+            True
+        """
+        self._set_flags(ROW_WAITING, waiting)
+
+    def _set_flags(self, bit: int, on: bool) -> None:
+        flags = self._flags | bit if on else self._flags & ~bit
+        if flags != self._flags:
+            self._flags = flags
+            if self._finalizer.alive and not self._memory.closed:
+                self._protocol.set_row_flags(self._row, flags)
 
     @property
     def viewing(self) -> bool:
@@ -217,6 +252,7 @@ class WeightReader:
             )
         if not self._on_cpu:
             memory.pin_for_cuda()  # host-to-device copies become asynchronous DMA
+        self._set_flags(ROW_DEVICE, not self._on_cpu)
         self._targets = targets
         # Per slot, the views this reader copies from, so a reload is one batched copy.
         self._sources = [[views[i] for i in indices] for views in memory.slots]

@@ -71,7 +71,7 @@ def _refused(path, error, match):
         (W_NUM_SLOTS, 10**8, r"num_slots is 100000000: it must be between 2 and 16"),
         (W_NUM_SLOTS, 1, r"num_slots is 1"),
         (W_DATA_OFFSET, 0, r"data_offset is 0"),
-        (W_DATA_OFFSET, HEADER_BYTES, r"data_offset is 49152"),
+        (W_DATA_OFFSET, HEADER_BYTES, rf"data_offset is {HEADER_BYTES}"),
         (W_SLOT_BYTES, 0, r"slot_bytes is 0"),
         (W_SLOT_BYTES, -4096, r"slot_bytes is -4096"),
         (W_LAYOUT_OFFSET, 8, r"layout_offset is 8"),
@@ -95,7 +95,7 @@ def test_a_header_word_out_of_range_is_refused_naming_it(store_file, word, value
 
 def test_another_format_and_no_magic_are_told_apart(store_file):
     _set_word(store_file, W_FORMAT, 3)
-    _refused(store_file, ShmSyncError, r"has format 3, this shmsync reads 4")
+    _refused(store_file, ShmSyncError, r"has format 3, this shmsync reads 5")
     _set_word(store_file, W_MAGIC, 0)
     _refused(store_file, StoreNotFoundError, r"not a shmsync store, or it is still being created")
 

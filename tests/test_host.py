@@ -11,7 +11,17 @@ import pytest
 import torch
 
 from shmsync import WeightReader, WeightStore, _segment, host
-from shmsync._header import W_CREATOR_PID, W_CREATOR_START, W_LEASES, W_SEQ, W_TOKEN_PID, W_WRITER_PID, row_base
+from shmsync._header import (
+    MAX_READERS,
+    R_LEASE,
+    W_CREATOR_PID,
+    W_CREATOR_START,
+    W_LEASES,
+    W_SEQ,
+    W_TOKEN_PID,
+    W_WRITER_PID,
+    row_base,
+)
 
 from helpers import blob_weights, canary, cli, create_and_hang, create_in_dir_and_hang, hold_store
 
@@ -80,8 +90,8 @@ def test_a_reader_in_another_pid_namespace_keeps_its_lease(store_dir, start, ctx
         viewing, version = viewer.expect("holding")
         assert viewing and version == 0
         h = store.memory.header
-        (row,) = [r for r in range(1203) if h[row_base(r)]]
-        leased = h[row_base(row) + 4] - 1
+        (row,) = [r for r in range(MAX_READERS) if h[row_base(r)]]
+        leased = h[row_base(row) + R_LEASE] - 1
         h[row_base(row)] = _dead_pid(ctx)  # its pid, as this namespace sees it: nobody
         before = h[W_SEQ + leased]
         # Two more zero-copy readers on two newer slots: the third distinct leased slot is one
@@ -96,7 +106,7 @@ def test_a_reader_in_another_pid_namespace_keeps_its_lease(store_dir, start, ctx
             store.publish(torch.nn.Linear(64, 64))
         assert h[W_SEQ + leased] == before, "the writer rewrote the slot a live reader views"
         assert h[W_LEASES + leased] >= 1
-        assert sorted(r["zero_copy"] for r in store.readers()) == [False, True, True]
+        assert sorted(r.zero_copy for r in store.readers()) == [False, True, True]
     finally:
         store.close()
 
