@@ -149,7 +149,7 @@ def soak(label: str, nbytes: int, seconds: float, min_reloads: int) -> dict:
 
 def _peek(store) -> int:
     """The reloads the readers recorded in the reader table so far (their rows' counters)."""
-    return sum(row["reloads"] for row in store.readers())
+    return sum(row.reloads for row in store.readers())
 
 
 def report(runs: list[dict]) -> str:

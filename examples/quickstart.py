@@ -57,7 +57,7 @@ def main(args: Args) -> None:
         p.start()
     try:
         # Wait until every worker has attached and loaded version 0 (they start in ~1-2 s).
-        while sum(r["version"] >= 0 for r in store.readers()) < args.workers:
+        while sum(r.version >= 0 for r in store.readers()) < args.workers:
             time.sleep(0.05)
         for step in range(1, args.steps + 1):
             loss = policy(torch.randn(32, 8)).pow(2).mean()

@@ -46,6 +46,7 @@ from .errors import StoreNotFoundError, StoreUntrustedError
 SHM_DIR = os.environ.get("SHMSYNC_DIR", "/dev/shm")
 PREFIX = "shmsync-"
 INCOMING = ".incoming-"  # a store being made under a temporary name (see Segment.link)
+SIDE = "~"  # in no store name: `shmsync-NAME~...` is a file beside store NAME, never a store
 
 HOLDER_LOCK = 0
 WRITER_LOCK = 1
@@ -170,6 +171,78 @@ def open_file(path: str, flags: int) -> tuple[int, os.stat_result]:
     return fd, st
 
 
+def open_mapped(path: str) -> tuple[int, os.stat_result]:
+    """Open, read-only, a store file that was unlinked but that a process still holds open, through
+    that process's descriptor (``/proc/PID/fd/N``, a link the kernel keeps, so it is followed).
+    Refused unless :func:`check_trusted` accepts what it leads to. Returns ``(fd, stat)``.
+
+    Raises:
+        StoreNotFoundError: the descriptor is closed now.
+        StoreUntrustedError: it leads to a file :func:`check_trusted` refuses.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as e:
+        raise StoreNotFoundError(f"{path} cannot be opened any more ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        check_trusted(st, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def list_unlinked() -> list[tuple[str, str]]:
+    """``(name, path)`` for every store that was unlinked from the store folder but that a process
+    of this user still holds open (a TorchRL collector's, once its workers attached; a store whose
+    trainer was killed, while readers live), one per file: ``path`` is a ``/proc/PID/fd/N`` to
+    open it by (:func:`open_mapped`). Processes of other users are not looked at."""
+    folder = os.path.realpath(SHM_DIR) + os.sep + PREFIX
+    found: dict[tuple[int, int], tuple[str, str]] = {}
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+    for pid in pids:
+        fds = f"/proc/{pid}/fd"
+        try:
+            entries = os.listdir(fds)
+        except OSError:  # gone, or not ours
+            continue
+        for entry in entries:
+            path = f"{fds}/{entry}"
+            try:
+                target = os.readlink(path)
+            except OSError:
+                continue
+            if not (target.startswith(folder) and target.endswith(" (deleted)")):
+                continue
+            name = target[len(folder) : -len(" (deleted)")]
+            if not _NAME.fullmatch(name):
+                continue  # a store still being made (its temporary name), or not a store's
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            found.setdefault((st.st_dev, st.st_ino), (name, path))
+    return sorted(found.values())
+
+
+def list_side_files() -> list[tuple[str, str]]:
+    """``(file name, store name)`` of every file beside a store in the store folder (see :data:`SIDE`)."""
+    try:
+        names = [e.name for e in os.scandir(SHM_DIR) if e.name.startswith(PREFIX) and SIDE in e.name]
+    except FileNotFoundError:
+        return []
+    return sorted((n, n[len(PREFIX) :].split(SIDE, 1)[0]) for n in names)
+
+
+def track_file(name: str, *, register: bool) -> bool:
+    """(Un)register ``shmsync-NAME`` in the store folder with the resource tracker (see :func:`_track`)."""
+    return _track(name, register=register)
+
+
 def list_names() -> list[str]:
     """Names of the segments in the store folder, oldest first: regular files only (a FIFO, a
     directory, a link or a socket of that name is left out, see :func:`list_entries`)."""
@@ -177,11 +250,12 @@ def list_names() -> list[str]:
 
 
 def list_entries() -> list[tuple[str, str | None]]:
-    """``(name, problem)`` for every entry of the store folder that starts with the prefix, oldest
-    first; ``problem`` says why an entry is not a store to look at (None for one to look at).
-    Nothing is opened: only the folder is read and each entry ``lstat``-ed."""
+    """``(name, problem)`` for every entry of the store folder that starts with the prefix (files
+    beside a store, with :data:`SIDE` in their name, aside), oldest first; ``problem`` says why an
+    entry is not a store to look at (None for one to look at). Nothing is opened: only the folder
+    is read and each entry ``lstat``-ed."""
     try:
-        entries = [e for e in os.scandir(SHM_DIR) if e.name.startswith(PREFIX)]
+        entries = [e for e in os.scandir(SHM_DIR) if e.name.startswith(PREFIX) and SIDE not in e.name]
     except FileNotFoundError:
         return []
     dated = []
@@ -231,6 +305,26 @@ def conflicting_lock(fd: int, byte: int, *, exclusive: bool = True) -> bool:
     kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
     out = fcntl.fcntl(fd, _F_OFD_GETLK, struct.pack(_FLOCK, kind, 0, byte, 1, 0))
     return struct.unpack(_FLOCK, out)[0] != fcntl.F_UNLCK
+
+
+_UNLOCKED = struct.pack("h", fcntl.F_UNLCK)
+_ROW_QUERIES: list[bytes] = []  # per row, the F_OFD_GETLK request for its lock byte, made once
+
+
+def locked_rows(fd: int, rows: list[int], own: set[int] = frozenset()) -> set[int]:
+    """Of reader-table ``rows``, those whose lock a live process holds: one ``F_OFD_GETLK`` a row
+    (about a microsecond), none for a row whose lock is in ``own`` (bytes held through ``fd``)."""
+    queries = _ROW_QUERIES
+    if rows and max(rows) >= len(queries):
+        queries += [
+            struct.pack(_FLOCK, fcntl.F_RDLCK, 0, ROW_LOCKS + r, 1, 0) for r in range(len(queries), max(rows) + 1)
+        ]
+    get, request, unlocked = fcntl.fcntl, _F_OFD_GETLK, _UNLOCKED
+    out = set()
+    for row in rows:
+        if ROW_LOCKS + row in own or get(fd, request, queries[row])[:2] != unlocked:
+            out.add(row)
+    return out
 
 
 class Segment:
@@ -433,6 +527,12 @@ class SegmentLocks:
     def row_alive(self, row: int) -> bool:
         """Whether a live process holds row ``row`` (its reader's lock)."""
         return self.segment.fd >= 0 and self.segment.held_anywhere(ROW_LOCKS + row)
+
+    def rows_alive(self, rows: list[int]) -> set[int]:
+        """Of ``rows``, those a live process holds (see :func:`locked_rows`)."""
+        if self.segment.fd < 0:
+            return set()
+        return locked_rows(self.segment.fd, rows, self.segment._locks)
 
 
 def _track(name: str, *, register: bool) -> bool:

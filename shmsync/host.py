@@ -9,6 +9,8 @@ its header, which may belong to another PID namespace or have been reused.
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import os
 import time
 from collections.abc import Collection
@@ -27,6 +29,7 @@ from ._header import (
     reader_column,
 )
 from .errors import ShmSyncError, StoreNotFoundError, StoreUntrustedError
+from .table import ReaderTable, assemble, local_rows, read_report_file
 
 
 @dataclass
@@ -47,6 +50,8 @@ class StoreStatus:
     last_publish_age_s: float | None
     age_s: float
     problem: str | None = None  # why it is not valid
+    unlinked: bool = False  # its name left the store folder; processes still hold it (see `path`)
+    path: str | None = None  # where it was read: its file, or a process's descriptor of it
 
     @property
     def publisher_alive(self) -> bool:
@@ -57,14 +62,15 @@ class StoreStatus:
         return asdict(self)
 
 
-def status(name: str) -> StoreStatus | None:
-    """The status of store ``name`` (None if it vanished meanwhile).
+def status(name: str, path: str | None = None) -> StoreStatus | None:
+    """The status of store ``name`` (None if it vanished meanwhile); ``path``: a process's
+    descriptor of an unlinked store to read it through (see :func:`shmsync._segment.list_unlinked`).
 
     Raises:
         StoreUntrustedError: the file is not one this user could have written alone.
     """
     try:
-        fd, st = _segment.open_file(_segment.path_of(name), os.O_RDONLY)
+        fd, st = _open(name, path)
     except StoreNotFoundError:
         return None
     try:
@@ -81,10 +87,11 @@ def status(name: str) -> StoreStatus | None:
             problem = None
         except ShmSyncError as e:
             problem = str(e)
+        where = {"unlinked": path is not None, "path": path or _segment.path_of(name)}
         if problem is not None:
             return StoreStatus(
                 name, False, -1, 0, st.st_size, 0, locked(_segment.CREATOR_LOCK), 0,
-                locked(_segment.WRITER_LOCK), [], held, None, (now - st.st_mtime_ns) / 1e9, problem,
+                locked(_segment.WRITER_LOCK), [], held, None, (now - st.st_mtime_ns) / 1e9, problem, **where,
             )  # fmt: skip
         pids = reader_column(h, 0)
         readers = [pid for row, pid in enumerate(pids) if pid and locked(_segment.ROW_LOCKS + row)]
@@ -103,19 +110,83 @@ def status(name: str) -> StoreStatus | None:
             held=held,
             last_publish_age_s=(now - published) / 1e9 if published else None,
             age_s=(now - h[W_CREATE_NS]) / 1e9,
+            **where,
         )
     finally:
         os.close(fd)
 
 
+def _open(name: str, path: str | None) -> tuple[int, os.stat_result]:
+    if path is None:
+        return _segment.open_file(_segment.path_of(name), os.O_RDONLY)
+    return _segment.open_mapped(path)
+
+
+def table(name: str, *, processes: bool = True) -> ReaderTable:
+    """The readers' table of store ``name`` on this host, read from outside any process that uses
+    it (``shmsync ls NAME``): its header read with ``pread``, its readers' liveness from the
+    kernel's locks, and the rows of readers on other hosts that the trainer's relays report. An
+    unlinked store that a process still holds is found through that process.
+
+    Args:
+        name: the store's name.
+        processes: also look up each reader's process state and private memory (USS).
+
+    Raises:
+        StoreNotFoundError: no store of that name on this host, linked or held by a process.
+        StoreUntrustedError: its file is not one this user could have written alone.
+        StoreCorruptError, ShmSyncError: its header is not a valid store's (naming the field).
+    """
+    _segment.validate_name(name)
+
+    def candidates():
+        yield None  # the store folder first; processes' descriptors only if it is not there
+        yield from (path for found, path in _segment.list_unlinked() if found == name)
+
+    for path in candidates():
+        try:
+            fd, st = _open(name, path)
+        except StoreNotFoundError:
+            continue
+        try:
+            h = memoryview(os.pread(fd, HEADER_BYTES, 0)).cast("q") if st.st_size >= HEADER_BYTES else ()
+            check_words(h, st.st_size, name)
+
+            def alive(rows: list[int], fd: int = fd) -> set[int]:
+                return _segment.locked_rows(fd, rows)
+
+            latest = h[W_VERSION]
+            live, gone = local_rows(name, h, alive, latest, processes=processes)
+        finally:
+            os.close(fd)
+        hosts, remote = read_report_file(name, latest) if path is None else ([], [])
+        return assemble(name, latest, live, gone, hosts=hosts, remote=remote)
+    raise StoreNotFoundError(_not_found(name))
+
+
+def _not_found(name: str) -> str:
+    names = sorted({s.name for s in list_stores()})
+    close = difflib.get_close_matches(name, names, n=3)
+    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+    listed = (
+        f"stores on this host: {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}"
+        if names
+        else ("there are no stores on this host (has the trainer created it yet?)")
+    )
+    return f"no store named {name!r} on this host, linked or held by a process{hint} ({listed}; see `shmsync ls`)"
+
+
 def scan() -> tuple[list[StoreStatus], list[tuple[str, str]]]:
-    """Every store on this host, oldest first, and ``(name, why)`` for every entry of the store
-    folder that was skipped (not a regular file, another user's, not a valid store name...)."""
+    """Every store on this host, oldest first, then those unlinked that a process still holds
+    open; and ``(name, why)`` for every entry of the store folder that was skipped (not a regular
+    file, another user's, not a valid store name...)."""
     stores, skipped = [], []
-    for name, problem in _segment.list_entries():
+    found = [(name, None, problem) for name, problem in _segment.list_entries()]
+    found += [(name, path, None) for name, path in _segment.list_unlinked()]
+    for name, path, problem in found:
         if problem is None:
             try:
-                s = status(name)
+                s = status(name, path)
             except (StoreUntrustedError, OSError) as e:
                 skipped.append((name, str(e)))
                 continue
@@ -161,10 +232,24 @@ def collect_garbage(
     writer role or creator is alive is never removed."""
     removed = []
     for s in list_stores() if stores is None else stores:
-        if names is not None and s.name not in names:
-            continue
+        if s.unlinked or (names is not None and s.name not in names):
+            continue  # an unlinked store has no name to remove: it goes with its last holder
         if is_garbage(s) or (orphaned and is_orphaned(s)):
             if not dry_run:
                 _segment.unlink(s.name)
             removed.append(s)
+    return removed
+
+
+def collect_side_files(dry_run: bool = False) -> list[str]:
+    """Remove (or, with ``dry_run``, only list) the files beside stores that are gone from the
+    store folder (say, the report file of a trainer that was killed); returns their names."""
+    stores = set(_segment.list_names())
+    removed = []
+    for file, store in _segment.list_side_files():
+        if store not in stores:
+            if not dry_run:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(_segment.SHM_DIR, file))
+            removed.append(file)
     return removed

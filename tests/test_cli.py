@@ -5,14 +5,15 @@ skip with a line saying why, never hang on, never crash on and never remove."""
 import json
 import os
 import socket
+import sys
 import time
 
 import pytest
 import torch
 
-from shmsync import WeightStore, _segment
+from shmsync import WeightReader, WeightStore, _segment
 
-from helpers import cli
+from helpers import cli, use_store_dir
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,3 +97,112 @@ def test_gc_removes_only_the_named_stores_and_dry_run_removes_nothing(store_dir)
     assert "removed a" in cli("gc", "a", env=_env(store_dir)).stdout
     assert os.listdir(store_dir) == ["shmsync-b"]
     assert cli("ls", env=_env(store_dir)).stdout.splitlines()[1].split()[-1] == "garbage"
+
+
+def _hold(store_dir, name, worker, conn):
+    """A reader of store ``name`` in ``store_dir`` as worker ``worker``, loaded; waits to be killed."""
+    use_store_dir(store_dir)
+    store = WeightStore.attach(name)
+    reader = WeightReader(store, torch.nn.Linear(4, 2), worker=worker)
+    reader.poll()
+    conn.send(("loaded", reader.version))
+    time.sleep(3600)
+
+
+def test_ls_name_lists_every_reader_worst_first_in_text_and_json(store_dir, start):
+    policy = torch.nn.Linear(4, 2)
+    with WeightStore.create(policy, name="policy") as store:
+        first = start(_hold, str(store_dir), "policy", 0)
+        first.expect("loaded")
+        store.publish(policy)
+        second = start(_hold, str(store_dir), "policy", 1)
+        second.expect("loaded")
+        out = cli("ls", "policy", env=_env(store_dir)).stdout.splitlines()
+        assert out[0].startswith("policy: version 1, 2 readers on 1 host; 1 behind (worst: 1 version, worker 0")
+        assert out[1].split()[:5] == ["HOST", "WORKER", "PID", "VERSION", "BEHIND"]
+        assert [line.split()[1:5] for line in out[2:]] == [
+            ["0", str(first.pid), "0", "1"],
+            ["1", str(second.pid), "1", "0"],
+        ]
+        doc = json.loads(cli("ls", "policy", "--json", env=_env(store_dir)).stdout)
+        assert set(doc) == {"store", "latest", "taken_ns", "readers", "gone", "hosts"}
+        assert [(r["worker"], r["pid"], r["version"], r["behind"], r["mode"]) for r in doc["readers"]] == [
+            (0, first.pid, 0, 1, "copy"),
+            (1, second.pid, 1, 0, "copy"),
+        ]
+        assert all(r["state"] in ("sleeping", "running") and r["uss"] > 0 for r in doc["readers"])
+
+
+def test_ls_of_an_unknown_store_names_the_close_ones_in_one_line(store_dir):
+    with WeightStore.create(torch.nn.Linear(4, 2), name="policy-main"):
+        proc = cli("ls", "policy-mian", env=_env(store_dir), check=False)
+    assert proc.returncode == 3 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "no store named 'policy-mian'" in proc.stderr and "did you mean 'policy-main'" in proc.stderr
+    proc = cli("ls", "nothing", env=_env(store_dir), check=False)
+    assert proc.returncode == 3 and "has the trainer created it yet?" in proc.stderr
+    proc = cli("ls", "../etc", env=_env(store_dir), check=False)
+    assert proc.returncode == 2 and "invalid store name" in proc.stderr
+
+
+def test_an_unlinked_store_stays_listed_while_a_process_holds_it(store_dir, start):
+    policy = torch.nn.Linear(4, 2)
+    store = WeightStore.create(policy, name="gone-from-folder")
+    try:
+        holder = start(_hold, str(store_dir), "gone-from-folder", 3)
+        holder.expect("loaded")
+        store.unlink()
+        assert os.listdir(store_dir) == []
+        line = cli("ls", env=_env(store_dir)).stdout.splitlines()[1]
+        assert line.startswith("gone-from-folder") and line.endswith("in use, unlinked")
+        out = cli("ls", "gone-from-folder", env=_env(store_dir)).stdout.splitlines()
+        assert out[2].split()[1:3] == ["3", str(holder.pid)]
+        store.close()  # the trainer goes: its reader still holds the store
+        line = cli("ls", env=_env(store_dir)).stdout.splitlines()[1]
+        assert line.endswith("orphaned, unlinked")
+        assert cli("gc", "--orphaned", env=_env(store_dir)).stdout.endswith("removed 0 store(s)\n")
+        holder.proc.kill()
+        holder.proc.join(10)
+        assert cli("ls", env=_env(store_dir)).stdout == "no shmsync stores on this host\n"
+    finally:
+        store.close()
+
+
+def test_watch_redraws_in_a_terminal_until_ctrl_c(store_dir):
+    import pty
+    import select
+
+    with WeightStore.create(torch.nn.Linear(4, 2), name="policy") as store:
+        pid, fd = pty.fork()
+        if pid == 0:  # the child: the command, its terminal the pty
+            os.execve(
+                sys.executable, [sys.executable, "-m", "shmsync.cli", "ls", "policy", "--watch", "0.2"], _env(store_dir)
+            )
+        try:
+            seen, deadline = b"", time.monotonic() + 60
+            while seen.count(b"Ctrl-C to stop") < 3:
+                assert time.monotonic() < deadline, f"the screen was not redrawn: {seen[-500:]!r}"
+                if select.select([fd], [], [], 1.0)[0]:
+                    seen += os.read(fd, 65536)
+                if seen.count(b"Ctrl-C to stop") == 1:
+                    store.publish(torch.nn.Linear(4, 2))
+            assert b"\x1b[H\x1b[2J" in seen and b"policy: version 1, 0 readers" in seen
+            os.write(fd, b"\x03")  # Ctrl-C, through the terminal
+            _, status = os.waitpid(pid, 0)
+            pid = 0
+            assert os.waitstatus_to_exitcode(status) == 0
+            rest = b""
+            while select.select([fd], [], [], 0.5)[0]:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                rest += chunk
+            assert b"Traceback" not in seen + rest
+        finally:
+            if pid:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+            os.close(fd)

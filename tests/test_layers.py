@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     {"errors", "_header", "_processes", "_fence", "_paths", "_secret"},  # words, processes, fences, secrets
     {"_segment", "_protocol", "_layout", "_source", "_pinning", "_viewing", "_copy"},  # memory and protocol
-    {"_memory"},  # one store's mapping
+    {"_memory", "table"},  # one store's mapping; the readers' table read from its header
     {"store", "_cuda", "tagging", "versions", "lifetime", "host"},  # the store, the CUDA publisher beside it
-    {"reader", "cli", "testing"},  # its clients
+    {"reader", "cli", "testing", "alarm"},  # its clients
 ]
 # The top (TorchRL, other hosts, worker processes), each module on its own: it may import the
 # core and, of the top, only these.
@@ -25,14 +25,15 @@ TOP = {
     "_scheme_sender": {"_torchrl_compat"},
     "_scheme_worker": {"_torchrl_compat"},
     "_collector_glue": {"_torchrl_compat", "_versioning", "_scheme_sender"},
-    "_remote": {"_torchrl_compat", "_versioning", "_collector_glue"},
+    "_remote": {"_torchrl_compat", "_versioning", "_collector_glue", "_reports"},
     "scheme": {"_torchrl_compat", "_versioning", "_scheme_sender", "_scheme_worker", "_collector_glue", "_remote"},
     "sender": {"_torchrl_compat"},
     "hook": {"_torchrl_compat", "scheme", "sender"},
-    "distributed": {"_torchrl_compat", "_remote", "scheme"},
+    "distributed": {"_torchrl_compat", "_remote", "scheme", "_reports"},
     "_registration": {"scheme"},
     "_wire": set(),
-    "relay": {"_wire"},
+    "_reports": {"_wire"},
+    "relay": {"_wire", "_reports"},
     "workers.policies": set(),
     "workers.collector": {"workers.policies"},
     "workers.relay": {"relay"},

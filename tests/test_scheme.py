@@ -1,5 +1,6 @@
 """ShmWeightSyncScheme with real TorchRL multi-process collectors on gymnasium environments."""
 
+import json
 import os
 import threading
 
@@ -12,6 +13,7 @@ from shmsync import ShmWeightSyncScheme, StoreNotFoundError, UpdateWeights, Weig
 
 from helpers import (
     TIE,
+    cli,
     fill,
     make_env,
     make_loss,
@@ -93,7 +95,7 @@ def test_published_weights_reach_every_worker_and_edits_do_not(cls, workers, zer
         assert all(n > 0 for n in new_frames_per_worker), f"a worker kept the old weights: {new_frames_per_worker}"
         if zero_copy and cls is MultiSyncCollector:
             # 4 slots: every worker's policy views the store's memory.
-            assert [r["zero_copy"] for r in scheme.store.readers()] == [True] * workers
+            assert [r.zero_copy for r in scheme.store.readers()] == [True] * workers
     finally:
         collector.shutdown()
 
@@ -140,6 +142,14 @@ def test_the_store_leaves_the_host_once_every_worker_attached_and_shutdown_frees
         it = iter(collector)
         next(it)
         collector.update_policy_weights_()
+        # Between batches each worker waits, one version behind; the table says which is which.
+        table = scheme.readers()
+        assert sorted((r.worker, r.version, r.behind, r.waiting) for r in table) == [(0, 0, 1, True), (1, 0, 1, True)]
+        # Another process finds the unlinked store through its workers, and lists them.
+        line = next(line for line in cli("ls").stdout.splitlines() if line.startswith(name))
+        assert line.endswith("in use, unlinked") and " 2  " in line
+        doc = json.loads(cli("ls", name, "--json").stdout)
+        assert sorted((r["worker"], r["pid"]) for r in doc["readers"]) == sorted((r.worker, r.pid) for r in table)
         assert (next(it)["policy_version"] == 1).all()
     finally:
         collector.shutdown()

@@ -51,8 +51,8 @@ def test_workers_reload_lazily_and_tag_frames(store_factory, env, zero_copy):
             if all(1 in s for s in seen.values()):
                 break
         assert all(1 in s for s in seen.values()), f"a worker never loaded version 1: {seen}"
-        assert {r["pid"] for r in store.readers()} == set(pool.pids)
-        assert all(r["zero_copy"] == zero_copy for r in store.readers())
+        assert {r.pid for r in store.readers()} == set(pool.pids)
+        assert all(r.zero_copy == zero_copy for r in store.readers())
         codes = pool.stop()
     assert codes == {0: 0, 1: 0}, f"SIGTERM should end each worker cleanly after its rollout: {codes}"
     assert pool.reloads == {0: 2, 1: 2}, f"each worker loads version 0 at start, then version 1 once: {pool.reloads}"
@@ -138,7 +138,7 @@ def test_launcher_command_line(store_factory):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("frames, versions [0]") == 4
     assert "exit codes {0: 0, 1: 0}" in proc.stdout
-    wait_for(lambda: store.readers() == [], timeout=10, what="the workers' rows to be free")
+    wait_for(lambda: len(store.readers()) == 0, timeout=10, what="the workers' rows to be free")
 
 
 def test_launch_errors(store_factory):

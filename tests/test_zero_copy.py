@@ -52,7 +52,7 @@ def test_parameters_view_the_store_and_buffers_are_copied(store_factory):
     assert float(worker[0].weight.detach().sum()) == 2.0 * 4 * 64
     assert float(worker[1].running_mean.mean()) == 5.0
     worker(torch.randn(8, 4))  # train mode: BatchNorm writes its (private) running stats
-    assert [r["zero_copy"] for r in store.readers()] == [True]
+    assert [r.zero_copy for r in store.readers()] == [True]
 
 
 def test_a_leased_slot_is_never_rewritten_and_the_rule_falls_back_to_copying(store_factory):
@@ -104,7 +104,7 @@ def test_close_leaves_the_module_its_weights_in_private_memory(store_factory):
     for v in range(4, 10):
         _publish(store, float(v))
     assert mixed_values(module) == {3.0}
-    assert store.readers() == []
+    assert len(store.readers()) == 0
     assert reader.poll() and not reader.viewing and mixed_values(module) == {9.0}  # closed: copies
 
     survivor = ParamBlob(SMALL)

@@ -1,0 +1,633 @@
+"""The readers' table: every reader of a store, on this host and on others, as an operator sees it.
+
+Each reader keeps a row in its store's header (see :mod:`shmsync._header`): its pid, the version
+it loaded, its reload count and the time of its last reload, its lease, the worker index its
+collector gave it, and a few flags. Reading the table reads those words and asks the kernel which
+rows' readers live: it sends no message and never waits for a reader, so it works mid-rollout,
+on a frozen worker too. Readers on other hosts come in reports their relays send upstream
+(:mod:`shmsync.relay`) or that the nodes of a distributed collector answer each push with
+(:mod:`shmsync.distributed`); their rows carry the age of that report.
+
+A row's words are written by its reader without a lock, so a row read while its reader reloads
+may mix two reloads' counts; the flags are read before the version, so a reader that starts a
+rollout (it loads, then clears its waiting flag) is never seen active with the old version.
+
+Examples:
+    >>> import torch
+    >>> from shmsync import WeightReader, WeightStore
+    >>> policy = torch.nn.Linear(4, 2)
+    >>> with WeightStore.create(policy) as store:
+    ...     reader = WeightReader(store, torch.nn.Linear(4, 2), worker=0)
+    ...     _ = reader.poll()
+    ...     _ = store.publish(policy)
+    ...     table = store.readers()
+    ...     (row,) = table
+    ...     row.worker, row.version, row.behind, table.latest
+    (0, 0, 1, 1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import secrets
+import socket
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Protocol
+
+from . import _segment
+from ._header import (
+    R_FLAGS,
+    R_LEASE,
+    R_PID,
+    R_RELOAD_NS,
+    R_RELOADS,
+    R_START_NS,
+    R_VERSION,
+    R_WORKER,
+    ROW_DEVICE,
+    ROW_LINK,
+    ROW_WAITING,
+    ROW_ZERO_COPY,
+    reader_rows,
+)
+from ._processes import process_state, process_uss
+from .errors import ShmSyncError
+
+log = logging.getLogger("shmsync.table")
+
+MODES = ("copy", "zero-copy", "copy (fallback)", "device")
+HOST = socket.gethostname()
+# States of a reader's process (psutil's names), and ours: "gone" (no such process any more),
+# "unknown" (a pid this host's process table cannot vouch for: reused, or of another namespace),
+# "" (not looked up), and for remote rows "lost" (the link to their host ended).
+STOPPED = ("stopped", "tracing-stop")
+MAX_WORKER = 1 << 31
+
+
+@dataclass(slots=True)
+class ReaderRow:
+    """One reader of a store, as the readers' table shows it.
+
+    Attributes:
+        store: the store's name (on its host).
+        host: the host the reader runs on.
+        worker: the worker index its collector gave it (None outside a collector).
+        pid: its process id, as its host numbers it.
+        version: the version it loaded (-1 before its first load).
+        behind: versions behind the newest publish (None before its first load).
+        since_reload_s: seconds since its last reload (None before its first load).
+        reloads: how many times it loaded a version.
+        mode: ``"zero-copy"`` (its module views the store in place), ``"copy"`` (a private
+            copy), ``"copy (fallback)"`` (it asked for zero-copy and copies: every slot it could
+            lease was taken) or ``"device"`` (a copy in an accelerator's memory).
+        waiting: between rollouts, waiting for work (a collector's worker): not running weights.
+        state: its process's state (``running``, ``sleeping``, ``stopped``, ``zombie``, ``gone``...,
+            ``unknown`` for a pid this host cannot vouch for, ``lost`` for a remote reader whose
+            host stopped reporting), or ``""`` where it was not looked up.
+        uss: its process's private memory in bytes (unique set size), where looked up.
+        report_age_s: for a reader on another host, the age of the report its row came in;
+            None for a row read from this host's store just now.
+    """
+
+    store: str
+    host: str
+    worker: int | None
+    pid: int
+    version: int
+    behind: int | None
+    since_reload_s: float | None
+    reloads: int
+    mode: str
+    waiting: bool = False
+    state: str = ""
+    uss: int | None = None
+    report_age_s: float | None = None
+
+    @property
+    def zero_copy(self) -> bool:
+        """Whether its module views the store's memory in place."""
+        return self.mode == "zero-copy"
+
+    @property
+    def stopped(self) -> bool:
+        """Whether its process is stopped (SIGSTOP, a debugger)."""
+        return self.state in STOPPED
+
+    @property
+    def label(self) -> str:
+        """How log lines name it: ``worker 2 (pid 1234 on host-a)``."""
+        who = f"worker {self.worker}" if self.worker is not None else "reader"
+        return f"{who} (pid {self.pid} on {self.host})"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as plain JSON types (the ``--json`` schema of ``shmsync ls NAME``)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class HostReport:
+    """What the trainer last heard from one other host.
+
+    Attributes:
+        host: its name.
+        via: what carried it (``"relay 3"``, ``"node 1"``, ``"actor 0"``).
+        store: the store's name there.
+        age_s: seconds since its rows were read there.
+        state: ``"reporting"``, ``"silent"`` (no report for a while) or ``"lost"`` (its link ended).
+        readers: how many readers it reported.
+    """
+
+    host: str
+    via: str
+    store: str
+    age_s: float
+    state: str
+    readers: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ReaderTable:
+    """Every reader of a store, worst lagging first. Iterating, indexing and ``len`` go over the
+    live readers; :attr:`gone` holds rows of readers whose process died without leaving.
+
+    Attributes:
+        store: the store's name.
+        latest: the newest version published (the trainer's, for remote rows).
+        rows: the live readers, worst lagging first.
+        gone: rows left by readers that died.
+        hosts: what each other host last reported.
+        taken_ns: wall-clock time of the read.
+    """
+
+    store: str
+    latest: int
+    rows: list[ReaderRow]
+    gone: list[ReaderRow] = field(default_factory=list)
+    hosts: list[HostReport] = field(default_factory=list)
+    taken_ns: int = 0
+
+    def __iter__(self) -> Iterator[ReaderRow]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> ReaderRow:
+        return self.rows[i]
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    @property
+    def max_behind(self) -> int:
+        """The most versions any live reader is behind (0 with none)."""
+        return max((r.behind for r in self.rows if r.behind is not None), default=0)
+
+    def summary(self) -> str:
+        """One line: how many readers on how many hosts, how many are behind, the worst one."""
+        hosts = {r.host for r in self.rows}
+        behind = [r for r in self.rows if r.behind]
+        head = f"{self.store}: version {self.latest}, {len(self.rows)} reader{'s' * (len(self.rows) != 1)}"
+        head += f" on {len(hosts)} host{'s' * (len(hosts) != 1)}" if self.rows else ""
+        parts = [head]
+        if behind:
+            worst = behind[0]
+            versions = f"{worst.behind} version{'s' * (worst.behind != 1)}"
+            parts.append(f"{len(behind)} behind (worst: {versions}, {worst.label})")
+        unloaded = sum(r.behind is None for r in self.rows)
+        if unloaded:
+            parts.append(f"{unloaded} not loaded yet")
+        if self.rows and not behind and not unloaded:
+            parts.append("all at the newest version")
+        stopped = sum(r.stopped for r in self.rows)
+        if stopped:
+            parts.append(f"{stopped} stopped")
+        if self.gone:
+            parts.append(f"{len(self.gone)} gone")
+        silent = [h.host for h in self.hosts if h.state != "reporting"]
+        if silent:
+            parts.append(f"no report from {', '.join(silent)}")
+        return "; ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The table as plain JSON types (``shmsync ls NAME --json``)."""
+        return {
+            "store": self.store,
+            "latest": self.latest,
+            "taken_ns": self.taken_ns,
+            "readers": [r.as_dict() for r in self.rows],
+            "gone": [r.as_dict() for r in self.gone],
+            "hosts": [h.as_dict() for h in self.hosts],
+        }
+
+    def format(self, limit: int | None = 50) -> str:
+        """The summary line, then one line per reader, worst first, at most ``limit`` of them."""
+        return format_rows(self, limit)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def _order(row: ReaderRow) -> tuple:
+    # Worst first: most versions behind, then the longest without a reload.
+    return (-(row.behind if row.behind is not None else math.inf), -(row.since_reload_s or 0.0), row.host, row.pid)
+
+
+def sort_rows(rows: Iterable[ReaderRow]) -> list[ReaderRow]:
+    """``rows``, worst lagging first."""
+    return sorted(rows, key=_order)
+
+
+def mode_of(flags: int, lease: int, version: int) -> str:
+    """The ``mode`` of a row from its flags and lease words."""
+    if flags & ROW_DEVICE:
+        return "device"
+    if flags & ROW_ZERO_COPY:
+        return "zero-copy" if lease or version < 0 else "copy (fallback)"
+    return "copy"
+
+
+def local_rows(
+    store: str,
+    h: Any,
+    alive: Callable[[list[int]], set[int]],
+    latest: int,
+    *,
+    processes: bool = False,
+    memory: bool | None = None,
+    now_ns: int | None = None,
+) -> tuple[list[ReaderRow], list[ReaderRow]]:
+    """The live and the gone readers in header words ``h`` (a memoryview, or words read with
+    ``pread``), ``alive(rows)`` telling which rows' readers still hold their lock. With
+    ``processes``, each row's process state is looked up (about 0.05 ms a reader; the rest costs
+    a few microseconds), and with ``memory`` (default: as ``processes``) its private memory
+    (about 0.5 ms)."""
+    now = time.time_ns() if now_ns is None else now_ns
+    memory = processes if memory is None else memory
+    rows = [(row, w) for row, w in reader_rows(h) if not w[R_FLAGS] & ROW_LINK]  # a relay's link: no reader
+    living = alive([row for row, _ in rows])
+    live, gone = [], []
+    for row, w in rows:
+        version, stamp, flags = w[R_VERSION], w[R_RELOAD_NS], w[R_FLAGS]
+        is_alive = row in living
+        state, uss = "", None
+        if processes or not is_alive:
+            state = process_state(w[R_PID], w[R_START_NS]) if processes else "gone"
+            if not is_alive and state not in ("zombie", "gone"):
+                state = "gone"  # its lock is free: that pid is another process now
+            uss = process_uss(w[R_PID]) if memory and is_alive and state not in ("unknown", "gone") else None
+        loaded = version >= 0
+        entry = ReaderRow(
+            store,
+            HOST,
+            w[R_WORKER] - 1 if 0 < w[R_WORKER] <= MAX_WORKER else None,
+            w[R_PID],
+            version,
+            (latest - version if latest > version else 0) if loaded else None,
+            ((now - stamp) / 1e9 if now > stamp else 0.0) if stamp > 0 and loaded else None,
+            w[R_RELOADS] if w[R_RELOADS] > 0 else 0,
+            mode_of(flags, w[R_LEASE], version),
+            bool(flags & ROW_WAITING),
+            state,
+            uss,
+        )
+        (live if is_alive else gone).append(entry)
+    return live, gone
+
+
+def rebase(rows: Sequence[ReaderRow], latest: int, age_s: float, **changes: Any) -> list[ReaderRow]:
+    """Rows of a report ``age_s`` old, as seen now against ``latest``: behind recomputed, their
+    reload ages and report age moved on by ``age_s``."""
+    out = []
+    for r in rows:
+        out.append(
+            replace(
+                r,
+                behind=max(0, latest - r.version) if r.version >= 0 else None,
+                since_reload_s=None if r.since_reload_s is None else r.since_reload_s + age_s,
+                report_age_s=(r.report_age_s or 0.0) + age_s,
+                **changes,
+            )
+        )
+    return out
+
+
+# -- readers on other hosts -------------------------------------------------------------------------
+class RemoteRows(Protocol):
+    """What reports readers on other hosts into a store's table in this process (a relay sender,
+    a distributed collector)."""
+
+    latest: int  # the newest version it knows the trainer published (-1: none)
+
+    def remote_rows(self, latest: int) -> tuple[list[HostReport], list[ReaderRow]]:
+        """The other hosts' reports and their rows, seen now against ``latest``."""
+
+
+_REMOTE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner (a store) -> its remote sources
+
+
+def add_remote(owner: Any, source: RemoteRows) -> None:
+    """List ``source``'s rows in ``owner``'s table (held weakly: it leaves the table when it goes)."""
+    _REMOTE.setdefault(owner, weakref.WeakSet()).add(source)
+
+
+def remove_remote(owner: Any, source: RemoteRows) -> None:
+    sources = _REMOTE.get(owner)
+    if sources is not None:
+        sources.discard(source)
+
+
+def assemble(
+    store: str,
+    latest: int,
+    live: list[ReaderRow],
+    gone: list[ReaderRow],
+    owner: Any = None,
+    *,
+    hosts: Sequence[HostReport] = (),
+    remote: Sequence[ReaderRow] = (),
+) -> ReaderTable:
+    """A table of local rows, with the remote rows of ``owner``'s sources and those given."""
+    hosts, remote = list(hosts), list(remote)
+    sources = list(_REMOTE.get(owner, ())) if owner is not None else []
+    latest = max([latest, *(source.latest for source in sources)])
+    for source in sources:
+        more_hosts, more_rows = source.remote_rows(latest)
+        hosts += more_hosts
+        remote += more_rows
+    rows = sort_rows([*live, *(r for r in remote if r.state not in ("lost", "gone"))])
+    gone = [*gone, *(r for r in remote if r.state in ("lost", "gone"))]
+    return ReaderTable(store, latest, rows, gone, hosts, time.time_ns())
+
+
+def merge(tables: Sequence[ReaderTable]) -> ReaderTable:
+    """One table of several (a collector's stores, one per worker): the newest version of them
+    all, rows worst first, each row behind its own store's newest version."""
+    if len(tables) == 1:
+        return tables[0]
+    latest = max((t.latest for t in tables), default=-1)
+    names = ", ".join(dict.fromkeys(t.store for t in tables if t.rows or t.gone or t.hosts)) or (
+        tables[0].store if tables else ""
+    )
+    return ReaderTable(
+        names,
+        latest,
+        sort_rows(r for t in tables for r in t.rows),  # each behind its own store's newest
+        [r for t in tables for r in t.gone],
+        [h for t in tables for h in t.hosts],
+        max((t.taken_ns for t in tables), default=time.time_ns()),
+    )
+
+
+# -- rows on the wire ------------------------------------------------------------------------------
+# A report is JSON: {"hosts": [[host, store, age_s, [row, ...]], ...]}, each row a list in this
+# order. It comes from a peer: every field is checked (type and range) before a row is made.
+WIRE_FIELDS = ("worker", "pid", "version", "since_reload_s", "reloads", "mode", "waiting", "state", "uss")
+MAX_NAME = 255
+MAX_STATE = 32
+
+
+def row_to_wire(r: ReaderRow) -> list[Any]:
+    return [r.worker, r.pid, r.version, r.since_reload_s, r.reloads, MODES.index(r.mode), r.waiting, r.state, r.uss]
+
+
+def _int(value: Any, lo: int, hi: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{what} is {str(value)[:40]}, not an int from {lo} to {hi}")
+    return value
+
+
+def _seconds(value: Any, what: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e9:
+        raise ValueError(f"{what} is {str(value)[:40]}, not a number of seconds")
+    return float(value)
+
+
+def _text(value: Any, most: int, what: str) -> str:
+    if not isinstance(value, str) or len(value) > most or not value.isprintable():
+        raise ValueError(f"{what} is {ascii(value)[:60]}, not printable text of at most {most} characters")
+    return value
+
+
+def row_from_wire(fields: Any, host: str, store: str, age_s: float) -> ReaderRow:
+    """A row another host reported, every field checked (ValueError names the first bad one)."""
+    if not isinstance(fields, list) or len(fields) != len(WIRE_FIELDS):
+        raise ValueError(f"a reader row is {str(fields)[:60]}, not a list of {len(WIRE_FIELDS)} fields")
+    worker, pid, version, since, reloads, mode, waiting, state, uss = fields
+    if not isinstance(waiting, bool):
+        raise ValueError(f"a reader row's waiting flag is {str(waiting)[:20]}, not a bool")
+    return ReaderRow(
+        store=store,
+        host=host,
+        worker=None if worker is None else _int(worker, 0, MAX_WORKER, "a reader row's worker"),
+        pid=_int(pid, 1, (1 << 62), "a reader row's pid"),
+        version=_int(version, -1, 1 << 62, "a reader row's version"),
+        behind=None,
+        since_reload_s=_seconds(since, "a reader row's since_reload_s"),
+        reloads=_int(reloads, 0, 1 << 62, "a reader row's reloads"),
+        mode=MODES[_int(mode, 0, len(MODES) - 1, "a reader row's mode")],
+        waiting=waiting,
+        state=_text(state, MAX_STATE, "a reader row's state"),
+        uss=None if uss is None else _int(uss, 0, 1 << 62, "a reader row's uss"),
+        report_age_s=age_s,
+    )
+
+
+# A report: the rows of readers on other hosts, each host's as last read there, ``age_s`` ago.
+@dataclass(frozen=True)
+class HostRows:
+    host: str
+    node: str  # the id of the relay that read them
+    store: str
+    age_s: float
+    rows: tuple[ReaderRow, ...]
+
+    def aged(self, seconds: float) -> HostRows:
+        return replace(self, age_s=self.age_s + seconds)
+
+
+MAX_REPORT_HOSTS = 4096
+MAX_REPORT_ROWS = 1 << 16  # rows in one report, all hosts together
+
+
+def report_to_wire(entries: Iterable[HostRows]) -> dict[str, Any]:
+    """``entries`` as a JSON document (a relay's report to its parent)."""
+    return {"hosts": [[e.host, e.node, e.store, round(e.age_s, 3), [row_to_wire(r) for r in e.rows]] for e in entries]}
+
+
+def report_from_wire(doc: Any) -> list[HostRows]:
+    """A report a peer sent, every field checked (ValueError names the first bad one)."""
+    hosts = doc.get("hosts") if isinstance(doc, dict) and set(doc) == {"hosts"} else None
+    if not isinstance(hosts, list) or len(hosts) > MAX_REPORT_HOSTS:
+        raise ValueError(f"a report is {str(doc)[:60]}, not {{'hosts': [at most {MAX_REPORT_HOSTS} hosts]}}")
+    out, total = [], 0
+    for entry in hosts:
+        if not isinstance(entry, list) or len(entry) != 5 or not isinstance(entry[4], list):
+            raise ValueError(f"a report's host entry is {str(entry)[:60]}, not [host, node, store, age_s, rows]")
+        host = _text(entry[0], MAX_NAME, "a report's host")
+        node = entry[1]
+        if not (isinstance(node, str) and len(node) == 16 and all(c in "0123456789abcdef" for c in node)):
+            raise ValueError(f"a report's node is {ascii(node)[:40]}, not 16 hex digits")
+        store = _text(entry[2], MAX_NAME, "a report's store")
+        age = _seconds(entry[3], "a report's age_s") or 0.0
+        total += len(entry[4])
+        if total > MAX_REPORT_ROWS:
+            raise ValueError(f"a report holds more than {MAX_REPORT_ROWS} rows")
+        out.append(HostRows(host, node, store, age, tuple(row_from_wire(f, host, store, age) for f in entry[4])))
+    return out
+
+
+# -- the report file: what the trainer last heard from other hosts, for `shmsync ls NAME` -------------
+REPORT_SUFFIX = _segment.SIDE + "hosts"  # never taken for a store
+MAX_REPORT_FILE = 16 << 20
+
+
+def report_path(store: str) -> str:
+    return _segment.path_of(store) + REPORT_SUFFIX
+
+
+def write_report_file(store: str, hosts: Sequence[HostReport], rows: Sequence[ReaderRow]) -> bool:
+    """Write what other hosts reported for ``store`` next to it, in one step (a new file renamed
+    over the old), only this user may read it. Each row's ages are as of now. False if it was too
+    large to write (the file keeps its last state)."""
+    doc = {
+        "format": 1,
+        "written_ns": time.time_ns(),
+        "hosts": [[h.host, h.via, h.store, round(h.age_s, 3), h.state, h.readers] for h in hosts],
+        "rows": [[r.host, r.store, round(r.report_age_s or 0.0, 3), row_to_wire(r)] for r in rows],
+    }
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    if len(data) > MAX_REPORT_FILE:
+        return False
+    path = report_path(store)
+    temp = f"{path}.{secrets.token_hex(4)}"
+    fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+    return True
+
+
+def remove_report_file(store: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(report_path(store))
+
+
+def read_report_file(store: str, latest: int) -> tuple[list[HostReport], list[ReaderRow]]:
+    """What the trainer last wrote of other hosts' readers for ``store`` (nothing if it wrote
+    none), aged to now and seen against ``latest``. The file is input like any other: opened as a
+    store file is (no link, only this user's), bounded in size, every field checked; one that
+    fails is ignored with a warning."""
+    try:
+        fd, st = _segment.open_file(report_path(store), os.O_RDONLY)
+    except ShmSyncError:
+        return [], []
+    try:
+        if st.st_size > MAX_REPORT_FILE:
+            raise ValueError(f"it holds {st.st_size} bytes, more than {MAX_REPORT_FILE}")
+        doc = json.loads(os.pread(fd, st.st_size, 0))
+        if not isinstance(doc, dict) or doc.get("format") != 1:
+            raise ValueError("it is not a report file of this shmsync")
+        age = max(0.0, (time.time_ns() - _int(doc.get("written_ns"), 0, 1 << 63, "written_ns")) / 1e9)
+        hosts = []
+        for h in _list(doc.get("hosts"), MAX_REPORT_HOSTS, "hosts"):
+            if not isinstance(h, list) or len(h) != 6:
+                raise ValueError(f"a host entry is {str(h)[:60]}")
+            hosts.append(
+                HostReport(
+                    _text(h[0], MAX_NAME, "a host"),
+                    _text(h[1], MAX_NAME, "a host's via"),
+                    _text(h[2], MAX_NAME, "a host's store"),
+                    (_seconds(h[3], "a host's age_s") or 0.0) + age,
+                    _text(h[4], MAX_STATE, "a host's state"),
+                    _int(h[5], 0, MAX_REPORT_ROWS, "a host's readers"),
+                )
+            )
+        rows = []
+        for r in _list(doc.get("rows"), MAX_REPORT_ROWS, "rows"):
+            if not isinstance(r, list) or len(r) != 4:
+                raise ValueError(f"a row entry is {str(r)[:60]}")
+            host, where = _text(r[0], MAX_NAME, "a row's host"), _text(r[1], MAX_NAME, "a row's store")
+            rows.append(row_from_wire(r[3], host, where, _seconds(r[2], "a row's age") or 0.0))
+        return hosts, rebase(rows, latest, age)
+    except ValueError as e:
+        log.warning("shmsync: ignored %s: %s", ascii(report_path(store)), e)
+        return [], []
+    finally:
+        os.close(fd)
+
+
+def _list(value: Any, most: int, what: str) -> list:
+    if not isinstance(value, list) or len(value) > most:
+        raise ValueError(f"{what} is not a list of at most {most} entries")
+    return value
+
+
+def format_rows(table: ReaderTable, limit: int | None = 50) -> str:
+    """``table`` as text: a summary line, then a row per reader (worst first), gone ones last."""
+    head = ["HOST", "WORKER", "PID", "VERSION", "BEHIND", "LAST RELOAD", "RELOADS", "MODE", "STATE", "USS"]
+    rows = [*table.rows, *table.gone]
+    shown = rows if limit is None else rows[:limit]
+    lines = [head]
+    for r in shown:
+        state = r.state or "-"
+        if r.waiting and r.state not in ("gone", "lost"):
+            state += " (waiting)"
+        if r.report_age_s is not None:
+            state += f", report {_age(r.report_age_s)} old"
+        lines.append(
+            [
+                r.host,
+                "-" if r.worker is None else str(r.worker),
+                str(r.pid),
+                str(r.version),
+                "-" if r.behind is None else str(r.behind),
+                "never" if r.since_reload_s is None else f"{_age(r.since_reload_s)} ago",
+                str(r.reloads),
+                r.mode,
+                state,
+                "-" if r.uss is None else _bytes(r.uss),
+            ]
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    text = [table.summary()]
+    text += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    if len(shown) < len(rows):
+        text.append(f"... and {len(rows) - len(shown)} more (no further behind than the last shown)")
+    return "\n".join(text)
+
+
+def _age(s: float) -> str:
+    if s < 120:
+        return f"{s:.1f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    return f"{s / 3600:.0f}h"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+__all__ = ["HostReport", "ReaderRow", "ReaderTable"]
