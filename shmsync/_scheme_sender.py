@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from . import _torchrl_compat as compat
+from .alarm import ReaderAlarm
 from .store import WeightStore
+from .table import ReaderTable, merge
 
 ATTACH_PATIENCE = 5.0  # seconds the first check waits for workers still attaching
 
@@ -60,6 +62,16 @@ class SenderGroup:
         self.check_attached = False  # set when a collector serves these stores: its workers attach
         self.on_publish: Callable[[], None] | None = None
         self.flush: Callable[[SenderGroup], None] = publish_next  # a send outside any update call
+        self.alarm: ReaderAlarm | None = None
+
+    def readers(self, processes: bool = False, memory: bool | None = None) -> ReaderTable:
+        """The readers' table of every store of the group."""
+        return merge([store.readers(processes=processes, memory=memory) for store in self.stores])
+
+    def start_alarm(self, settings: dict[str, Any] | None) -> None:
+        """Watch the group's readers with a stale-worker alarm of ``settings`` (once; None: none)."""
+        if settings is not None and self.alarm is None:
+            self.alarm = ReaderAlarm(self.readers, **settings).start()
 
     def expected_readers(self) -> int | None:
         """Readers that attach to each store: a worker's reader per key (None if not known)."""
@@ -91,7 +103,13 @@ class SenderGroup:
         return [(self.stores[w], self._source(w, pending)) for w in targets]
 
     def publish(self, prepared: list[tuple[WeightStore, dict[str, Any]]], version: int | None = None) -> list[int]:
-        """Publish ``prepared`` (from :meth:`take`), checked all before any is written."""
+        """Publish ``prepared`` (from :meth:`take`), checked all before any is written.
+
+        Raises:
+            StaleReaderError: the alarm (``on_stale="raise"``) found a stale worker; nothing published.
+        """
+        if self.alarm is not None:
+            self.alarm.raise_pending()
         check_all(prepared, version)
         versions = [store.publish(source, version=version) for store, source in prepared]
         if self.on_publish is not None:
@@ -182,6 +200,8 @@ class SenderGroup:
 
     def close(self) -> None:
         """Free the stores (a closed store still tells its last version)."""
+        if self.alarm is not None:
+            self.alarm.stop()
         for store in self.stores:
             if not store.closed:
                 store.close()

@@ -52,6 +52,7 @@ class Receiver:
         self.in_rollout = False  # inside a rollout that shmsync's shadow saw begin
         self.expected_readers = expected_readers
         self.collector: Any = None  # the worker's own collector, once TorchRL hands it over
+        self.waiting = False  # between rollouts of a collector whose rollouts shmsync sees
 
     @property
     def version(self) -> int:
@@ -64,8 +65,13 @@ class Receiver:
             on_gpu = any(t.is_cuda for t in (*model.parameters(), *model.buffers()))
             first = self.reader is None
             self.reader = WeightReader(
-                self.store, model, destination=self.scheme.model_id, zero_copy=self.scheme.zero_copy and not on_gpu
+                self.store,
+                model,
+                destination=self.scheme.model_id,
+                zero_copy=self.scheme.zero_copy and not on_gpu,
+                worker=getattr(self.scheme, "worker_idx", None),
             )
+            self.reader.set_waiting(self.waiting)
             self._install_hooks(model)
             if first:
                 self._unlink_once_all_attached()
@@ -96,6 +102,13 @@ class Receiver:
             rollout = PollingRollout(original)
             compat.shadow_rollout(collector, rollout)
         rollout.add(self)
+        self.set_waiting(True)  # until its first rollout: the collector waits for the trainer's word
+
+    def set_waiting(self, waiting: bool) -> None:
+        """Tell the readers' table whether this worker is between rollouts."""
+        self.waiting = waiting
+        if self.reader is not None:
+            self.reader.set_waiting(waiting)
 
     def _install_hooks(self, model: nn.Module) -> None:
         if getattr(model, "_shmsync_hooks", None) == self.token:
@@ -143,11 +156,13 @@ class PollingRollout:
         hooked, version = (first.hooked_calls, first.version) if first is not None else (0, -1)
         for receiver in receivers:
             receiver.in_rollout = True
+            receiver.set_waiting(False)  # after its poll: never seen running with the old version
         try:
             batch = self.rollout(*args, **kwargs)
         finally:
             for receiver in receivers:
                 receiver.in_rollout = False
+                receiver.set_waiting(True)
         key = first.scheme.version_key if first is not None else None
         if key is not None and isinstance(batch, TensorDictBase):
             if first.hooked_calls == hooked:

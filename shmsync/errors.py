@@ -44,6 +44,16 @@ class WriterGoneError(ShmSyncError):
     """
 
 
+class StaleReaderError(ShmSyncError):
+    """A reader fell behind or froze (see :mod:`shmsync.alarm`), raised in the trainer at its next
+    publish when the alarm's ``on_stale`` is ``"raise"``. ``event`` says which reader and how.
+    Nothing was published by the call that raised it."""
+
+    def __init__(self, message: str, event: object = None) -> None:
+        super().__init__(message)
+        self.event = event
+
+
 class RelayError(ShmSyncError, ConnectionError):
     """A relay link failed (see :mod:`shmsync.relay`)."""
 

@@ -30,8 +30,10 @@ from ._remote import make_leg
 from ._scheme_sender import SenderGroup
 from ._scheme_worker import Receiver, find_worker_collector
 from ._versioning import VersionSource
+from .alarm import STALE_AFTER, ReaderAlarm, StaleEvent, check_settings
 from .errors import ShmSyncError
 from .store import WeightStore
+from .table import ReaderTable, assemble, merge
 
 
 class ShmWeightSyncScheme(WeightSyncScheme):
@@ -71,6 +73,16 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             those workers only. Turned on by itself when a collector's ``policy_factory`` is a
             list of distinct factories and it has no policy. Without it, an update aimed at some
             workers only raises: all workers load one set of weights.
+        stale_after: seconds a worker may run at a version older than the newest publish (loading
+            nothing newer) before the stale-worker alarm names it (see :mod:`shmsync.alarm`): a
+            worker between rollouts is named only if its process is stopped. None turns this
+            limit off. Default: 30.
+        max_lag: versions a running worker may fall behind before the alarm names it (None: no
+            limit, the default; versions are the trainer's numbers).
+        on_stale: what the alarm does: ``"warn"`` (log a warning, the default), ``"raise"`` (log,
+            and raise :class:`~shmsync.errors.StaleReaderError` at the next
+            ``update_policy_weights_()``), a function called with each
+            :class:`~shmsync.alarm.StaleEvent`, or None for no alarm.
         strategy: TorchRL's weight-extraction strategy name (kept for compatibility; weights
             always travel as tensors in shared memory).
 
@@ -102,9 +114,17 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         zero_copy: bool = False,
         source: nn.Module | None = None,
         per_worker_weights: bool = False,
+        stale_after: float | None = STALE_AFTER,
+        max_lag: int | None = None,
+        on_stale: str | Callable[[StaleEvent], Any] | None = "warn",
         strategy: str = "tensordict",
     ) -> None:
         super().__init__(strategy)
+        if on_stale is not None:
+            check_settings(stale_after, max_lag, on_stale)
+        self.alarm_settings = (
+            None if on_stale is None else {"stale_after": stale_after, "max_lag": max_lag, "on_stale": on_stale}
+        )
         if source is not None and not isinstance(source, nn.Module):
             raise TypeError(f"source must be an nn.Module, got {type(source).__name__}")
         self.source = source
@@ -159,6 +179,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             )
         self._store_names = self._group.store_names
         self._expected_readers = self._group.expected_readers()
+        self._group.start_alarm(self.alarm_settings)
 
     def _models_without_collector(self, model, weights, params_map, devices, device_map_fn, num_workers):
         """``init_on_sender`` before any collector exists: the initial weights of each store, and
@@ -307,6 +328,33 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         ``per_worker_weights``)."""
         return [s.version for s in self.stores]
 
+    def readers(self, *, processes: bool = False) -> ReaderTable:
+        """The readers' table of this scheme: on the trainer, every worker of the collector (each
+        store's, and the nodes' or actors' of a distributed or Ray collector, as they last
+        reported); in a worker, its store's. Sends no message, never waits for a worker: it works
+        mid-rollout, with a frozen worker too. See :mod:`shmsync.table`.
+
+        Args:
+            processes: also look up each local worker's process state and private memory (USS).
+
+        Examples:
+            >>> scheme = ShmWeightSyncScheme()
+            >>> scheme.init_on_sender(model=nn.Linear(3, 1), devices=["cpu"] * 2, model_id="policy")
+            >>> len(scheme.readers()), scheme.readers().latest  # no worker attached yet
+            (0, 0)
+            >>> scheme.shutdown()
+        """
+        tables = [store.readers(processes=processes) for store in self.stores if not store.closed]
+        latest = max((t.latest for t in tables), default=self.version)
+        # The nodes' or actors' reports, on the trainer's side of a distributed or Ray collector.
+        remote = assemble(getattr(self, "model_id", None) or "policy", latest, [], [], self)
+        return merge([*tables, remote])
+
+    @property
+    def alarm(self) -> ReaderAlarm | None:
+        """The stale-worker alarm watching this scheme's workers (trainer side), if started."""
+        return self._group.alarm if self._group is not None else None
+
     def create_transport(self, **kwargs: Any):
         raise NotImplementedError("ShmWeightSyncScheme moves weights through a WeightStore, not a transport")
 
@@ -374,6 +422,10 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         state["source"] = None  # the trainer's module stays with the trainer
         state["_group"] = None
         state["_receiver"] = None
+        settings = state.get("alarm_settings")
+        if settings is not None and callable(settings["on_stale"]):
+            # A function of the trainer's (say, a lambda) need not travel: a node's alarm warns.
+            state["alarm_settings"] = {**settings, "on_stale": "warn"}
         return state
 
     def __getstate__(self) -> dict:

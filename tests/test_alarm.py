@@ -1,0 +1,191 @@
+"""The stale-reader alarm: readers in real processes that fall behind, freeze, wait for work,
+recover or die, and what the alarm says of each."""
+
+import logging
+import os
+import signal
+import time
+
+import pytest
+from torch import nn
+
+from shmsync import ShmWeightSyncScheme, StaleReaderError, WeightReader
+from shmsync.alarm import ReaderAlarm
+
+from helpers import make_env, make_policy, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def reader_that_polls(store, every: float, waiting: bool, conn) -> None:
+    """Load the store every ``every`` seconds (never, if 0) until told to stop; with ``waiting``,
+    say it waits for work between rollouts. On a message, poll once and say which version."""
+    reader = WeightReader(store, nn.Linear(8, 4), worker=1)
+    reader.poll()
+    reader.set_waiting(waiting)
+    conn.send(("ready", reader.version))
+    while True:
+        if conn.poll(every or None):
+            conn.recv()
+            reader.poll()
+            conn.send(("loaded", reader.version))
+        elif every:
+            reader.poll()
+
+
+def _events(alarm, times):
+    return [(e.kind, e.row.worker) for t in times for e in alarm.check(now=t)]
+
+
+def test_a_reader_that_keeps_polling_is_never_named(store_factory, start):
+    policy = nn.Linear(8, 4)
+    store = store_factory(policy)
+    child = start(reader_that_polls, store, 0.02, False)
+    child.expect("ready")
+    alarm = ReaderAlarm(store.readers, stale_after=2.0, on_stale=pytest.fail)
+    began = time.monotonic()
+    while time.monotonic() - began < 4.0:
+        store.publish(policy)
+        alarm.check()
+        time.sleep(0.01)
+
+
+def test_a_waiting_reader_is_named_only_once_its_process_is_stopped(store_factory, start):
+    policy = nn.Linear(8, 4)
+    store = store_factory(policy)
+    child = start(reader_that_polls, store, 0, True)
+    child.expect("ready")
+    store.publish(policy)
+    alarm = ReaderAlarm(store.readers, stale_after=0.5, on_stale=lambda e: None)
+    assert _events(alarm, [0.0, 1.0, 2.0, 3.0]) == [], "a reader waiting for work was named"
+    os.kill(child.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: store.readers(processes=True)[0].stopped, what="the reader to be stopped")
+        events = alarm.check(now=4.0) + alarm.check(now=4.5)
+        assert [(e.kind, e.row.pid) for e in events] == [("stale", child.pid)]
+        assert "is 1 version behind (loaded 0, newest 1)" in events[0].message
+        assert "its process is stopped" in events[0].message
+        assert alarm.check(now=5.0) == [], "a stale reader is named once"
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+    child.conn.send("poll")
+    assert child.expect("loaded") == (1,)
+    (event,) = alarm.check(now=6.0)
+    assert event.kind == "recovered" and "recovered: loaded version 1" in event.message
+
+
+def test_a_reader_far_behind_is_named_by_max_lag_and_a_dead_one_as_gone(store_factory, start):
+    policy = nn.Linear(8, 4)
+    store = store_factory(policy)
+    child = start(reader_that_polls, store, 0, False)
+    child.expect("ready")
+    alarm = ReaderAlarm(store.readers, stale_after=None, max_lag=3, on_stale=lambda e: None)
+    store.publish(policy)
+    store.publish(policy)
+    assert _events(alarm, [0.0, 100.0]) == [], "2 versions behind is within max_lag=3"
+    store.publish(policy)
+    assert _events(alarm, [101.0, 102.0]) == [("stale", 1)]
+    child.proc.kill()
+    child.proc.join(10)
+    assert _events(alarm, [103.0]) == [("gone", 1)]
+
+
+def test_warnings_are_logged_once_by_the_alarm_thread(store_factory, caplog):
+    policy = nn.Linear(8, 4)
+    store = store_factory(policy)
+    reader = WeightReader(store, nn.Linear(8, 4), worker=5)
+    reader.poll()
+    store.publish(policy)
+    with caplog.at_level(logging.WARNING, logger="shmsync.alarm"):
+        alarm = ReaderAlarm(store.readers, stale_after=0.3).start()
+        try:
+            wait_for(lambda: "worker 5 (pid" in caplog.text, timeout=10, what="the alarm's warning")
+            reader.poll()
+            wait_for(lambda: "recovered" in caplog.text, timeout=10, what="the recovery to be logged")
+        finally:
+            alarm.stop()
+    assert caplog.text.count("is 1 version behind") == 1
+
+
+def test_on_stale_raise_stops_the_next_publish_and_publishes_nothing():
+    scheme = ShmWeightSyncScheme(stale_after=0.5, on_stale="raise")
+    scheme.init_on_sender(model=nn.Linear(8, 4), devices=["cpu"], model_id="policy")
+    try:
+        store = scheme.store
+        reader = WeightReader(store, nn.Linear(8, 4), worker=0)
+        reader.poll()
+        scheme.send()
+        alarm = scheme.alarm
+        alarm.stop()  # checked by hand below
+        alarm.check(now=0.0), alarm.check(now=1.0), alarm.check(now=1.5)
+        with pytest.raises(StaleReaderError, match="worker 0 .* is 1 version behind") as raised:
+            scheme.send()
+        assert raised.value.event.row.pid == os.getpid()
+        assert store.version == 1, "the publish that raised wrote nothing"
+        scheme.send()
+        assert store.version == 2, "the error is raised once"
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"stale_after": 0}, "stale_after"),
+        ({"stale_after": "30"}, "stale_after"),
+        ({"max_lag": 0}, "max_lag"),
+        ({"max_lag": 1.5}, "max_lag"),
+        ({"on_stale": "ignore"}, "on_stale"),
+    ],
+)
+def test_alarm_settings_out_of_range_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ShmWeightSyncScheme(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        ReaderAlarm(list, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_frozen_async_worker_is_named_within_t_and_again_when_it_recovers(caplog):
+    from torchrl.collectors import MultiAsyncCollector
+
+    stale_after = 2.0
+    policy = make_policy()
+    scheme = ShmWeightSyncScheme(stale_after=stale_after)
+    collector = MultiAsyncCollector(
+        [make_env] * 3, policy, frames_per_batch=20, total_frames=-1, weight_sync_schemes={"policy": scheme}
+    )
+    try:
+        it = iter(collector)
+        next(it)
+        workers = {row.worker: row.pid for row in scheme.readers()}
+        assert sorted(workers) == [0, 1, 2], f"every worker is in the table: {scheme.readers()}"
+        victim = workers[1]
+        with caplog.at_level(logging.WARNING, logger="shmsync.alarm"):
+            os.kill(victim, signal.SIGSTOP)
+            try:
+                stopped_at = time.monotonic()
+                ages = []
+                while f"(pid {victim} on" not in caplog.text:
+                    assert time.monotonic() - stopped_at < stale_after + 2.0 + 1.0, "the frozen worker was not named"
+                    batch = next(it)
+                    lag = scheme.version - batch["policy_version"]
+                    assert int(lag.min()) <= 2, "a running worker's frames fell behind"
+                    collector.update_policy_weights_()
+                    ages.append(next(r for r in scheme.readers() if r.pid == victim).since_reload_s)
+                named_after = time.monotonic() - stopped_at
+                assert named_after < stale_after + 2.0, f"named after {named_after:.1f} s"
+                assert "worker 1 (pid" in caplog.text and "its process is stopped" in caplog.text
+                row = next(r for r in scheme.readers(processes=True) if r.pid == victim)
+                assert row.behind >= 1 and row.stopped and ages[-1] > ages[0], "the table shows it behind, ageing"
+            finally:
+                os.kill(victim, signal.SIGCONT)
+            began = time.monotonic()
+            while "recovered" not in caplog.text:
+                assert time.monotonic() - began < 30, "the worker's recovery was not logged"
+                next(it)
+                collector.update_policy_weights_()
+        assert caplog.text.count(f"(pid {victim} on") == 2, caplog.text
+    finally:
+        collector.shutdown()
