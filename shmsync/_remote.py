@@ -19,7 +19,11 @@ push, and the trainer checks after every push that each node or actor it reached
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import secrets
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -27,12 +31,15 @@ import torch
 
 from . import _torchrl_compat as compat
 from ._collector_glue import CollectorGlue
+from ._reports import MAX_REPORT_BYTES, REPORT_EVERY, own_rows
 from ._versioning import Announced
 from .errors import ShmSyncError
+from .table import HostRows, merge, report_from_wire, report_to_wire
 
 VERSION_KEY = "shmsync/version"  # the trainer's number of its latest push
 PUBLISHED_KEY = "shmsync/published/{rank}"  # what a node published last, or what went wrong
 READY_KEY = "shmsync/ready/{rank}"
+READERS_KEY = "shmsync/readers/{rank}"  # the node's readers' table, rewritten about once a second
 STORE_TIMEOUT = timedelta(seconds=60)
 ERROR = "error: "
 log = logging.getLogger("shmsync.distributed")
@@ -51,6 +58,7 @@ class NodeLeg:
         self.model_id = model_id
         self.last = 0  # version 0: the weights the node started from
         self._client: torch.distributed.Store | None = None
+        self.node = secrets.token_hex(8)
 
     def _store(self) -> torch.distributed.Store | None:
         if self._client is None:
@@ -75,6 +83,26 @@ class NodeLeg:
             return
         if store is not None:
             store.set(READY_KEY.format(rank=self.rank), b"1")
+            address = compat.upstream_store_address(self.collector)
+            threading.Thread(
+                target=self._report_readers, args=(address,), name="shmsync-node-report", daemon=True
+            ).start()
+
+    def _report_readers(self, address: tuple[str, int]) -> None:
+        """About once a second, the node's readers' table into the TCPStore, where the trainer's
+        table reads it; ends with the node (or when the store cannot be reached any more)."""
+        rank, seq = self.rank, 0
+        try:
+            store = torch.distributed.TCPStore(*address, is_master=False, timeout=STORE_TIMEOUT)  # its own link
+            while True:
+                time.sleep(REPORT_EVERY)
+                entry = collector_rows(self.collector, self.node)
+                if entry is None:
+                    return  # the node's collector shut down
+                seq += 1
+                store.set(READERS_KEY.format(rank=rank), encode_report(seq, [entry]))
+        except Exception as e:  # the trainer went: nothing to report to
+            log.debug("shmsync: node %s stopped reporting its readers: %s", rank, e)
 
     def take(self) -> int:
         """The trainer's number of the push being applied."""
@@ -114,6 +142,10 @@ def _client(host: str, port: int) -> torch.distributed.Store:
 class ActorLeg(Announced):
     """A Ray actor of shmsync's ``RayCollector``: the trainer names each push's number first."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.node = secrets.token_hex(8)  # names this actor's host entry in the trainer's table
+
     def started(self) -> None:
         pass
 
@@ -133,6 +165,34 @@ def make_leg(kind: str, collector: Any, model_id: str) -> NodeLeg | ActorLeg:
     raise ValueError(f"unknown remote leg {kind!r}")
 
 
+def collector_rows(collector: Any, node: str) -> HostRows | None:
+    """This host's entry of a report: the readers of ``collector``'s stores (None once they closed)."""
+    glue = CollectorGlue.of(collector)
+    groups = glue.live_groups() if glue is not None else []
+    if not groups:
+        return None
+    table = merge([g.readers(processes=True, memory=False) for g in groups])
+    return own_rows(table.store, node, [*table.rows, *table.gone])
+
+
+def encode_report(seq: int, entries: list[HostRows]) -> bytes:
+    """A node's report as stored: its number (so the trainer tells a new one from the last) and its rows."""
+    return json.dumps({"seq": seq, "report": report_to_wire(entries)}, separators=(",", ":")).encode()
+
+
+def decode_report(raw: bytes) -> tuple[int, list[HostRows]]:
+    """A node's report as the trainer reads it, every field checked (ValueError names the first bad one)."""
+    if len(raw) > MAX_REPORT_BYTES:
+        raise ValueError(f"a report of {len(raw)} bytes, more than {MAX_REPORT_BYTES}")
+    doc = json.loads(raw)
+    if not isinstance(doc, dict) or set(doc) != {"seq", "report"}:
+        raise ValueError("a report is not {'seq': ..., 'report': ...}")
+    seq = doc["seq"]
+    if isinstance(seq, bool) or not isinstance(seq, int):
+        raise ValueError(f"a report's seq is {str(seq)[:20]}")
+    return seq, report_from_wire(doc["report"])
+
+
 def name_push(actor: Any, number: int) -> None:
     """Inside an actor: the next push is the trainer's number ``number``."""
     glue = CollectorGlue.of(actor)
@@ -140,8 +200,19 @@ def name_push(actor: Any, number: int) -> None:
         glue.leg.name(number)
 
 
-def published_version(actor: Any) -> int | None:
-    """Inside an actor: the newest version its stores hold (None without shmsync)."""
+def published_version(actor: Any) -> tuple[int | None, bytes | None]:
+    """Inside an actor: the newest version its stores hold (None without shmsync), and its readers'
+    table as a report (None without shmsync)."""
     glue = CollectorGlue.of(actor)
     groups = glue.live_groups() if glue is not None else []
-    return max(g.version for g in groups) if groups else None
+    if not groups:
+        return None, None
+    leg = glue.leg
+    node = leg.node if isinstance(leg, ActorLeg) else secrets.token_hex(8)
+    try:
+        entry = collector_rows(actor, node)
+        report = encode_report(0, [entry]) if entry is not None else None
+    except Exception as e:  # the table is for the operator: never a reason to fail the push
+        log.warning("shmsync: this actor's readers' table could not be read: %s", e)
+        report = None
+    return max(g.version for g in groups), report

@@ -56,7 +56,7 @@ from ._secret import (  # noqa: F401 (re-exported: the relay's callers read secr
 )
 from .errors import AuthenticationError, ProtocolError, RelayError
 
-MAGIC = b"SHMSYNC-RELAY/2\n"
+MAGIC = b"SHMSYNC-RELAY/3\n"
 NONCE_BYTES = 32
 MAC_BYTES = 32
 TAG_BYTES = 16

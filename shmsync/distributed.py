@@ -31,6 +31,7 @@ Examples:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -39,10 +40,22 @@ import torch
 from torchrl.collectors import distributed as torchrl_distributed
 
 from . import _torchrl_compat as compat
-from ._remote import ERROR, PUBLISHED_KEY, READY_KEY, VERSION_KEY, name_push, published_version
+from ._remote import (
+    ERROR,
+    PUBLISHED_KEY,
+    READERS_KEY,
+    READY_KEY,
+    VERSION_KEY,
+    decode_report,
+    name_push,
+    published_version,
+)
+from ._reports import ReportBook
 from .errors import ShmSyncError
 from .scheme import claim_remote_legs
+from .table import HostReport, ReaderRow, add_remote
 
+log = logging.getLogger("shmsync.distributed")
 READY_TIMEOUT_S = 60.0  # how long the first push waits for every node's store
 CONFIRM_TIMEOUT_S = 60.0  # how long the trainer waits for the actors' answers after a push
 
@@ -65,6 +78,35 @@ class _NumberedPushes:
             self.stores.append(store)
             compat.wrap_push(scheme, lambda send, store=store: _bound(self.push, store, send))
         self.ranks = list(range(1, collector.num_workers + 1))
+        self.book = ReportBook(latest=lambda: self.count)
+        self._seen: dict[int, int] = {}  # rank -> the number of its last report taken
+        self._looked = 0.0
+
+    # -- the nodes' readers ---------------------------------------------------------------------------
+    @property
+    def latest(self) -> int:
+        return self.count
+
+    def remote_rows(self, latest: int) -> tuple[list[HostReport], list[ReaderRow]]:
+        """The nodes' last reports (``shmsync.table.RemoteRows``): read from the TCPStore, where each
+        node rewrites its table about once a second, at most twice a second; never a message to a node."""
+        now = time.monotonic()
+        if now - self._looked > 0.5 and self.stores:
+            self._looked = now
+            store = self.stores[0]
+            for rank in self.ranks:
+                key = READERS_KEY.format(rank=rank)
+                try:
+                    if not store.check([key]):
+                        continue
+                    seq, entries = decode_report(store.get(key))
+                except (ValueError, RuntimeError) as e:
+                    log.warning("shmsync: ignored node %s's readers' report: %s", rank, e)
+                    continue
+                if self._seen.get(rank) != seq:
+                    self._seen[rank] = seq
+                    self.book.heard(entries[0].node if entries else f"rank{rank}", f"node {rank}", entries)
+        return self.book.remote_rows(latest)
 
     def push(self, store: torch.distributed.Store, send: Callable, weights: Any = None, worker_ids: Any = None) -> Any:
         self.wait_until_ready()
@@ -155,6 +197,8 @@ class _ShmSyncNodes:
             keys = list(dict.fromkeys(s.version_key for s in legs if s.version_key))
             _add_version_keys(self, keys)
             self._shmsync_pushes = _NumberedPushes(self, wait_until_ready=self._shmsync_base is _SYNC)
+            for scheme in legs:  # scheme.readers() lists every node's workers
+                add_remote(scheme, self._shmsync_pushes)
         except BaseException:
             self._shmsync_failed = True
             self.shutdown()
@@ -228,6 +272,9 @@ class RayCollector(torchrl_distributed.RayCollector):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._shmsync_legs = claim_remote_legs(kwargs.get("collector_kwargs"), "ray", "RayCollector")
         self._shmsync_pushes = 0
+        self._shmsync_book = ReportBook(latest=lambda: self._shmsync_pushes)
+        for scheme in self._shmsync_legs:  # scheme.readers() lists every actor's workers
+            add_remote(scheme, self._shmsync_book)
         super().__init__(*args, **kwargs)
 
     def update_policy_weights_(self, policy_or_weights: Any = None, *, worker_ids: Any = None, **kwargs: Any) -> Any:
@@ -245,9 +292,28 @@ class RayCollector(torchrl_distributed.RayCollector):
             [actor.__ray_call__.remote(published_version) for _, actor in actors], timeout=CONFIRM_TIMEOUT_S
         )
         compat.check_ray_push_confirmed(
-            [f"actor {i} holds version {v}, not push {number}" for (i, _), v in zip(actors, answers) if v != number]
+            [
+                f"actor {i} holds version {v}, not push {number}"
+                for (i, _), (v, _) in zip(actors, answers)
+                if v != number
+            ]
         )
+        for (i, _), (_, report) in zip(actors, answers):
+            self._shmsync_heard(i, report)
         return result
+
+    def _shmsync_heard(self, actor: int, report: bytes | None) -> None:
+        """An actor's readers' table, as it answered after a push (Ray runs an actor's calls one at a
+        time: asking a busy actor would wait for its batch, so the trainer's table is as of the push)."""
+        if report is None:
+            return
+        try:
+            _, entries = decode_report(report)
+        except ValueError as e:
+            log.warning("shmsync: ignored actor %s's readers' report: %s", actor, e)
+            return
+        if entries:
+            self._shmsync_book.heard(entries[0].node, f"actor {actor}", entries)
 
     def _shmsync_actors(self, worker_ids: Any) -> list[tuple[int, Any]]:
         actors = list(self.remote_collectors)

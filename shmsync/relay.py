@@ -44,9 +44,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _wire
-from ._header import MAX_LAYOUT_BYTES
+from ._header import MAX_LAYOUT_BYTES, ROW_LINK
 from ._layout import Layout, key_str
 from ._protocol import Write
+from ._reports import ReportBook, Reporter, listen, own_rows
 from ._wire import read_secret_file
 from .errors import (
     AuthenticationError,
@@ -59,6 +60,7 @@ from .errors import (
     WeightMismatchError,
 )
 from .store import WeightStore
+from .table import HostRows, add_remote, remove_remote
 
 log = logging.getLogger("shmsync.relay")
 
@@ -316,6 +318,7 @@ class _Server:
         self._admitting: dict[int, tuple[str, int] | None] = {}  # seated, joining: where they serve
         self._final = STOP
         self._warned_overflow = False
+        self.book = ReportBook()  # what the relays below report of their hosts' readers
         self.sock = socket.create_server((address, port), backlog=512)
         self.address = self.sock.getsockname()[:2]
         self._accept: threading.Thread | None = None
@@ -403,6 +406,12 @@ class _Server:
                 seated = None
             child.thread.start()
             owned = True  # the feeding thread closes it
+            threading.Thread(
+                target=listen,
+                args=(link, self.book, node, f"relay {relay_id}", self.stopping.is_set, self.timeout),
+                name=f"shmsync-relay-{relay_id}-reports",
+                daemon=True,
+            ).start()
             if serve is not None:
                 threading.Thread(target=self._verify, args=(child,), name="shmsync-relay-verify", daemon=True).start()
             else:
@@ -509,7 +518,7 @@ class _Server:
                     continue
                 protocol = store.memory.protocol
                 if row < 0:
-                    row = protocol.claim_row()
+                    row = protocol.claim_row(flags=ROW_LINK)  # not a reader: left out of the readers' table
                 in_flight = fwd is not None and fwd.state != "cancelled" and fwd.version > store.version
                 if in_flight and fwd.version > child.sent:
                     # Still arriving (or not committed yet): forward what is there, then follow.
@@ -749,6 +758,8 @@ class RelaySender:
                 f"{_wire.SECRET_FILE_ENV}",
                 file=sys.stderr,
             )
+        self._server.book = ReportBook(store.name, write_file=True, latest=lambda: store.version)
+        add_remote(store, self._server.book)  # store.readers() lists the readers on every host
         self._server.set_store(store)
         self._server.start(store.layout_description, [], fanout)
 
@@ -795,6 +806,8 @@ class RelaySender:
     def close(self) -> None:
         """Tell every relay to stop, and stop listening; returns within 2 seconds."""
         self._server.close(STOP)
+        remove_remote(self.store, self._server.book)
+        self._server.book.close()
 
     def __enter__(self) -> RelaySender:
         return self
@@ -885,6 +898,8 @@ class Relay:
             while max_versions is None or self.received < max_versions:
                 link = self._attach()
                 received = self.received
+                book = self._server.book if self._server is not None else ReportBook()
+                reporter = Reporter(link, self.node, self._own_rows, book)
                 try:
                     if self._follow(link, max_versions) == "stopped" and self._server is not None:
                         self._server.close(STOP)  # the trainer closed its sender: the tree ends
@@ -896,11 +911,23 @@ class Relay:
                 except (EOFError, OSError, _Left) as e:
                     self._lost(link, lost, received, e)
                 finally:
+                    reporter.close()
                     link.close()
         except BaseException:
             if self._server is not None:
                 self._server.close(BYE)  # the relays below find another parent
             raise
+
+    def _own_rows(self) -> HostRows | None:
+        """This host's readers, for the report to the parent (None before this host's store exists)."""
+        store = self.store
+        if store is None or store.closed:
+            return None
+        try:
+            table = store.readers(processes=True, memory=False)
+        except ShmSyncError:
+            return None
+        return own_rows(self.name, self.node, [*table.rows, *table.gone])
 
     def _lost(self, link: _wire.Link, lost: list[float], received: int, why: Any) -> None:
         """Note a lost parent; give up once links keep failing for ``timeout`` seconds without a

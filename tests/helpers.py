@@ -515,6 +515,30 @@ def follow(host_dir: str, name: str, sizes, last: int, conn) -> None:
     store.close()
 
 
+def follow_as_worker(host_dir: str, name: str, sizes, worker: int, conn) -> None:
+    """A reader on host ``host_dir`` as worker ``worker``: polls every 10 ms until killed; says
+    ("attached", pid) once its store exists and it loaded."""
+    use_store_dir(host_dir)
+    from shmsync import StoreNotFoundError, WeightReader, WeightStore
+
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            store = WeightStore.attach(name)
+            break
+        except StoreNotFoundError:
+            if time.monotonic() > deadline:
+                conn.send(("error", "no store"))
+                return
+            time.sleep(0.01)
+    reader = WeightReader(store, Blob(sizes), worker=worker)
+    reader.poll()
+    conn.send(("attached", os.getpid()))
+    while True:
+        reader.poll()
+        time.sleep(0.01)
+
+
 def trainer(sizes, conn) -> None:
     """A trainer with a RelaySender, publishing until killed."""
     from shmsync import WeightStore

@@ -11,13 +11,13 @@ import torch
 from shmsync import ShmWeightSyncScheme
 from shmsync._torchrl_compat import TORCHRL_VERSION
 
-from helpers import fill, free_ports, make_marked_pendulum, make_pendulum, make_probe_policy
+from helpers import fill, free_ports, make_marked_pendulum, make_pendulum, make_probe_policy, wait_for
 
 pytestmark = [pytest.mark.torchrl, pytest.mark.distributed, pytest.mark.timeout(240)]
 needs_0_14 = pytest.mark.skipif(TORCHRL_VERSION < (0, 14), reason="shmsync's local leg needs torchrl >= 0.14")
 
 
-def two_nodes_with_shmsync(name: str, policy, **kwargs):
+def two_nodes_with_shmsync(name: str, policy, scheme=None, **kwargs):
     """shmsync's distributed collector ``name``: 2 nodes of 2 Pendulum workers each (node 2's
     observations shifted by +100, so a batch tells its node), shmsync as each node's local scheme.
 
@@ -32,7 +32,7 @@ def two_nodes_with_shmsync(name: str, policy, **kwargs):
         policy,
         collector_class=MultiSyncCollector,
         num_workers_per_collector=2,
-        collector_kwargs={"weight_sync_schemes": {"policy": ShmWeightSyncScheme()}},
+        collector_kwargs={"weight_sync_schemes": {"policy": scheme or ShmWeightSyncScheme()}},
         launcher="mp",
         tcp_port=str(free_ports()),
         **kwargs,
@@ -62,12 +62,20 @@ def assert_tagged_with_the_weights_that_acted(batch) -> list[int]:
 def test_distributed_sync_collector_with_shmsync_as_each_nodes_local_leg():
     policy = make_probe_policy()
     fill(policy, 0)  # the weights each node starts from: version 0
-    collector = two_nodes_with_shmsync("DistributedSyncCollector", policy, frames_per_batch=128, total_frames=768)
+    scheme = ShmWeightSyncScheme()
+    collector = two_nodes_with_shmsync(
+        "DistributedSyncCollector", policy, scheme, frames_per_batch=128, total_frames=768
+    )
     seen, batches = [], 0
     try:
         # Each batch starts with a push (update_interval=1): push n carries version n.
         fill(policy, 1)
         for i, batch in enumerate(collector):
+            if i == 1:  # each node rewrites its readers' table about once a second
+                wait_for(lambda: len(scheme.readers()) == 4, timeout=20, what="every node's workers in the table")
+                table = scheme.readers()
+                assert sorted(h.via for h in table.hosts) == ["node 1", "node 2"], table
+                assert sorted(r.worker for r in table) == [0, 0, 1, 1] and table.latest >= 1
             assert batch.shape == (2, 64)
             # Two nodes, two environments: their halves of a batch differ (TorchRL's receive
             # buffer alone would hold one node's frames twice).

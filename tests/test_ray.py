@@ -39,7 +39,7 @@ def cluster(monkeypatch):
         ray.shutdown()
 
 
-def ray_collector(policy, sync: bool, total_frames: int = 600, workers: int = 2, **kwargs):
+def ray_collector(policy, sync: bool, total_frames: int = 600, workers: int = 2, scheme=None, **kwargs):
     """2 remote collectors (actor 2's observations shifted by +100) of ``workers`` Pendulum
     workers each."""
     from torchrl.collectors import MultiSyncCollector
@@ -50,7 +50,7 @@ def ray_collector(policy, sync: bool, total_frames: int = 600, workers: int = 2,
         [make_pendulum, make_marked_pendulum],
         policy,
         collector_class=MultiSyncCollector,
-        collector_kwargs={"num_workers": workers, "weight_sync_schemes": {"policy": ShmWeightSyncScheme()}},
+        collector_kwargs={"num_workers": workers, "weight_sync_schemes": {"policy": scheme or ShmWeightSyncScheme()}},
         remote_configs={"num_cpus": 1},
         frames_per_batch=100,
         total_frames=total_frames,
@@ -80,14 +80,21 @@ def tags_match_weights(batch) -> list[int]:
 def test_every_frame_carries_the_trainers_version_and_no_store_is_left(cluster):
     policy = make_probe_policy()
     fill(policy, 0)
-    collector = ray_collector(policy, sync=True)
+    scheme = ShmWeightSyncScheme()
+    collector = ray_collector(policy, sync=True, scheme=scheme)
     pids = actor_pids(collector)
+    workers = ray.get([rc.__ray_call__.remote(lambda actor: actor.num_workers) for rc in collector.remote_collectors])
     seen = []
     try:
         for i, batch in enumerate(collector):
             seen.append(tags_match_weights(batch))
             fill(policy, i + 1)
             collector.update_policy_weights_(policy)  # push i + 1, to both actors
+            # Each actor answers a push with its readers' table: every worker of every actor.
+            table = scheme.readers()
+            assert sorted(h.readers for h in table.hosts) == sorted(workers) and len(table) == sum(workers), table
+            assert table.latest == i + 1 and all(r.report_age_s is not None for r in table), table
+            assert sorted(r.worker for r in table) == sorted(w for n in workers for w in range(n))
     finally:
         collector.shutdown()
     assert seen == [[i] for i in range(len(seen))] and len(seen) == 6, seen
