@@ -2,12 +2,14 @@
 
     python examples/train_cartpole.py            # MultiSyncCollector
     python examples/train_cartpole.py --async    # MultiAsyncCollector
+    python examples/train_cartpole.py --log-dir runs   # also the policy lag, as CSV, per batch
     python examples/train_cartpole.py --help
 
 The collector's workers get the trainer's weights through a shared-memory store
 (`ShmWeightSyncScheme`); the `UpdateWeights` hook publishes after every batch without
 waiting for any worker. Every collected frame carries the version of the weights that
-produced it, so the summary can report exact staleness.
+produced it, so the summary can report exact staleness; `LogLag` logs the lag of each batch
+and of each worker to the trainer's logger, and the summary ends with the readers' table.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from torchrl.envs import GymEnv
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl.modules import MLP, EGreedyModule, QValueActor
 from torchrl.objectives import DQNLoss, SoftUpdate
+from torchrl.record.loggers.csv import CSVLogger
 from torchrl.trainers import DefaultOptimizationStepper, Trainer
 
-from shmsync import ShmWeightSyncScheme, UpdateWeights, staleness
+from shmsync import LogLag, ShmWeightSyncScheme, UpdateWeights, staleness
 
 
 @dataclass
@@ -52,6 +55,7 @@ class Args:
     scheme: str = "shmsync"  # or "torchrl": TorchRL's default weight sync, for comparison
     zero_copy: bool = False  # workers' parameters view the store instead of copying (README)
     progress: bool = True
+    log_dir: str = ""  # write the trainer's scalars (the policy lag too) as CSV under this folder
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -119,8 +123,11 @@ def main(args: Args) -> dict:
         optimization_stepper=DefaultOptimizationStepper(),
         target_net_updater=target_updater,
         progress_bar=args.progress,
-        log_interval=10**9,
+        logger=CSVLogger("cartpole", log_dir=args.log_dir) if args.log_dir else None,
+        log_interval=1 if args.log_dir else 10**9,
     )
+    if scheme is not None:  # the lag of each batch's frames and of each worker, in the logger and progress bar
+        LogLag(scheme).register(trainer)
 
     # The replay buffer, by hand: extend with each batch, sample for each optimizer step.
     stats = {"staleness": [], "versions_per_worker": [set() for _ in range(args.workers)]}
@@ -128,6 +135,7 @@ def main(args: Args) -> dict:
     def record(batch):
         if scheme is not None:
             stats["staleness"].append(staleness(batch, scheme).flatten())
+            stats["readers"] = scheme.readers(processes=True).format()  # every worker, as an operator sees it
         if scheme is not None and not args.use_async:  # [workers, time]
             for w in range(args.workers):
                 stats["versions_per_worker"][w].update(batch["policy_version"][w].unique().tolist())
@@ -165,6 +173,7 @@ def main(args: Args) -> dict:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
+            warnings.filterwarnings("ignore", "Converting a tensor with requires_grad")  # TorchRL logging its loss
             trainer.train()  # shuts the collector (and its store) down at the end
     finally:
         collector.shutdown()  # also on errors, or worker processes would keep the program alive
@@ -202,6 +211,7 @@ def main(args: Args) -> dict:
         print(f"staleness of frames  mean {summary['staleness_mean']:.2f}, max {summary['staleness_max']} versions")
         share = 100 * summary["publish_fraction"]
         print(f"time publishing      {store.publish_seconds * 1e3:.1f} ms ({share:.3f}% of total)")
+        print(f"readers' table at the last batch:\n{stats['readers']}")
     reached = summary["target_reached_at"]
     outcome = (
         f"target {args.target_return:.0f} reached after {reached[0]} frames, {reached[1]:.0f}s"

@@ -27,6 +27,12 @@ _LAZY = {
     "WeightReader": "shmsync.reader",
     "WeightSender": "shmsync.sender",
     "UpdateWeights": "shmsync.hook",
+    "LogLag": "shmsync.hook",
+    "lag_stats": "shmsync.versions",
+    "ReaderTable": "shmsync.table",
+    "ReaderRow": "shmsync.table",
+    "ReaderAlarm": "shmsync.alarm",
+    "StaleReaderError": "shmsync.errors",
     "ShmWeightSyncScheme": "shmsync.scheme",
     "staleness": "shmsync.versions",
     "tag_versions": "shmsync.tagging",
@@ -42,22 +48,25 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from ._torchrl_compat import TorchRLChangedError
+    from .alarm import ReaderAlarm
     from .errors import (
         ReloadTimeoutError,
         ShmSyncError,
+        StaleReaderError,
         StoreNotFoundError,
         WeightMismatchError,
         WriterBusyError,
         WriterGoneError,
     )
-    from .hook import UpdateWeights
+    from .hook import LogLag, UpdateWeights
     from .lifetime import exit_with_parent
     from .reader import WeightReader
     from .scheme import ShmWeightSyncScheme
     from .sender import WeightSender
     from .store import Snapshot, WeightStore
+    from .table import ReaderRow, ReaderTable
     from .tagging import tag_versions
-    from .versions import staleness
+    from .versions import lag_stats, staleness
 
 
 def __getattr__(name: str) -> Any:
@@ -73,7 +82,12 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "LogLag",
+    "ReaderAlarm",
+    "ReaderRow",
+    "ReaderTable",
     "ReloadTimeoutError",
+    "StaleReaderError",
     "ShmSyncError",
     "ShmWeightSyncScheme",
     "Snapshot",
@@ -87,6 +101,7 @@ __all__ = [
     "WriterBusyError",
     "WriterGoneError",
     "exit_with_parent",
+    "lag_stats",
     "staleness",
     "tag_versions",
 ]

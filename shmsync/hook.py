@@ -1,4 +1,5 @@
-"""``UpdateWeights``: TorchRL's trainer hook, with paths that resolve like users write them."""
+"""TorchRL trainer hooks: ``UpdateWeights``, with paths that resolve like users write them, and
+``LogLag``, the policy lag of each batch for the trainer's logger and progress bar."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torchrl.trainers import UpdateWeights as _TorchRLUpdateWeights
 
 from . import _torchrl_compat as compat
 from ._paths import resolve_path
+from .versions import lag_stats
 
 HOOK_TAKES_SENDER = compat.hook_takes_sender(_TorchRLUpdateWeights)
 
@@ -203,3 +205,60 @@ class UpdateWeights(_TorchRLUpdateWeights):
             self.collector.update_policy_weights_(weights_dict=weights_dict)
         else:
             self.collector.update_policy_weights_(weights_dict=weights_dict, version=version)
+
+
+class LogLag:
+    """A TorchRL trainer hook that logs the policy lag of each batch, and of the workers now.
+
+    Registered on a :class:`torchrl.trainers.Trainer`, it reports once per collected batch (the
+    ``"pre_steps_log"`` stage) what :func:`shmsync.versions.lag_stats` computes: how many
+    versions behind the trainer each frame of the batch was collected (mean, min, max) and how
+    far behind each live worker is now (mean, min, max, and how many). The trainer's logger
+    (TensorBoard, W&B, CSV...) records every figure; the progress bar shows the largest lag of
+    the batch's frames, ``lag``.
+
+    Args:
+        scheme: the collector's :class:`~shmsync.ShmWeightSyncScheme` (or a store, or anything
+            with ``version`` and ``readers()``).
+        key: the version key the frames carry.
+        log_pbar: show ``lag`` in the trainer's progress bar.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from shmsync import WeightStore
+        >>> store = WeightStore.create(torch.nn.Linear(2, 2))
+        >>> store.publish(torch.nn.Linear(2, 2))
+        1
+        >>> batch = TensorDict({"policy_version": torch.tensor([0, 1])}, batch_size=[2])
+        >>> LogLag(store)(batch)["policy_lag/frames_max"]
+        1.0
+        >>> store.close()
+
+        On a trainer: ``LogLag(scheme).register(trainer)``.
+    """
+
+    def __init__(self, scheme: Any, key: str = "policy_version", log_pbar: bool = True) -> None:
+        self.scheme, self.key, self.log_pbar = scheme, key, log_pbar
+
+    def __call__(self, batch: Any) -> dict[str, Any]:
+        stats: dict[str, Any] = lag_stats(batch, self.scheme, self.key)
+        stats["log_pbar"] = False
+        return stats
+
+    def progress(self, batch: Any) -> dict[str, Any]:
+        """The progress bar's figure: the largest lag of the batch's frames."""
+        stats = lag_stats(batch, int(self.scheme.version), self.key)
+        return {"lag": stats.get("policy_lag/frames_max", 0.0), "log_pbar": True}
+
+    def register(self, trainer: Any, name: str = "log_lag") -> None:
+        """Log at every batch of ``trainer`` (and show ``lag`` in its progress bar)."""
+        trainer.register_op("pre_steps_log", self)
+        if self.log_pbar:
+            trainer.register_op("pre_steps_log", self.progress)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass

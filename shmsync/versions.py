@@ -37,3 +37,53 @@ def staleness(batch: TensorDictBase, current: Any, key: str = "policy_version") 
         raise KeyError(f"the batch has no {key!r} entry: was it collected with ShmWeightSyncScheme?")
     version = current if isinstance(current, int) else int(current.version)
     return version - batch.get(key).to(torch.int64)
+
+
+def lag_stats(
+    batch: TensorDictBase | None, current: Any, key: str = "policy_version", *, prefix: str = "policy_lag/"
+) -> dict[str, float]:
+    """Policy-lag statistics, ready for a logger (TorchRL's ``Logger.log_scalar``, a trainer hook).
+
+    Over the batch's frames: how many versions behind ``current`` they were collected (mean, min,
+    max; padding masked out by TorchRL's ``("collector", "mask")`` is left out). Over the live
+    readers, when ``current`` has a readers' table (a :class:`~shmsync.ShmWeightSyncScheme` or a
+    :class:`~shmsync.WeightStore`): how many versions behind each is now, and how many there are.
+
+    Args:
+        batch: collected frames carrying ``key``; None for the readers' figures alone.
+        current: the trainer's current version: an int, or a scheme or store (its ``version``).
+        key: the version key.
+        prefix: put before each name.
+
+    Returns:
+        ``{prefix + name: value}`` with names ``frames_mean``, ``frames_min``, ``frames_max``,
+        and with a readers' table ``readers``, ``readers_mean``, ``readers_min``, ``readers_max``
+        (those four only when some reader has loaded a version).
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> batch = TensorDict({"policy_version": torch.tensor([3, 3, 4, 5])}, batch_size=[4])
+        >>> lag_stats(batch, 5)
+        {'policy_lag/frames_mean': 1.25, 'policy_lag/frames_min': 0.0, 'policy_lag/frames_max': 2.0}
+    """
+    out: dict[str, float] = {}
+    if batch is not None:
+        lag = staleness(batch, current, key)
+        mask = batch.get(("collector", "mask"), None)
+        if mask is not None and mask.shape == lag.shape[: mask.ndim]:
+            lag = lag[mask]
+        if lag.numel():
+            lag = lag.to(torch.float64)
+            out[prefix + "frames_mean"] = round(float(lag.mean()), 6)
+            out[prefix + "frames_min"] = float(lag.min())
+            out[prefix + "frames_max"] = float(lag.max())
+    readers = getattr(current, "readers", None)
+    if callable(readers):
+        rows = [r.behind for r in readers() if r.behind is not None]
+        out[prefix + "readers"] = float(len(rows))
+        if rows:
+            out[prefix + "readers_mean"] = round(sum(rows) / len(rows), 6)
+            out[prefix + "readers_min"] = float(min(rows))
+            out[prefix + "readers_max"] = float(max(rows))
+    return out
