@@ -35,7 +35,7 @@ def test_quickstart():
 # The default, and the other collector with the other reload (the scheme's own tests cover
 # each alone); `--scheme torchrl` runs TorchRL's own scheme, which the example only times.
 @pytest.mark.parametrize("mode", [[], ["--async", "--zero-copy"]], ids=["default", "async-zero-copy"])
-def test_train_cartpole_tiny_budget(mode):
+def test_train_cartpole_tiny_budget(mode, tmp_path):
     out = _run(
         "examples/train_cartpole.py",
         "--total-frames",
@@ -51,9 +51,15 @@ def test_train_cartpole_tiny_budget(mode):
         "--target-return",
         "0",
         "--no-progress",
+        "--log-dir",
+        str(tmp_path),
         *mode,
     )
     assert "evaluation" in out and "frames/s" in out
+    # LogLag wrote the lag of every batch (4) to the trainer's CSV logger.
+    lag = (tmp_path / "cartpole" / "scalars" / "policy_lag" / "frames_max.csv").read_text().split()
+    assert len(lag) == 4 and all(float(line.split(",")[1]) >= 0 for line in lag)
+    assert "readers' table at the last batch:" in out and " 2 readers on 1 host" in out
     assert "versions published   4" in out
     assert "staleness of frames" in out
     if mode == []:

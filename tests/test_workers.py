@@ -52,6 +52,7 @@ def test_workers_reload_lazily_and_tag_frames(store_factory, env, zero_copy):
                 break
         assert all(1 in s for s in seen.values()), f"a worker never loaded version 1: {seen}"
         assert {r.pid for r in store.readers()} == set(pool.pids)
+        assert sorted(r.worker for r in store.readers()) == [0, 1], "each worker's row names it"
         assert all(r.zero_copy == zero_copy for r in store.readers())
         codes = pool.stop()
     assert codes == {0: 0, 1: 0}, f"SIGTERM should end each worker cleanly after its rollout: {codes}"

@@ -81,6 +81,7 @@ def _collect(worker_id: int, config: WorkerConfig, queue: Any, stopping: threadi
             device=config.device,
             destination=config.destination,
             zero_copy=config.zero_copy and torch.device(config.device).type == "cpu",
+            worker=worker_id,
         )
     except BaseException:
         store.close()
@@ -104,6 +105,7 @@ def _collect(worker_id: int, config: WorkerConfig, queue: Any, stopping: threadi
     collector.set_seed(config.seed + worker_id)
     try:
         for batch in collector:
+            reader.set_waiting(True)  # the readers' table: waiting for the trainer, not running weights
             while True:  # don't block forever on a full queue: SIGTERM must still be seen
                 try:
                     queue.put(("batch", worker_id, batch), timeout=0.5)
@@ -111,6 +113,8 @@ def _collect(worker_id: int, config: WorkerConfig, queue: Any, stopping: threadi
                 except queue_module.Full:
                     if stopping.is_set():
                         break
+            reader.poll()  # before it runs again: never seen running at the old version
+            reader.set_waiting(False)
             if stopping.is_set():
                 break
     finally:
