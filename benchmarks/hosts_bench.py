@@ -53,10 +53,10 @@ def _host(host_dir: str, port: int, index: int, seen, reps: int, encrypt: bool, 
     import threading
 
     torch.set_num_threads(1)
-    from shmsync import _segment
+    from shmsync.core import segment
     from shmsync.relay import Relay
 
-    _segment.SHM_DIR = host_dir
+    segment.SHM_DIR = host_dir
     relay = Relay("127.0.0.1", port, store="bench", secret=SECRET, timeout=60, encrypt=encrypt)
     runner = threading.Thread(target=relay.run, daemon=True)
     runner.start()
@@ -256,12 +256,12 @@ def _distributed_row(kind: str, nbytes: int, batches: int, conn) -> None:
     import torchrl.collectors.distributed as torchrl_distributed
     from torchrl.collectors import MultiSyncCollector
 
-    import shmsync.distributed
+    import shmsync.torchrl.distributed
     from shmsync import ShmWeightSyncScheme
 
     local = {"weight_sync_schemes": {"policy": ShmWeightSyncScheme()}} if kind == "shmsync" else {}
     # TorchRL's own class with its default local scheme; shmsync's subclass with shmsync's.
-    cls = shmsync.distributed if kind == "shmsync" else torchrl_distributed
+    cls = shmsync.torchrl.distributed if kind == "shmsync" else torchrl_distributed
     collector = cls.DistributedSyncCollector(
         [sync_bench.make_env] * 2,
         sync_bench.make_policy(nbytes),

@@ -57,7 +57,7 @@ class Weights(nn.Module):
 def read_loop(kind: str, name: str, conn) -> None:
     """One reader: reload, check, until told to stop; then report its counts."""
     from shmsync import WeightReader, WeightStore
-    from shmsync._protocol import Protocol
+    from shmsync.core.protocol import Protocol
 
     torch.set_num_threads(1)
     if kind == "pinned":

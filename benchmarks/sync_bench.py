@@ -204,7 +204,7 @@ def bench_parallel_publish(sizes: dict[str, int], quick: bool) -> list[dict]:
     """publish() with its copy on one thread and split across the cores (the default), against
     plain copies into the same slots on one thread and on as many threads."""
     from shmsync import WeightStore
-    from shmsync._copy import copy_all, copy_threads
+    from shmsync.core.copies import copy_all, copy_threads
 
     threads = copy_threads()
     results = []
@@ -453,7 +453,7 @@ def _spin(seconds: float) -> None:
 
 def _slow_reader(name: str, nbytes: int, seconds: float, pin_first: bool, conn) -> None:
     from shmsync import WeightReader, WeightStore
-    from shmsync._protocol import Protocol
+    from shmsync.core.protocol import Protocol
 
     os.nice(10)
     torch.set_num_threads(1)

@@ -64,7 +64,8 @@ def hold_readers(name: str, first: int, count: int, conn) -> None:
 def bench_reads(counts: list[int], quick: bool) -> list[dict]:
     import multiprocessing as mp
 
-    from shmsync import WeightStore, host
+    from shmsync import WeightStore
+    from shmsync.tools import host
 
     ctx = mp.get_context("spawn")
     rows = []

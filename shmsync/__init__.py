@@ -15,27 +15,27 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import _registration
+from shmsync.torchrl import registration
 
 __version__ = "0.1.0"
 
-_registration.install()
+registration.install()
 
 _LAZY = {
     "WeightStore": "shmsync.store",
     "Snapshot": "shmsync.store",
     "WeightReader": "shmsync.reader",
-    "WeightSender": "shmsync.sender",
-    "UpdateWeights": "shmsync.hook",
-    "LogLag": "shmsync.hook",
-    "lag_stats": "shmsync.versions",
+    "WeightSender": "shmsync.torchrl.sender",
+    "UpdateWeights": "shmsync.torchrl.hooks",
+    "LogLag": "shmsync.torchrl.hooks",
+    "lag_stats": "shmsync.frames",
     "ReaderTable": "shmsync.table",
     "ReaderRow": "shmsync.table",
     "ReaderAlarm": "shmsync.alarm",
     "StaleReaderError": "shmsync.errors",
-    "ShmWeightSyncScheme": "shmsync.scheme",
-    "staleness": "shmsync.versions",
-    "tag_versions": "shmsync.tagging",
+    "ShmWeightSyncScheme": "shmsync.torchrl.scheme",
+    "staleness": "shmsync.frames",
+    "tag_versions": "shmsync.frames",
     "exit_with_parent": "shmsync.lifetime",
     "ShmSyncError": "shmsync.errors",
     "StoreNotFoundError": "shmsync.errors",
@@ -43,13 +43,12 @@ _LAZY = {
     "WriterBusyError": "shmsync.errors",
     "ReloadTimeoutError": "shmsync.errors",
     "WriterGoneError": "shmsync.errors",
-    "TorchRLChangedError": "shmsync._torchrl_compat",
+    "TorchRLChangedError": "shmsync.torchrl.compat",
 }
 
 if TYPE_CHECKING:
-    from ._torchrl_compat import TorchRLChangedError
-    from .alarm import ReaderAlarm
-    from .errors import (
+    from shmsync.alarm import ReaderAlarm
+    from shmsync.errors import (
         ReloadTimeoutError,
         ShmSyncError,
         StaleReaderError,
@@ -58,15 +57,15 @@ if TYPE_CHECKING:
         WriterBusyError,
         WriterGoneError,
     )
-    from .hook import LogLag, UpdateWeights
-    from .lifetime import exit_with_parent
-    from .reader import WeightReader
-    from .scheme import ShmWeightSyncScheme
-    from .sender import WeightSender
-    from .store import Snapshot, WeightStore
-    from .table import ReaderRow, ReaderTable
-    from .tagging import tag_versions
-    from .versions import lag_stats, staleness
+    from shmsync.frames import lag_stats, staleness, tag_versions
+    from shmsync.lifetime import exit_with_parent
+    from shmsync.reader import WeightReader
+    from shmsync.torchrl.sender import WeightSender
+    from shmsync.store import Snapshot, WeightStore
+    from shmsync.table import ReaderRow, ReaderTable
+    from shmsync.torchrl.compat import TorchRLChangedError
+    from shmsync.torchrl.hooks import LogLag, UpdateWeights
+    from shmsync.torchrl.scheme import ShmWeightSyncScheme
 
 
 def __getattr__(name: str) -> Any:

@@ -42,9 +42,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ._processes import process_state
-from .errors import StaleReaderError
-from .table import HOST, STOPPED, ReaderRow, ReaderTable
+from shmsync.core.processes import process_state
+from shmsync.errors import StaleReaderError
+from shmsync.table import HOST, STOPPED, ReaderRow, ReaderTable
 
 log = logging.getLogger("shmsync.alarm")
 

@@ -10,13 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _viewing
-from ._copy import copy_all
-from ._header import ROW_DEVICE, ROW_WAITING, ROW_ZERO_COPY, W_VERSION
-from ._memory import StoreMemory
-from ._source import is_destinations, module_weights, parts
-from .errors import ReloadTimeoutError, ShmSyncError, WeightMismatchError, WriterGoneError
-from .store import WeightStore
+from shmsync import read_only
+from shmsync.core.copies import copy_all
+from shmsync.core.header import ROW_DEVICE, ROW_WAITING, ROW_ZERO_COPY, W_VERSION
+from shmsync.core.mapping import StoreMemory
+from shmsync.errors import ReloadTimeoutError, ShmSyncError, WeightMismatchError, WriterGoneError
+from shmsync.sources import is_destinations, module_weights, parts
+from shmsync.store import WeightStore
 
 
 class WeightReader:
@@ -283,7 +283,7 @@ class WeightReader:
         if self._buffers:  # the slot is leased: it cannot change under this copy
             copy_all(self._buffers, views[len(self._params) :], on_cpu=True)
         if not self._viewing:
-            _viewing.mark(self._params, self._param_names, self.store.name)
+            read_only.mark(self._params, self._param_names, self.store.name)
         self._viewing[:] = self._params
         return version
 
@@ -296,7 +296,7 @@ def _make_private(params: list[torch.Tensor]) -> None:
     with torch.no_grad():
         for p in params:
             p.set_(p.detach().clone())
-    _viewing.unmark(params)
+    read_only.unmark(params)
     params.clear()
 
 

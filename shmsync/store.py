@@ -1,9 +1,9 @@
 """The weight store: versioned copies of a model's weights in host shared memory.
 
 The store is the public face of three lower layers: the segment (a file in ``/dev/shm``
-and its kernel locks, :mod:`shmsync._segment`), the tensor layout of a slot
-(:mod:`shmsync._layout`) and the protocol between the one writer and many readers
-(:mod:`shmsync._protocol`, where the argument for why readers never accept a mix of two
+and its kernel locks, :mod:`shmsync.core.segment`), the tensor layout of a slot
+(:mod:`shmsync.core.layout`) and the protocol between the one writer and many readers
+(:mod:`shmsync.core.protocol`, where the argument for why readers never accept a mix of two
 versions, and why the writer never waits, is laid out). Here: creating and attaching,
 checking what is published against the layout, the writer role, CUDA publishing, and
 lifetime.
@@ -22,9 +22,9 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from . import _fence
-from ._copy import copy_all
-from ._header import (
+from shmsync.core import fences
+from shmsync.core.copies import copy_all
+from shmsync.core.header import (
     FORMAT,
     HEADER_BYTES,
     MAGIC,
@@ -47,14 +47,14 @@ from ._header import (
     check_words,
     header_view,
 )
-from ._layout import Layout, segment_bytes
-from ._memory import StoreMemory
-from ._processes import process_start_ns
-from ._protocol import initialize
-from ._segment import CREATOR_LOCK, WRITER_LOCK, Segment, validate_name
-from ._source import as_tensordict, module_weights, parts
-from .errors import ShmSyncError, StoreCorruptError, WriterBusyError
-from .table import ReaderTable, assemble, local_rows
+from shmsync.core.layout import Layout, segment_bytes
+from shmsync.core.mapping import StoreMemory
+from shmsync.core.processes import process_start_ns
+from shmsync.core.protocol import initialize
+from shmsync.core.segment import CREATOR_LOCK, WRITER_LOCK, Segment, validate_name
+from shmsync.errors import ShmSyncError, StoreCorruptError, WriterBusyError
+from shmsync.sources import as_tensordict, module_weights, parts
+from shmsync.table import ReaderTable, assemble, local_rows
 
 
 class Snapshot(NamedTuple):
@@ -229,7 +229,7 @@ class WeightStore:
             ):
                 h[word] = value
             initialize(h, num_slots)
-            _fence.ordering()[1]()  # everything above before the magic word
+            fences.ordering()[1]()  # everything above before the magic word
             h[W_MAGIC] = MAGIC  # last: attach() refuses a half-initialised header
             h.release()
             store = cls._open(segment, layout, destinations, owner=True, unlink_at_exit=unlink_at_exit)
@@ -347,7 +347,7 @@ class WeightStore:
         Never waits for readers. Only one process may publish into a store at a time: the
         creator holds the writer role from :meth:`create` until :meth:`close` or
         :meth:`release_writer`; another process takes it at its first publish once it is free.
-        From CUDA tensors it returns once the copy is queued (see :mod:`shmsync._cuda`);
+        From CUDA tensors it returns once the copy is queued (see :mod:`shmsync.cuda_publish`);
         the version becomes visible when the bytes are in host memory (:meth:`flush` waits).
 
         Args:
@@ -393,7 +393,7 @@ class WeightStore:
     def _match_source(self, source: Any, what: str) -> list[torch.Tensor]:
         """The source's tensors in entry order, checked against the layout (nothing written).
         Destination by destination, without building a nested TensorDict: entries are sorted by
-        key, so destinations come in sorted order, as :func:`~shmsync._source.parts` gives them."""
+        key, so destinations come in sorted order, as :func:`~shmsync.sources.parts` gives them."""
         tensors = []
         for prefix, part in parts(source, self.memory.destinations, what):
             where = f"{what}, destination {prefix[0]!r}" if prefix else what
@@ -498,7 +498,7 @@ class WeightStore:
 
     def _publish_from_cuda(self, tensors: list[torch.Tensor], version: int | None = None) -> int:
         # Returns once the copy is queued; the version turns visible when it has landed.
-        from ._cuda import AsyncPublisher
+        from shmsync.cuda_publish import AsyncPublisher
 
         device = next(t.device for t in tensors if t.is_cuda)
         publisher = self._cuda_publisher

@@ -1,12 +1,12 @@
 """The readers' table: every reader of a store, on this host and on others, as an operator sees it.
 
-Each reader keeps a row in its store's header (see :mod:`shmsync._header`): its pid, the version
+Each reader keeps a row in its store's header (see :mod:`shmsync.core.header`): its pid, the version
 it loaded, its reload count and the time of its last reload, its lease, the worker index its
 collector gave it, and a few flags. Reading the table reads those words and asks the kernel which
 rows' readers live: it sends no message and never waits for a reader, so it works mid-rollout,
 on a frozen worker too. Readers on other hosts come in reports their relays send upstream
 (:mod:`shmsync.relay`) or that the nodes of a distributed collector answer each push with
-(:mod:`shmsync.distributed`); their rows carry the age of that report.
+(:mod:`shmsync.torchrl.distributed`); their rows carry the age of that report.
 
 A row's words are written by its reader without a lock, so a row read while its reader reloads
 may mix two reloads' counts; the flags are read before the version, so a reader that starts a
@@ -28,12 +28,8 @@ Examples:
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import math
-import os
-import secrets
 import socket
 import time
 import weakref
@@ -41,8 +37,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
-from . import _segment
-from ._header import (
+from shmsync.core.header import (
     R_FLAGS,
     R_LEASE,
     R_PID,
@@ -57,8 +52,7 @@ from ._header import (
     ROW_ZERO_COPY,
     reader_rows,
 )
-from ._processes import process_state, process_uss
-from .errors import ShmSyncError
+from shmsync.core.processes import process_state, process_uss
 
 log = logging.getLogger("shmsync.table")
 
@@ -387,197 +381,6 @@ def merge(tables: Sequence[ReaderTable]) -> ReaderTable:
         [h for t in tables for h in t.hosts],
         max((t.taken_ns for t in tables), default=time.time_ns()),
     )
-
-
-# -- rows on the wire ------------------------------------------------------------------------------
-# A report is JSON: {"hosts": [[host, store, age_s, [row, ...]], ...]}, each row a list in this
-# order. It comes from a peer: every field is checked (type and range) before a row is made.
-WIRE_FIELDS = ("worker", "pid", "version", "since_reload_s", "reloads", "mode", "waiting", "state", "uss")
-MAX_NAME = 255
-MAX_STATE = 32
-
-
-def row_to_wire(r: ReaderRow) -> list[Any]:
-    return [r.worker, r.pid, r.version, r.since_reload_s, r.reloads, MODES.index(r.mode), r.waiting, r.state, r.uss]
-
-
-def _int(value: Any, lo: int, hi: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(f"{what} is {str(value)[:40]}, not an int from {lo} to {hi}")
-    return value
-
-
-def _seconds(value: Any, what: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e9:
-        raise ValueError(f"{what} is {str(value)[:40]}, not a number of seconds")
-    return float(value)
-
-
-def _text(value: Any, most: int, what: str) -> str:
-    if not isinstance(value, str) or len(value) > most or not value.isprintable():
-        raise ValueError(f"{what} is {ascii(value)[:60]}, not printable text of at most {most} characters")
-    return value
-
-
-def row_from_wire(fields: Any, host: str, store: str, age_s: float) -> ReaderRow:
-    """A row another host reported, every field checked (ValueError names the first bad one)."""
-    if not isinstance(fields, list) or len(fields) != len(WIRE_FIELDS):
-        raise ValueError(f"a reader row is {str(fields)[:60]}, not a list of {len(WIRE_FIELDS)} fields")
-    worker, pid, version, since, reloads, mode, waiting, state, uss = fields
-    if not isinstance(waiting, bool):
-        raise ValueError(f"a reader row's waiting flag is {str(waiting)[:20]}, not a bool")
-    return ReaderRow(
-        store=store,
-        host=host,
-        worker=None if worker is None else _int(worker, 0, MAX_WORKER, "a reader row's worker"),
-        pid=_int(pid, 1, (1 << 62), "a reader row's pid"),
-        version=_int(version, -1, 1 << 62, "a reader row's version"),
-        behind=None,
-        since_reload_s=_seconds(since, "a reader row's since_reload_s"),
-        reloads=_int(reloads, 0, 1 << 62, "a reader row's reloads"),
-        mode=MODES[_int(mode, 0, len(MODES) - 1, "a reader row's mode")],
-        waiting=waiting,
-        state=_text(state, MAX_STATE, "a reader row's state"),
-        uss=None if uss is None else _int(uss, 0, 1 << 62, "a reader row's uss"),
-        report_age_s=age_s,
-    )
-
-
-# A report: the rows of readers on other hosts, each host's as last read there, ``age_s`` ago.
-@dataclass(frozen=True)
-class HostRows:
-    host: str
-    node: str  # the id of the relay that read them
-    store: str
-    age_s: float
-    rows: tuple[ReaderRow, ...]
-
-    def aged(self, seconds: float) -> HostRows:
-        return replace(self, age_s=self.age_s + seconds)
-
-
-MAX_REPORT_HOSTS = 4096
-MAX_REPORT_ROWS = 1 << 16  # rows in one report, all hosts together
-
-
-def report_to_wire(entries: Iterable[HostRows]) -> dict[str, Any]:
-    """``entries`` as a JSON document (a relay's report to its parent)."""
-    return {"hosts": [[e.host, e.node, e.store, round(e.age_s, 3), [row_to_wire(r) for r in e.rows]] for e in entries]}
-
-
-def report_from_wire(doc: Any) -> list[HostRows]:
-    """A report a peer sent, every field checked (ValueError names the first bad one)."""
-    hosts = doc.get("hosts") if isinstance(doc, dict) and set(doc) == {"hosts"} else None
-    if not isinstance(hosts, list) or len(hosts) > MAX_REPORT_HOSTS:
-        raise ValueError(f"a report is {str(doc)[:60]}, not {{'hosts': [at most {MAX_REPORT_HOSTS} hosts]}}")
-    out, total = [], 0
-    for entry in hosts:
-        if not isinstance(entry, list) or len(entry) != 5 or not isinstance(entry[4], list):
-            raise ValueError(f"a report's host entry is {str(entry)[:60]}, not [host, node, store, age_s, rows]")
-        host = _text(entry[0], MAX_NAME, "a report's host")
-        node = entry[1]
-        if not (isinstance(node, str) and len(node) == 16 and all(c in "0123456789abcdef" for c in node)):
-            raise ValueError(f"a report's node is {ascii(node)[:40]}, not 16 hex digits")
-        store = _text(entry[2], MAX_NAME, "a report's store")
-        age = _seconds(entry[3], "a report's age_s") or 0.0
-        total += len(entry[4])
-        if total > MAX_REPORT_ROWS:
-            raise ValueError(f"a report holds more than {MAX_REPORT_ROWS} rows")
-        out.append(HostRows(host, node, store, age, tuple(row_from_wire(f, host, store, age) for f in entry[4])))
-    return out
-
-
-# -- the report file: what the trainer last heard from other hosts, for `shmsync ls NAME` -------------
-REPORT_SUFFIX = _segment.SIDE + "hosts"  # never taken for a store
-MAX_REPORT_FILE = 16 << 20
-
-
-def report_path(store: str) -> str:
-    return _segment.path_of(store) + REPORT_SUFFIX
-
-
-def write_report_file(store: str, hosts: Sequence[HostReport], rows: Sequence[ReaderRow]) -> bool:
-    """Write what other hosts reported for ``store`` next to it, in one step (a new file renamed
-    over the old), only this user may read it. Each row's ages are as of now. False if it was too
-    large to write (the file keeps its last state)."""
-    doc = {
-        "format": 1,
-        "written_ns": time.time_ns(),
-        "hosts": [[h.host, h.via, h.store, round(h.age_s, 3), h.state, h.readers] for h in hosts],
-        "rows": [[r.host, r.store, round(r.report_age_s or 0.0, 3), row_to_wire(r)] for r in rows],
-    }
-    data = json.dumps(doc, separators=(",", ":")).encode()
-    if len(data) > MAX_REPORT_FILE:
-        return False
-    path = report_path(store)
-    temp = f"{path}.{secrets.token_hex(4)}"
-    fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        raise
-    return True
-
-
-def remove_report_file(store: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(report_path(store))
-
-
-def read_report_file(store: str, latest: int) -> tuple[list[HostReport], list[ReaderRow]]:
-    """What the trainer last wrote of other hosts' readers for ``store`` (nothing if it wrote
-    none), aged to now and seen against ``latest``. The file is input like any other: opened as a
-    store file is (no link, only this user's), bounded in size, every field checked; one that
-    fails is ignored with a warning."""
-    try:
-        fd, st = _segment.open_file(report_path(store), os.O_RDONLY)
-    except ShmSyncError:
-        return [], []
-    try:
-        if st.st_size > MAX_REPORT_FILE:
-            raise ValueError(f"it holds {st.st_size} bytes, more than {MAX_REPORT_FILE}")
-        doc = json.loads(os.pread(fd, st.st_size, 0))
-        if not isinstance(doc, dict) or doc.get("format") != 1:
-            raise ValueError("it is not a report file of this shmsync")
-        age = max(0.0, (time.time_ns() - _int(doc.get("written_ns"), 0, 1 << 63, "written_ns")) / 1e9)
-        hosts = []
-        for h in _list(doc.get("hosts"), MAX_REPORT_HOSTS, "hosts"):
-            if not isinstance(h, list) or len(h) != 6:
-                raise ValueError(f"a host entry is {str(h)[:60]}")
-            hosts.append(
-                HostReport(
-                    _text(h[0], MAX_NAME, "a host"),
-                    _text(h[1], MAX_NAME, "a host's via"),
-                    _text(h[2], MAX_NAME, "a host's store"),
-                    (_seconds(h[3], "a host's age_s") or 0.0) + age,
-                    _text(h[4], MAX_STATE, "a host's state"),
-                    _int(h[5], 0, MAX_REPORT_ROWS, "a host's readers"),
-                )
-            )
-        rows = []
-        for r in _list(doc.get("rows"), MAX_REPORT_ROWS, "rows"):
-            if not isinstance(r, list) or len(r) != 4:
-                raise ValueError(f"a row entry is {str(r)[:60]}")
-            host, where = _text(r[0], MAX_NAME, "a row's host"), _text(r[1], MAX_NAME, "a row's store")
-            rows.append(row_from_wire(r[3], host, where, _seconds(r[2], "a row's age") or 0.0))
-        return hosts, rebase(rows, latest, age)
-    except ValueError as e:
-        log.warning("shmsync: ignored %s: %s", ascii(report_path(store)), e)
-        return [], []
-    finally:
-        os.close(fd)
-
-
-def _list(value: Any, most: int, what: str) -> list:
-    if not isinstance(value, list) or len(value) > most:
-        raise ValueError(f"{what} is not a list of at most {most} entries")
-    return value
 
 
 def format_rows(table: ReaderTable, limit: int | None = 50) -> str:

@@ -30,17 +30,17 @@ from typing import Any
 import psutil
 import pytest
 
-from . import _segment
-from ._header import MAGIC, W_CREATOR_PID, W_CREATOR_PPID, W_MAGIC
-from .errors import ShmSyncError
+from shmsync.core import segment
+from shmsync.core.header import MAGIC, W_CREATOR_PID, W_CREATOR_PPID, W_MAGIC
+from shmsync.errors import ShmSyncError
 
 
 def stores_created_by(pids: set[int]) -> set[str]:
     """Names of the stores on this host whose creator, or the creator's parent, is in ``pids``."""
     out = set()
-    for name in _segment.list_names():
+    for name in segment.list_names():
         try:
-            found = _segment.peek(name, 8 * 32)
+            found = segment.peek(name, 8 * 32)
         except ShmSyncError:
             continue  # not a file this user made
         if found is None or len(found[0]) < 8 * 32:
@@ -74,7 +74,7 @@ def live_children() -> list[psutil.Process]:
 @pytest.fixture
 def store_factory() -> Iterator[Callable[..., Any]]:
     """``store_factory(source, **kwargs)`` -> a new :class:`~shmsync.WeightStore`, removed after the test."""
-    from .store import WeightStore  # here, not at import: the plugin loads in every pytest run
+    from shmsync.store import WeightStore  # here, not at import: the plugin loads in every pytest run
 
     made: list[WeightStore] = []
 
@@ -115,7 +115,7 @@ def shm_leak_check() -> Iterator[None]:
     # Stores whose creator died are only found through the creator's parent (us) or pid set.
     leaked = stores_created_by(tree | {p.pid for p in extra}) - before - _MANAGED
     for name in leaked:
-        _segment.unlink(name)
+        segment.unlink(name)
     problems = []
     if leaked:
         problems.append(f"shared-memory stores left behind: {sorted(leaked)}")

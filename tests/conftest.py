@@ -12,7 +12,7 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 
 import pytest
 
-from shmsync import _segment
+from shmsync.core import segment
 from shmsync.testing import stores_created_by
 
 
@@ -24,10 +24,10 @@ def _no_leaks(shm_leak_check):
 
 @pytest.fixture(scope="session", autouse=True)
 def _suite_leaves_no_store():
-    before = set(_segment.list_names())
+    before = set(segment.list_names())
     yield
     left = stores_created_by({os.getpid()}) - before
-    assert not left, f"the suite left stores in {_segment.SHM_DIR}: {sorted(left)}"
+    assert not left, f"the suite left stores in {segment.SHM_DIR}: {sorted(left)}"
 
 
 @pytest.fixture

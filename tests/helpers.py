@@ -35,9 +35,9 @@ def wait_for(condition, timeout: float = 30.0, what: str = "condition") -> None:
 
 
 def cli(*args: str, env: dict | None = None, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Run ``python -m shmsync.cli ARGS``; its result (asserting exit 0 with ``check``)."""
+    """Run ``python -m shmsync ARGS``; its result (asserting exit 0 with ``check``)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "shmsync.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-m", "shmsync", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
     if check:
         assert proc.returncode == 0, proc.stderr
@@ -46,9 +46,9 @@ def cli(*args: str, env: dict | None = None, check: bool = True, timeout: float 
 
 def use_store_dir(path: str) -> None:
     """Make this process look for stores in ``path`` (a test's own ``SHMSYNC_DIR``)."""
-    from shmsync import _segment
+    from shmsync.core import segment
 
-    _segment.SHM_DIR = path
+    segment.SHM_DIR = path
 
 
 def hold_store(store_dir: str, name: str, zero_copy: bool, conn) -> None:
@@ -433,7 +433,7 @@ def flood(port: int, n: int, conn) -> None:
     import selectors
     import socket
 
-    from shmsync import _wire
+    from shmsync.relay import wire
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * n + 64)), hard))
@@ -442,7 +442,7 @@ def flood(port: int, n: int, conn) -> None:
     def connect(i):
         sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         if i % 2:
-            sock.sendall(_wire.MAGIC + os.urandom(20))  # a hello that stops halfway
+            sock.sendall(wire.MAGIC + os.urandom(20))  # a hello that stops halfway
         sock.setblocking(False)
         selector.register(sock, selectors.EVENT_READ, i)
 
@@ -469,11 +469,11 @@ def flood(port: int, n: int, conn) -> None:
 
 def join_and_stall(port: int, secret: str, n: int, conn) -> None:
     """``n`` relays that join the trainer at ``port``, answer HAVE -1, then never read a byte."""
-    from shmsync import _wire
+    from shmsync.relay import wire
 
     links = []
     for _ in range(n):
-        link = _wire.connect("127.0.0.1", port, secret.encode(), 10)
+        link = wire.connect("127.0.0.1", port, secret.encode(), 10)
         link.send_json(b"JOIN", {"node": os.urandom(8).hex(), "serve": None})
         link.recv_frame({b"LYOT": 64 << 20}, 10)
         link.recv_payload(10)
@@ -915,7 +915,7 @@ def play_hook() -> None:
 def play_distributed(name: str, pushes: int = 4) -> None:
     """shmsync's distributed collector ``name``: 2 nodes of 1 worker, a push before each batch;
     each batch's frames run and carry the trainer's number of the push before it."""
-    import shmsync.distributed as distributed
+    import shmsync.torchrl.distributed as distributed
     from shmsync import ShmWeightSyncScheme
 
     policy = make_probe_policy()
@@ -969,7 +969,7 @@ def play_ray(pushes: int = 4) -> None:
     import ray
 
     from shmsync import ShmWeightSyncScheme
-    from shmsync.distributed import RayCollector
+    from shmsync.torchrl.distributed import RayCollector
 
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:

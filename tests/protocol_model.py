@@ -1,4 +1,4 @@
-"""The slot protocol of ``shmsync/_protocol.py`` as parties for :mod:`interleavings`: the writer,
+"""The slot protocol of ``shmsync/core/protocol.py`` as parties for :mod:`interleavings`: the writer,
 a plain reader (optimistic copies, then the token and a pinned copy), a zero-copy reader (leases),
 and a reader stopped for good while it asks for a pin; each follows the code line by line, one
 step per load, store and fence of a header word (the slots' contents are ``CELLS`` words).

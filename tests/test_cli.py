@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from shmsync import WeightReader, WeightStore, _segment
+from shmsync import WeightReader, WeightStore
+from shmsync.core import segment
 
 from helpers import cli, use_store_dir
 
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.timeout(120)
 def store_dir(tmp_path, monkeypatch):
     path = tmp_path / "shm"
     path.mkdir()
-    monkeypatch.setattr(_segment, "SHM_DIR", str(path))
+    monkeypatch.setattr(segment, "SHM_DIR", str(path))
     return path
 
 
@@ -176,7 +177,7 @@ def test_watch_redraws_in_a_terminal_until_ctrl_c(store_dir):
         pid, fd = pty.fork()
         if pid == 0:  # the child: the command, its terminal the pty
             os.execve(
-                sys.executable, [sys.executable, "-m", "shmsync.cli", "ls", "policy", "--watch", "0.2"], _env(store_dir)
+                sys.executable, [sys.executable, "-m", "shmsync", "ls", "policy", "--watch", "0.2"], _env(store_dir)
             )
         try:
             seen, deadline = b"", time.monotonic() + 60

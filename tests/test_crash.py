@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from shmsync import WeightReader, WeightStore, WriterGoneError, _segment
-from shmsync._header import W_SEQ
+from shmsync import WeightReader, WeightStore, WriterGoneError
+from shmsync.core import segment
+from shmsync.core.header import W_SEQ
 
 from helpers import (
     STRESS_SIZES,
@@ -80,7 +81,7 @@ def test_orphaned_reader_learns_the_writer_is_gone(start):
         assert line.endswith("orphaned")
         assert json.loads(cli("gc", name, "--json").stdout)["removed"] == []
         assert [r["name"] for r in json.loads(cli("gc", name, "--orphaned", "--json").stdout)["removed"]] == [name]
-        assert name not in _segment.list_names()
+        assert name not in segment.list_names()
         assert reader.version == 0  # the reader keeps its mapping and its weights
     finally:
         store.close()
@@ -109,6 +110,6 @@ def test_a_creator_that_crashes_leaves_no_store(tmp_path, how, code):
     assert proc.returncode == code, proc.stderr[-2000:]
     name = proc.stdout.strip()
     deadline = time.monotonic() + 10
-    while name in _segment.list_names() and time.monotonic() < deadline:
+    while name in segment.list_names() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert name not in _segment.list_names(), f"the crashed creator's store {name} is still in {_segment.SHM_DIR}"
+    assert name not in segment.list_names(), f"the crashed creator's store {name} is still in {segment.SHM_DIR}"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shmsync import ShmWeightSyncScheme
-from shmsync._torchrl_compat import TORCHRL_VERSION
+from shmsync.torchrl.compat import TORCHRL_VERSION
 
 from helpers import fill, free_ports, make_marked_pendulum, make_pendulum, make_probe_policy, wait_for
 
@@ -25,7 +25,7 @@ def two_nodes_with_shmsync(name: str, policy, scheme=None, **kwargs):
     shutting its workers down on a busy machine can take longer, so the store is given more."""
     from torchrl.collectors import MultiSyncCollector
 
-    import shmsync.distributed as distributed
+    import shmsync.torchrl.distributed as distributed
 
     collector = getattr(distributed, name)(
         [make_pendulum, make_marked_pendulum],
@@ -121,7 +121,7 @@ def test_distributed_collector_carries_the_trainers_version_to_each_node_it_upda
 @pytest.mark.skipif(TORCHRL_VERSION >= (0, 14), reason="torchrl >= 0.14 takes shmsync as the local leg")
 @pytest.mark.parametrize("name", ["DistributedSyncCollector", "DistributedCollector"])
 def test_older_torchrl_refuses_shmsync_as_the_local_leg_before_any_node_starts(name):
-    import shmsync.distributed as distributed
+    import shmsync.torchrl.distributed as distributed
 
     with pytest.raises(NotImplementedError, match="needs torchrl >= 0.14"):
         getattr(distributed, name)(
@@ -143,7 +143,7 @@ def test_torchrls_own_collector_with_a_shmsync_local_leg_is_refused_before_any_n
     first node, naming the class to use instead."""
     import torchrl.collectors.distributed as distributed
 
-    with pytest.raises(Exception, match=rf"shmsync\.distributed\.{name}"):
+    with pytest.raises(Exception, match=rf"shmsync\.torchrl\.distributed\.{name}"):
         getattr(distributed, name)(
             [make_pendulum],
             make_probe_policy(),

@@ -9,8 +9,9 @@ import struct
 import pytest
 import torch
 
-from shmsync import StoreNotFoundError, WeightReader, WeightStore, _segment
-from shmsync._header import (
+from shmsync import StoreNotFoundError, WeightReader, WeightStore
+from shmsync.core import segment
+from shmsync.core.header import (
     HEADER_BYTES,
     W_DATA_OFFSET,
     W_FORMAT,
@@ -38,7 +39,7 @@ def store_file(tmp_path, monkeypatch):
     folder of this test's own; no process holds it."""
     folder = tmp_path / "shm"
     folder.mkdir()
-    monkeypatch.setattr(_segment, "SHM_DIR", str(folder))
+    monkeypatch.setattr(segment, "SHM_DIR", str(folder))
     store = WeightStore.create(torch.nn.Linear(4, 2), name="victim", unlink_at_exit=False)
     store.close()
     return folder / "shmsync-victim"
@@ -175,7 +176,7 @@ def test_a_layout_holding_more_lists_than_its_tensors_could_is_refused_before_it
     import time
     import tracemalloc
 
-    from shmsync._layout import Layout
+    from shmsync.core.layout import Layout
 
     raw = b'{"destinations":null,"entries":[' + b"[]," * (10 << 20) + b"[]]}"
     tracemalloc.start()
@@ -190,7 +191,7 @@ def test_a_layout_holding_more_lists_than_its_tensors_could_is_refused_before_it
 
 
 def test_a_layout_past_one_tebibyte_is_refused_naming_the_entry():
-    from shmsync._layout import Layout
+    from shmsync.core.layout import Layout
 
     rows = [[["w"], [(1 << 38) + 1], "float32", 0, ((1 << 38) + 1) * 4]]
     raw = json.dumps({"destinations": None, "entries": rows}).encode()

@@ -10,8 +10,9 @@ import time
 import pytest
 import torch
 
-from shmsync import WeightReader, WeightStore, _segment, host
-from shmsync._header import (
+from shmsync import WeightReader, WeightStore
+from shmsync.core import segment
+from shmsync.core.header import (
     MAX_READERS,
     R_LEASE,
     W_CREATOR_PID,
@@ -22,6 +23,7 @@ from shmsync._header import (
     W_WRITER_PID,
     row_base,
 )
+from shmsync.tools import host
 
 from helpers import blob_weights, canary, cli, create_and_hang, create_in_dir_and_hang, hold_store
 
@@ -32,7 +34,7 @@ pytestmark = pytest.mark.timeout(120)
 def store_dir(tmp_path, monkeypatch):
     path = tmp_path / "shm"
     path.mkdir()
-    monkeypatch.setattr(_segment, "SHM_DIR", str(path))
+    monkeypatch.setattr(segment, "SHM_DIR", str(path))
     return str(path)
 
 
@@ -140,7 +142,7 @@ def test_pids_in_a_header_are_never_signalled(store_dir, start):
 def test_creator_killed_then_gc(start):
     child = start(create_and_hang, {"a": 1000})
     (name,) = child.expect("created")
-    assert name in _segment.list_names()
+    assert name in segment.list_names()
     os.kill(child.pid, signal.SIGKILL)
     child.proc.join(10)
     ls = json.loads(cli("ls", "--json").stdout)
@@ -149,9 +151,9 @@ def test_creator_killed_then_gc(start):
     # Only this test's store: under xdist other tests' dead-creator stores are theirs to check.
     dry = json.loads(cli("gc", name, "--dry-run", "--json").stdout)
     assert [r["name"] for r in dry["removed"]] == [name]
-    assert name in _segment.list_names(), "--dry-run removed something"
+    assert name in segment.list_names(), "--dry-run removed something"
     json.loads(cli("gc", name, "--json").stdout)
-    assert name not in _segment.list_names()
+    assert name not in segment.list_names()
 
 
 def test_gc_keeps_stores_in_use(store_factory, start):

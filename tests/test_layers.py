@@ -1,4 +1,12 @@
-"""The import graph of shmsync: no circle, and nothing low imports anything higher."""
+"""The import graph of shmsync follows its folders: no circle, and nothing low imports anything higher.
+
+shmsync/core/        the memory core (with shmsync/errors.py): imports nothing of shmsync above it
+shmsync/*.py         the store layer (store, reader, table, alarm...): the core and itself
+shmsync/tools/       the shmsync command: the store layer and below
+shmsync/torchrl/     TorchRL's guest          \\ the store layer and below, never each other
+shmsync/relay/       several hosts            /
+workers/             worker processes: anything
+"""
 
 import ast
 import subprocess
@@ -9,84 +17,80 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The core, lowest first: a module may import modules of its own layer or below, never above.
-LAYERS = [
-    {"errors", "_header", "_processes", "_fence", "_paths", "_secret"},  # words, processes, fences, secrets
-    {"_segment", "_protocol", "_layout", "_source", "_pinning", "_viewing", "_copy"},  # memory and protocol
-    {"_memory", "table"},  # one store's mapping; the readers' table read from its header
-    {"store", "_cuda", "tagging", "versions", "lifetime", "host"},  # the store, the CUDA publisher beside it
-    {"reader", "cli", "testing", "alarm"},  # its clients
-]
-# The top (TorchRL, other hosts, worker processes), each module on its own: it may import the
-# core and, of the top, only these.
-TOP = {
-    "_torchrl_compat": set(),  # the TorchRL boundary
-    "_versioning": set(),
-    "_scheme_sender": {"_torchrl_compat"},
-    "_scheme_worker": {"_torchrl_compat"},
-    "_collector_glue": {"_torchrl_compat", "_versioning", "_scheme_sender"},
-    "_remote": {"_torchrl_compat", "_versioning", "_collector_glue", "_reports"},
-    "scheme": {"_torchrl_compat", "_versioning", "_scheme_sender", "_scheme_worker", "_collector_glue", "_remote"},
-    "sender": {"_torchrl_compat"},
-    "hook": {"_torchrl_compat", "scheme", "sender"},
-    "distributed": {"_torchrl_compat", "_remote", "scheme", "_reports"},
-    "_registration": {"scheme"},
-    "_wire": set(),
-    "_reports": {"_wire"},
-    "relay": {"_wire", "_reports"},
-    "workers.policies": set(),
-    "workers.collector": {"workers.policies"},
-    "workers.relay": {"relay"},
-    "workers.launch": {"workers.collector", "workers.relay"},
-}
-RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer} | {name: len(LAYERS) for name in TOP}
+RANK = {"core": 0, "store": 1, "tools": 2, "torchrl": 3, "relay": 3, "workers": 4}
 
 
 def _modules() -> dict[str, Path]:
-    found = {p.stem: p for p in (ROOT / "shmsync").glob("*.py") if p.stem != "__init__"}
-    found.update({f"workers.{p.stem}": p for p in (ROOT / "workers").glob("*.py") if p.stem != "__init__"})
+    """Every module, by its dotted name (``shmsync.core.header``, ``shmsync.workers.launch``)."""
+    found = {}
+    for path in (ROOT / "shmsync").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] in ("__init__", "__main__") or "conf" in parts:
+            continue
+        found[".".join(parts)] = path
+    for path in (ROOT / "workers").glob("*.py"):
+        if path.stem != "__init__":
+            found[f"shmsync.workers.{path.stem}"] = path
     return found
 
 
-def _imports(path: Path, package: str) -> set[str]:
-    """shmsync modules ``path`` imports: at the top, inside functions, and under
-    ``if TYPE_CHECKING:`` alike (a typing import is a dependency too)."""
-    tree = ast.parse(path.read_text())
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    if parts[1] == "errors":
+        return "core"
+    return parts[1] if len(parts) > 2 else "store"
+
+
+def _imports(path: Path, module: str, known: set[str]) -> set[str]:
+    """shmsync modules that ``path`` imports: at the top, inside functions, and under ``if
+    TYPE_CHECKING:`` alike (a typing import is a dependency too)."""
+    package = module.rsplit(".", 1)[0]
     out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:  # from .x import y / from . import x
-            names = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
-            out.update(n if package == "shmsync" else f"workers.{n}" for n in names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shmsync."):
-            parts = node.module.split(".")
-            out.add(".".join(parts[1:3]) if parts[1] == "workers" else parts[1])
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            if not base.startswith("shmsync"):
+                continue
+            for alias in node.names:
+                name = f"{base}.{alias.name}"
+                out.add(name if name in known else base)
         elif isinstance(node, ast.Import):
-            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("shmsync."))
-    return out
+            out.update(a.name for a in node.names if a.name.startswith("shmsync."))
+    return {m for m in out if m in known and m != module}
 
 
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
-    graph = {}
-    for name, path in modules.items():
-        package = "workers" if name.startswith("workers.") else "shmsync"
-        graph[name] = {m for m in _imports(path, package) if m in modules and m != name}
-    return graph
+    return {name: _imports(path, name, set(modules)) for name, path in modules.items()}
 
 
-def test_every_module_has_a_place():
-    assert [m for m in _modules() if m not in RANK] == []
+def test_every_module_lives_in_a_folder_of_the_house():
+    assert {_folder(m) for m in _modules()} <= set(RANK)
+    assert {m for m in _modules() if _folder(m) == "core"} >= {"shmsync.core.protocol", "shmsync.core.header"}
 
 
-def test_no_core_module_imports_a_higher_layer_or_the_top():
-    upward = [f"{name} -> {dep}" for name, deps in _graph().items() for dep in deps if RANK[dep] > RANK[name]]
+def test_nothing_imports_a_higher_folder():
+    upward = [
+        f"{name} -> {dep}"
+        for name, deps in _graph().items()
+        for dep in deps
+        if RANK[_folder(dep)] > RANK[_folder(name)]
+    ]
     assert upward == []
 
 
-@pytest.mark.parametrize("module", sorted(TOP))
-def test_a_top_module_imports_only_what_it_builds_on(module):
-    graph = _graph()
-    assert graph[module] & set(TOP) <= TOP[module], f"{module} imports {sorted(graph[module] & set(TOP) - TOP[module])}"
+def test_torchrl_and_the_relay_do_not_import_each_other():
+    across = [
+        f"{name} -> {dep}"
+        for name, deps in _graph().items()
+        for dep in deps
+        if {_folder(name), _folder(dep)} == {"torchrl", "relay"}
+    ]
+    assert across == []
 
 
 def test_the_import_graph_has_no_circle():
@@ -105,6 +109,13 @@ def test_the_import_graph_has_no_circle():
     for node in sorted(graph):
         if node not in state:
             visit(node, [])
+
+
+def test_the_check_sees_an_upward_import(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("from shmsync.torchrl import compat\nfrom ..store import WeightStore\n")
+    known = {"shmsync.torchrl.compat", "shmsync.store", "shmsync.core.x"}
+    assert _imports(module, "shmsync.core.x", known) == {"shmsync.torchrl.compat", "shmsync.store"}
 
 
 def test_store_and_reader_import_without_torchrl():

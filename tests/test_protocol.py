@@ -1,5 +1,5 @@
 """The slot protocol, step by step: chosen interleavings of one writer and its readers on a
-plain list of header words, without torch or processes (see shmsync/_protocol.py)."""
+plain list of header words, without torch or processes (see shmsync/core/protocol.py)."""
 
 import itertools
 import subprocess
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from shmsync._header import (
+from shmsync.core.header import (
     HEADER_WORDS,
     MAX_READERS,
     W_LATEST,
@@ -20,7 +20,7 @@ from shmsync._header import (
     W_PIN_SLOT,
     W_VERSION,
 )
-from shmsync._protocol import LocalLocks, Protocol, initialize, lease_word
+from shmsync.core.protocol import LocalLocks, Protocol, initialize, lease_word
 from shmsync.errors import ReloadTimeoutError, ShmSyncError
 
 ORDERINGS = ["tso", "weak"]  # "weak" runs the real fences of non-x86 CPUs, on any CPU
@@ -429,5 +429,5 @@ def test_with_two_slots_a_lease_being_decided_and_a_pin_never_make_the_writer_wa
 
 
 def test_the_protocol_needs_no_torch():
-    code = "import sys, shmsync._protocol, shmsync._fence; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, shmsync.core.protocol, shmsync.core.fences; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,4 +1,4 @@
-"""Every interleaving of small configurations of the slot protocol (shmsync/_protocol.py, as
+"""Every interleaving of small configurations of the slot protocol (shmsync/core/protocol.py, as
 modelled in tests/protocol_model.py), explored on sequential consistency, on x86-TSO and on the
 weak order of aarch64, with crashes; and the checker shown to fail when a fence or a rule that the
 protocol's argument rests on is taken away.

@@ -1,5 +1,5 @@
 """The model the interleaving checker explores (tests/protocol_model.py) follows the code
-(shmsync/_protocol.py): run one operation at a time from the same header, each party of the model
+(shmsync/core/protocol.py): run one operation at a time from the same header, each party of the model
 makes the same stores, fences and lock operations, and the same loads of words another party
 writes, in the same order, with the same values, and leaves the same words behind."""
 
@@ -22,8 +22,8 @@ from protocol_model import (
     writer,
 )
 
-from shmsync import _header as H
-from shmsync._protocol import LocalLocks, Protocol, initialize, lease_word
+from shmsync.core import header as H
+from shmsync.core.protocol import LocalLocks, Protocol, initialize, lease_word
 
 ZERO_COPY_STORES = frozenset({"row", "leases"})
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shmsync import ShmWeightSyncScheme
-from shmsync._torchrl_compat import TORCHRL_VERSION
+from shmsync.torchrl.compat import TORCHRL_VERSION
 
 from helpers import fill, make_marked_pendulum, make_pendulum, make_probe_policy
 
@@ -44,7 +44,7 @@ def ray_collector(policy, sync: bool, total_frames: int = 600, workers: int = 2,
     workers each."""
     from torchrl.collectors import MultiSyncCollector
 
-    from shmsync.distributed import RayCollector
+    from shmsync.torchrl.distributed import RayCollector
 
     return RayCollector(
         [make_pendulum, make_marked_pendulum],
@@ -144,7 +144,7 @@ def test_torchrls_own_ray_collector_with_a_shmsync_local_leg_is_refused_at_once(
     from torchrl.collectors import MultiSyncCollector
     from torchrl.collectors.distributed import RayCollector
 
-    with pytest.raises(Exception, match=r"shmsync\.distributed\.RayCollector"):
+    with pytest.raises(Exception, match=r"shmsync\.torchrl\.distributed\.RayCollector"):
         RayCollector(
             [make_pendulum],
             make_probe_policy(),

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from shmsync._torchrl_compat import TORCHRL_VERSION
+from shmsync.torchrl.compat import TORCHRL_VERSION
 
 pytestmark = [pytest.mark.torchrl, pytest.mark.timeout(180)]
 

@@ -15,8 +15,7 @@ import time
 import pytest
 import torch
 
-from shmsync import _wire
-from shmsync.relay import RelaySender
+from shmsync.relay import RelaySender, wire
 
 import helpers
 from helpers import SECRET, blob_weights, cli, set_all, wait_for
@@ -234,12 +233,12 @@ def _stranger(port, secret=b"not the relay secret, but thirty-two bytes long", s
     sock = socket_module.create_connection(("127.0.0.1", port), timeout=10)
     got = b""
     try:
-        while len(got) < _wire.SERVER_HELLO:
+        while len(got) < wire.SERVER_HELLO:
             got += sock.recv(4096)
         if speak:
             ours, mode = os.urandom(32), b"\x01"
-            transcript = _wire.MAGIC + got[len(_wire.MAGIC) :] + ours + mode
-            sock.sendall(_wire.MAGIC + ours + mode + _wire._mac(secret, b"client", transcript))
+            transcript = wire.MAGIC + got[len(wire.MAGIC) :] + ours + mode
+            sock.sendall(wire.MAGIC + ours + mode + wire._mac(secret, b"client", transcript))
             while chunk := sock.recv(65536):
                 got += chunk
     finally:
@@ -253,7 +252,7 @@ def test_a_stranger_gets_a_nonce_and_nothing_else_and_the_trainer_keeps_its_pace
     with RelaySender(store, "127.0.0.1", 0, secret=SECRET) as sender:
         calm = _slowest_publish(store, weights)
         got = _stranger(sender.port)
-        assert len(got) == _wire.SERVER_HELLO, "a peer without the secret was sent more than the nonce"
+        assert len(got) == wire.SERVER_HELLO, "a peer without the secret was sent more than the nonce"
         wait_for(lambda: sender.refused == 1, what="the stranger to be refused")
         # A real relay still links, and the trainer publishes as before.
         relay = start_relay(start, host, sender.port)
@@ -296,7 +295,7 @@ def test_a_silent_connection_is_cut_within_a_second_or_two(store_factory):
     with RelaySender(store, "127.0.0.1", 0, secret=SECRET, handshake_timeout=30) as sender:
         sock = socket_module.create_connection(("127.0.0.1", sender.port), timeout=10)
         began = time.monotonic()
-        assert len(sock.recv(4096)) == _wire.SERVER_HELLO
+        assert len(sock.recv(4096)) == wire.SERVER_HELLO
         assert sock.recv(1) == b"", "the server kept a silent connection"
         assert time.monotonic() - began < 2.5
         sock.close()
@@ -317,13 +316,13 @@ def test_a_relay_that_proves_the_secret_but_breaks_the_protocol_is_dropped(store
     store = store_factory(weights)
     with RelaySender(store, "127.0.0.1", 0, secret=SECRET) as sender:
         for bad in (
-            lambda link: link.sock.sendall(_wire.FRAME.pack(b"JOIN", 1 << 40)),  # refused before any allocation
+            lambda link: link.sock.sendall(wire.FRAME.pack(b"JOIN", 1 << 40)),  # refused before any allocation
             lambda link: link.send(b"VERS", b"\0" * 16),  # not what comes first
             lambda link: link.send(b"JOIN", b'{"node":1'),  # not JSON
             lambda link: link.send_json(b"JOIN", {"node": "x", "serve": None}),  # not a node id
-            lambda link: link.sock.sendall(_wire.FRAME.pack(b"JOIN", 10) + b"\0" * 26),  # fails its check
+            lambda link: link.sock.sendall(wire.FRAME.pack(b"JOIN", 10) + b"\0" * 26),  # fails its check
         ):
-            link = _wire.connect("127.0.0.1", sender.port, SECRET.encode(), 5)
+            link = wire.connect("127.0.0.1", sender.port, SECRET.encode(), 5)
             bad(link)
             assert link.sock.recv(1) == b"", "the server kept a link that broke the protocol"
             link.close()
@@ -377,8 +376,8 @@ class FakeTrainer:
                 return
             self.attempts += 1
             try:
-                keys = _wire.server_handshake(sock, self.secret, 5)
-                link = _wire.Link(sock, "relay", keys)
+                keys = wire.server_handshake(sock, self.secret, 5)
+                link = wire.Link(sock, "relay", keys)
                 _, self.joined = link.recv_json({b"JOIN": 4096}, 5)
                 self.script(link, self.attempts)
             except Exception as e:  # the relay hung up on us: what we want
@@ -444,9 +443,9 @@ def _chain(error):
 
 @pytest.fixture
 def one_host(host, monkeypatch):
-    from shmsync import _segment
+    from shmsync.core import segment
 
-    monkeypatch.setattr(_segment, "SHM_DIR", host)  # restored after the test
+    monkeypatch.setattr(segment, "SHM_DIR", host)  # restored after the test
     return host
 
 
@@ -473,7 +472,7 @@ def test_a_trainer_that_breaks_the_protocol_never_gets_a_byte_published(one_host
 
     def script(link, attempt):
         if hostile == "huge layout":
-            link.sock.sendall(_wire.FRAME.pack(b"LYOT", 1 << 40))
+            link.sock.sendall(wire.FRAME.pack(b"LYOT", 1 << 40))
         elif hostile == "garbage layout":
             link.send(b"LYOT", b"{" * 100)
         elif hostile == "bad conf":
@@ -486,7 +485,7 @@ def test_a_trainer_that_breaks_the_protocol_never_gets_a_byte_published(one_host
         elif hostile == "30 MiB of lists":
             link.send(b"LYOT", b'{"destinations":null,"entries":[' + b"[]," * (10 << 20) + b"[]]}")
         elif hostile == "a frame altered on the way":
-            link.sock.sendall(_wire.FRAME.pack(b"LYOT", len(layout)) + layout + b"\0" * 16)
+            link.sock.sendall(wire.FRAME.pack(b"LYOT", len(layout)) + layout + b"\0" * 16)
         else:
             assert _admit(link, layout) == {"version": -1}
             if hostile == "short version":
@@ -669,7 +668,7 @@ def test_a_stalled_middle_relay_holds_up_only_the_hosts_below_it(store_factory, 
 def _joining(port, serve=None, node=None):
     """A link that joined the trainer as a relay would (JOIN sent); returns it and its node id."""
     node = node or os.urandom(8).hex()
-    link = _wire.connect("127.0.0.1", port, SECRET.encode(), 5)
+    link = wire.connect("127.0.0.1", port, SECRET.encode(), 5)
     link.send_json(b"JOIN", {"node": node, "serve": serve})
     return link, node
 
@@ -840,7 +839,7 @@ def test_the_relay_command_ends_each_protocol_error_with_its_code_and_one_line(h
             doc["entries"][-1][1], doc["entries"][-1][4] = [1 << 59], 1 << 61
             link.send(b"LYOT", json.dumps(doc).encode())
         elif hostile == "a frame altered on the way":
-            link.sock.sendall(_wire.FRAME.pack(b"LYOT", len(layout)) + layout + b"\0" * 16)
+            link.sock.sendall(wire.FRAME.pack(b"LYOT", len(layout)) + layout + b"\0" * 16)
         else:
             _admit(link, layout)
             if hostile == "the largest version":

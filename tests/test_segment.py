@@ -8,7 +8,8 @@ import stat
 import pytest
 import torch
 
-from shmsync import WeightStore, _segment
+from shmsync import WeightStore
+from shmsync.core import segment
 from shmsync.errors import StoreUntrustedError
 
 from helpers import open_fds
@@ -19,7 +20,7 @@ def store_dir(tmp_path, monkeypatch):
     """A store folder of this test's own (``SHMSYNC_DIR``)."""
     path = tmp_path / "shm"
     path.mkdir()
-    monkeypatch.setattr(_segment, "SHM_DIR", str(path))
+    monkeypatch.setattr(segment, "SHM_DIR", str(path))
     monkeypatch.delenv("SHMSYNC_TRUST_GROUP", raising=False)
     return path
 

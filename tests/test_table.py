@@ -10,12 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shmsync import WeightReader, WeightStore, _segment
-from shmsync.table import (
+from shmsync import WeightReader, WeightStore
+from shmsync.core import segment
+from shmsync.remote_rows import (
     MAX_REPORT_ROWS,
-    HostReport,
-    ReaderRow,
-    ReaderTable,
     read_report_file,
     report_from_wire,
     report_path,
@@ -23,6 +21,7 @@ from shmsync.table import (
     row_to_wire,
     write_report_file,
 )
+from shmsync.table import HostReport, ReaderRow, ReaderTable
 
 from helpers import wait_for
 
@@ -176,7 +175,7 @@ def test_a_report_that_breaks_its_schema_is_refused(doc):
 def store_dir(tmp_path, monkeypatch):
     path = tmp_path / "shm"
     path.mkdir()
-    monkeypatch.setattr(_segment, "SHM_DIR", str(path))
+    monkeypatch.setattr(segment, "SHM_DIR", str(path))
     return path
 
 
@@ -185,7 +184,7 @@ def test_the_report_file_round_trips_and_ages(store_dir):
     hosts = [HostReport("host-b", "relay 1", "policy", 0.5, "reporting", 1)]
     write_report_file("policy", hosts, rows)
     assert oct(os.stat(report_path("policy")).st_mode & 0o777) == "0o600"
-    assert _segment.list_entries() == [], "a report file is never taken for a store"
+    assert segment.list_entries() == [], "a report file is never taken for a store"
     got_hosts, got_rows = read_report_file("policy", latest=6)
     assert [(h.host, h.via, h.state, h.readers) for h in got_hosts] == [("host-b", "relay 1", "reporting", 1)]
     (row,) = got_rows

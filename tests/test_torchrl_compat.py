@@ -1,4 +1,4 @@
-"""The TorchRL boundary (``shmsync/_torchrl_compat.py``): the only module that touches a TorchRL
+"""The TorchRL boundary (``shmsync/torchrl/compat.py``): the only module that touches a TorchRL
 private name or counts on a TorchRL behaviour; importing shmsync changes nothing in TorchRL; and
 a TorchRL release that renamed, removed or changed any entry of the catalogue ends, within a
 minute, with every worker loading every version under the right tags, or a TorchRLChangedError
@@ -26,7 +26,7 @@ import pytest
 import torch
 import torchrl
 
-from shmsync import _torchrl_compat as compat
+from shmsync.torchrl import compat
 
 pytestmark = [pytest.mark.torchrl]
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def test_an_entry_found_otherwise_names_itself_the_torchrl_and_the_versions_that
 
 
 def test_a_torchrl_outside_the_tested_range_is_refused_at_import_with_a_clear_message():
-    code = "import torchrl; torchrl.__version__ = '0.15.0'; import shmsync.scheme"
+    code = "import torchrl; torchrl.__version__ = '0.15.0'; import shmsync.torchrl.scheme"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "shmsync supports torchrl 0.11 to 0.14, each minor tested; this is torchrl 0.15.0" in proc.stderr
@@ -160,7 +160,7 @@ def test_nothing_outside_the_boundary_touches_a_torchrl_internal():
     sources += [(p, f"shmsync.workers.{p.stem}") for p in (ROOT / "workers").glob("*.py")]
     sources += [(p, "hydra_plugins.shmsync_searchpath") for p in (ROOT / "hydra_plugins").rglob("*.py")]
     uses = [use for path, module in sorted(sources) for use in _uses_of_torchrl_internals(path, module, private)]
-    assert uses == [], "TorchRL internals touched outside shmsync/_torchrl_compat.py:\n" + "\n".join(uses)
+    assert uses == [], "TorchRL internals touched outside shmsync/torchrl/compat.py:\n" + "\n".join(uses)
 
 
 def test_the_source_check_can_fail(tmp_path):
@@ -216,7 +216,13 @@ def _torchrl_state(first: tuple[str, ...]) -> dict:
         pytest.param(["shmsync"], id="import shmsync, then torchrl"),
         pytest.param(_TORCHRL_MODULES + ["shmsync"], id="torchrl, then import shmsync"),
         pytest.param(
-            ["shmsync", "shmsync.scheme", "shmsync.hook", "shmsync.distributed", "shmsync.testing"],
+            [
+                "shmsync",
+                "shmsync.torchrl.scheme",
+                "shmsync.torchrl.hooks",
+                "shmsync.torchrl.distributed",
+                "shmsync.testing",
+            ],
             id="every shmsync module and the pytest plugin",
         ),
     ],

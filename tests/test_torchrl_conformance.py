@@ -18,7 +18,7 @@ from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from shmsync import ShmWeightSyncScheme
-from shmsync._torchrl_compat import TORCHRL_VERSION
+from shmsync.torchrl.compat import TORCHRL_VERSION
 
 from helpers import (
     TIE,

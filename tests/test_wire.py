@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from shmsync import _secret, _wire
+from shmsync.core import secret_file
 from shmsync.errors import AuthenticationError, ProtocolError
+from shmsync.relay import wire
 
 from helpers import cli, wait_for
 
@@ -49,9 +50,9 @@ def _run(fn, *args, **kwargs):
 def _links(encrypt=True, secret=SECRET, client_secret=SECRET):
     """A linked (server, client) pair after a real handshake over a socket pair."""
     a, b = _pair()
-    served = _run(_wire.server_handshake, a, secret, 5, encrypt=encrypt)
-    keys = _wire.client_handshake(b, client_secret, 5, encrypt=encrypt)
-    return _wire.Link(a, "client", served()), _wire.Link(b, "server", keys)
+    served = _run(wire.server_handshake, a, secret, 5, encrypt=encrypt)
+    keys = wire.client_handshake(b, client_secret, 5, encrypt=encrypt)
+    return wire.Link(a, "client", served()), wire.Link(b, "server", keys)
 
 
 class Path:
@@ -78,10 +79,10 @@ class Path:
 
 def test_both_ends_prove_the_secret_and_it_never_crosses_the_wire():
     path = Path()
-    done = _run(_wire.server_handshake, path.server, SECRET, 5)
-    _wire.client_handshake(path.client, SECRET, 5)
+    done = _run(wire.server_handshake, path.server, SECRET, 5)
+    wire.client_handshake(path.client, SECRET, 5)
     done()
-    want = _wire.SERVER_HELLO + _wire.CLIENT_HELLO + _wire.SERVER_ANSWER
+    want = wire.SERVER_HELLO + wire.CLIENT_HELLO + wire.SERVER_ANSWER
     wait_for(lambda: len(path.crossed) >= want, timeout=10, what="the pipe to pass it all")
     assert len(path.crossed) == want == 48 + 81 + 33
     assert SECRET not in path.crossed and SECRET[:16] not in path.crossed
@@ -91,9 +92,9 @@ def test_frames_are_unreadable_on_the_path_and_each_connection_has_keys_of_its_o
     sealed = []
     for _ in range(2):
         path = Path()
-        served = _run(_wire.server_handshake, path.server, SECRET, 5)
-        client = _wire.Link(path.client, "server", _wire.client_handshake(path.client, SECRET, 5))
-        server = _wire.Link(path.server, "client", served())
+        served = _run(wire.server_handshake, path.server, SECRET, 5)
+        client = wire.Link(path.client, "server", wire.client_handshake(path.client, SECRET, 5))
+        server = wire.Link(path.server, "client", served())
         start = len(path.crossed)
         client.send(b"DATA", PAYLOAD)
         kind, n = server.recv_frame({b"DATA": len(PAYLOAD)}, 5)
@@ -116,7 +117,7 @@ def test_a_frame_altered_replayed_or_moved_on_the_path_fails_its_check(how):
     elif how == "a forged length":  # the kind and length are checked too, though in clear
         client.send(b"DATA", PAYLOAD)
         raw = bytearray(server.sock.recv(12 + len(PAYLOAD) + 16, socket.MSG_WAITALL))
-        injected = _wire.FRAME.pack(b"DATA", len(PAYLOAD) - 1) + bytes(raw[12:-1])
+        injected = wire.FRAME.pack(b"DATA", len(PAYLOAD) - 1) + bytes(raw[12:-1])
     elif how == "a replayed frame":
         client.send(b"DATA", PAYLOAD)
         raw = server.sock.recv(12 + len(PAYLOAD) + 16, socket.MSG_PEEK | socket.MSG_WAITALL)
@@ -145,9 +146,9 @@ def test_a_stranger_passing_the_handshake_through_can_neither_read_nor_alter_a_f
         return bytes(data)
 
     path = Path(alter)
-    served = _run(_wire.server_handshake, path.server, SECRET, 5)
-    relay = _wire.Link(path.client, "trainer", _wire.client_handshake(path.client, SECRET, 5))
-    trainer = _wire.Link(path.server, "relay", served())
+    served = _run(wire.server_handshake, path.server, SECRET, 5)
+    relay = wire.Link(path.client, "trainer", wire.client_handshake(path.client, SECRET, 5))
+    trainer = wire.Link(path.server, "relay", served())
     trainer.send(b"DATA", PAYLOAD)
     relay.recv_frame({b"DATA": len(PAYLOAD)}, 5)
     assert relay.recv_payload(5) == PAYLOAD and b"in clear" not in path.crossed
@@ -161,8 +162,8 @@ def test_a_stranger_passing_the_handshake_through_can_neither_read_nor_alter_a_f
 @pytest.mark.parametrize("client_secret", [b"another secret, of thirty-two bytes too", SECRET[:-1] + b"!"])
 def test_a_client_without_the_secret_is_refused(client_secret):
     server, client = _pair()
-    served = _run(_wire.server_handshake, server, SECRET, 5)
-    asked = _run(_wire.client_handshake, client, client_secret, 5)
+    served = _run(wire.server_handshake, server, SECRET, 5)
+    asked = _run(wire.client_handshake, client, client_secret, 5)
     with pytest.raises(AuthenticationError, match="the peer does not hold the relay secret"):
         served()
     server.close()  # what the relay server does next
@@ -175,24 +176,24 @@ def test_a_server_without_the_secret_is_refused_by_the_client():
 
     def pretending_server(sock):
         """Answers the client's proof with one of its own, made with another secret."""
-        side = _wire.ServerSide(b"a server of another secret, 32 bytes long")
+        side = wire.ServerSide(b"a server of another secret, 32 bytes long")
         sock.sendall(side.hello())
-        hello = sock.recv(_wire.CLIENT_HELLO, socket.MSG_WAITALL)
-        transcript = _wire.MAGIC + side.nonce + hello[16:48] + hello[48:49]
-        sock.sendall(b"\0" + _wire._mac(side.secret, b"server", transcript, b"\0"))
+        hello = sock.recv(wire.CLIENT_HELLO, socket.MSG_WAITALL)
+        transcript = wire.MAGIC + side.nonce + hello[16:48] + hello[48:49]
+        sock.sendall(b"\0" + wire._mac(side.secret, b"server", transcript, b"\0"))
 
     done = _run(pretending_server, server)
     with pytest.raises(AuthenticationError, match="the server does not hold the relay secret"):
-        _wire.client_handshake(client, SECRET, 5)
+        wire.client_handshake(client, SECRET, 5)
     done()
 
 
 @pytest.mark.parametrize("server_encrypts", [True, False])
 def test_both_ends_must_want_the_same_frames(server_encrypts):
     server, client = _pair()
-    served = _run(_wire.server_handshake, server, SECRET, 5, encrypt=server_encrypts)
+    served = _run(wire.server_handshake, server, SECRET, 5, encrypt=server_encrypts)
     with pytest.raises(AuthenticationError, match="encrypt= must be the same on both ends"):
-        _wire.client_handshake(client, SECRET, 5, encrypt=not server_encrypts)
+        wire.client_handshake(client, SECRET, 5, encrypt=not server_encrypts)
     with pytest.raises(AuthenticationError, match="encrypt= must be the same on both ends"):
         served()
 
@@ -210,8 +211,8 @@ def test_plain_frames_inside_a_tunnel_carry_no_tag_and_are_still_checked_for_siz
 
 def test_a_peer_that_does_not_speak_the_protocol_is_refused():
     server, client = _pair()
-    done = _run(_wire.server_handshake, server, SECRET, 5)
-    client.recv(_wire.SERVER_HELLO)
+    done = _run(wire.server_handshake, server, SECRET, 5)
+    client.recv(wire.SERVER_HELLO)
     client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 60)
     with pytest.raises(AuthenticationError, match="does not speak the shmsync relay protocol"):
         done()
@@ -221,7 +222,7 @@ def test_a_silent_peer_is_dropped_at_the_handshake_deadline():
     server, client = _pair()
     began = time.monotonic()
     with pytest.raises(ProtocolError, match="in time"):
-        _wire.server_handshake(server, SECRET, 0.3)
+        wire.server_handshake(server, SECRET, 0.3)
     assert time.monotonic() - began < 2
     client.close()
 
@@ -229,14 +230,14 @@ def test_a_silent_peer_is_dropped_at_the_handshake_deadline():
 @pytest.mark.parametrize("encrypt", [True, False])
 def test_a_frame_of_an_unexpected_kind_or_size_is_refused_before_its_payload_is_read(encrypt):
     server, client = _links(encrypt)
-    client.sock.sendall(_wire.FRAME.pack(b"EVIL", 0))
+    client.sock.sendall(wire.FRAME.pack(b"EVIL", 0))
     with pytest.raises(ProtocolError, match=r"sent a b'EVIL' message where only \['JOIN'\] may come"):
         server.recv_frame({b"JOIN": 100}, timeout=5)
-    client.sock.sendall(_wire.FRAME.pack(b"JOIN", 1 << 40) + b"x" * 10)
+    client.sock.sendall(wire.FRAME.pack(b"JOIN", 1 << 40) + b"x" * 10)
     with pytest.raises(ProtocolError, match="JOIN message of 1099511627776 bytes, at most 100"):
         server.recv_frame({b"JOIN": 100}, timeout=5)
     assert server.sock.recv(10) == b"x" * 10, "the payload of a refused frame was read"
-    client.sock.sendall(_wire.FRAME.pack(b"VERS", 8))
+    client.sock.sendall(wire.FRAME.pack(b"VERS", 8))
     with pytest.raises(ProtocolError, match="VERS message of 8 bytes, 16"):
         server.recv_frame({b"VERS": (16, 16)}, timeout=5)
 
@@ -250,7 +251,7 @@ def test_a_frame_that_is_not_json_where_json_is_due_is_refused():
 
 def test_a_frame_cut_short_is_an_end_of_link_not_a_hang():
     server, client = _links()
-    client.sock.sendall(_wire.FRAME.pack(b"JOIN", 10) + b"abc")
+    client.sock.sendall(wire.FRAME.pack(b"JOIN", 10) + b"abc")
     client.sock.close()
     assert server.recv_frame({b"JOIN": 100}, timeout=5) == (b"JOIN", 10)
     with pytest.raises(EOFError):
@@ -259,7 +260,7 @@ def test_a_frame_cut_short_is_an_end_of_link_not_a_hang():
 
 def test_a_peer_that_stops_reading_leaves_the_rest_of_a_frame_kept_and_then_takes_it():
     server, client = _links()
-    client = _wire.Link(client.sock, "server", client.keys, send_timeout=0.2)
+    client = wire.Link(client.sock, "server", client.keys, send_timeout=0.2)
     big = os.urandom(32 << 20)  # more than both socket buffers hold
     began = time.monotonic()
     assert not client.send_or_keep(b"DATA", big), "a peer that reads nothing took 32 MB"
@@ -272,35 +273,35 @@ def test_a_peer_that_stops_reading_leaves_the_rest_of_a_frame_kept_and_then_take
 
 def test_a_link_that_cannot_hand_its_frame_on_says_so_and_is_broken():
     server, client = _links()
-    client = _wire.Link(client.sock, "server", client.keys, send_timeout=0.2)
+    client = wire.Link(client.sock, "server", client.keys, send_timeout=0.2)
     with pytest.raises(TimeoutError, match="took no bytes"):
         client.send(b"DATA", os.urandom(32 << 20))
 
 
 def test_the_secret_comes_from_an_argument_the_environment_or_a_private_file(tmp_path, monkeypatch):
-    monkeypatch.delenv(_secret.SECRET_ENV, raising=False)
-    monkeypatch.delenv(_secret.SECRET_FILE_ENV, raising=False)
+    monkeypatch.delenv(secret_file.SECRET_ENV, raising=False)
+    monkeypatch.delenv(secret_file.SECRET_FILE_ENV, raising=False)
     with pytest.raises(ValueError, match="no relay secret"):
-        _secret.resolve_secret()
-    generated, made = _secret.resolve_secret(generate=True)
+        secret_file.resolve_secret()
+    generated, made = secret_file.resolve_secret(generate=True)
     assert made and len(generated) == 43, "a generated secret is 32 random bytes, URL-safe"
-    monkeypatch.setenv(_secret.SECRET_ENV, "x" * 40)
-    assert _secret.resolve_secret() == (b"x" * 40, False)
-    monkeypatch.delenv(_secret.SECRET_ENV)
+    monkeypatch.setenv(secret_file.SECRET_ENV, "x" * 40)
+    assert secret_file.resolve_secret() == (b"x" * 40, False)
+    monkeypatch.delenv(secret_file.SECRET_ENV)
     path = tmp_path / "secret"
     path.write_text("y" * 40 + "\n")
-    monkeypatch.setenv(_secret.SECRET_FILE_ENV, str(path))
+    monkeypatch.setenv(secret_file.SECRET_FILE_ENV, str(path))
     os.chmod(path, 0o644)
     with pytest.raises(PermissionError, match="only you can read"):
-        _secret.resolve_secret()
+        secret_file.resolve_secret()
     os.chmod(path, 0o600)
-    assert _secret.resolve_secret() == (b"y" * 40, False)
+    assert secret_file.resolve_secret() == (b"y" * 40, False)
 
 
 @pytest.mark.parametrize("short", ["passwordpassword", "correct horse battery staple!!!"])
 def test_a_secret_given_by_hand_shorter_than_32_bytes_is_refused_without_being_echoed(short):
     with pytest.raises(ValueError, match=r"is \d+ bytes; a relay secret must be 32 to 4096 random bytes") as info:
-        _secret.resolve_secret(short)
+        secret_file.resolve_secret(short)
     assert short not in str(info.value)
 
 
@@ -308,7 +309,7 @@ def test_new_secret_writes_a_random_secret_only_its_owner_can_read_and_never_rep
     loose = tmp_path / "under-a-loose-umask"
     old = os.umask(0)
     try:
-        _secret.write_secret_file(str(loose))
+        secret_file.write_secret_file(str(loose))
     finally:
         os.umask(old)
     assert os.stat(loose).st_mode & 0o777 == 0o600, "the umask loosened the secret file's mode"
@@ -317,14 +318,14 @@ def test_new_secret_writes_a_random_secret_only_its_owner_can_read_and_never_rep
     assert "mode 0600" in out.stdout
     st = os.stat(path)
     assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid()
-    first = _secret.read_secret_file(str(path))
-    assert len(first) == 43 and _secret.resolve_secret(first) == (first, False)
+    first = secret_file.read_secret_file(str(path))
+    assert len(first) == 43 and secret_file.resolve_secret(first) == (first, False)
     again = cli("new-secret", str(path), check=False)
     assert again.returncode == 1 and "File exists" in again.stderr and "Traceback" not in again.stderr
-    assert _secret.read_secret_file(str(path)) == first, "an existing secret file was replaced"
+    assert secret_file.read_secret_file(str(path)) == first, "an existing secret file was replaced"
     other = tmp_path / "another"
     cli("new-secret", str(other))
-    assert _secret.read_secret_file(str(other)) != first
+    assert secret_file.read_secret_file(str(other)) != first
 
 
 @pytest.mark.parametrize(
@@ -332,5 +333,5 @@ def test_new_secret_writes_a_random_secret_only_its_owner_can_read_and_never_rep
 )
 def test_an_address_a_peer_sends_is_checked(value):
     with pytest.raises(ProtocolError, match=r"want \[host, port\]"):
-        _wire.address(value, "an address")
-    assert _wire.address(["10.0.0.2", 29600], "an address") == ("10.0.0.2", 29600)
+        wire.address(value, "an address")
+    assert wire.address(["10.0.0.2", 29600], "an address") == ("10.0.0.2", 29600)

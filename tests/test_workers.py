@@ -10,7 +10,7 @@ import psutil
 import pytest
 import torch
 
-from shmsync import _segment
+from shmsync.core import segment
 from shmsync.workers.launch import launch
 from shmsync.workers.policies import make_env, mlp_policy
 
@@ -109,10 +109,10 @@ def test_workers_exit_when_their_parent_dies(start):
     assert not alive, f"workers outlived their parent: {[p.pid for p in alive]}"
     # The dead trainer's store is garbage now: gc removes it.
     out = subprocess.run(
-        [sys.executable, "-m", "shmsync.cli", "gc", name, "--json"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "shmsync", "gc", name, "--json"], capture_output=True, text=True, timeout=60
     ).stdout
     assert name in out
-    assert name not in _segment.list_names()
+    assert name not in segment.list_names()
 
 
 def test_launcher_command_line(store_factory):

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from shmsync import WeightReader, WeightStore, _segment
+from shmsync import WeightReader, WeightStore
+from shmsync.core import segment
 
 from helpers import (
     STRESS_SIZES,
@@ -82,7 +83,7 @@ def test_a_viewing_reader_that_cannot_lease_copies_into_private_memory(store_fac
     _publish(store, 1.0)
     other = WeightStore.attach(store.name)  # another open file description: its lock conflicts
     try:
-        assert other.memory.segment.lock(_segment.TABLE_LOCK, exclusive=True, wait=False)
+        assert other.memory.segment.lock(segment.TABLE_LOCK, exclusive=True, wait=False)
         assert reader.poll() and not reader.viewing
     finally:
         other.close()
@@ -186,7 +187,7 @@ def test_zero_copy_stress(store_factory, start, num_slots):
 
 
 def test_a_reader_without_a_row_in_a_full_table_copies_instead_of_leasing(store_factory):
-    from shmsync._header import MAX_READERS
+    from shmsync.core.header import MAX_READERS
 
     store = store_factory(blob_weights(SMALL, 3.0), num_slots=4)
     fillers = [WeightReader(store, ParamBlob(SMALL)) for _ in range(MAX_READERS)]

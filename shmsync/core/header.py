@@ -1,0 +1,181 @@
+"""The header of a segment: 48 KiB of int64 words at its start (no torch needed to read it)."""
+
+from __future__ import annotations
+
+import itertools
+
+from shmsync.errors import ShmSyncError, StoreCorruptError, StoreNotFoundError
+
+MAGIC = 0x534D5359_4E433031  # "SMSYNC01"
+FORMAT = 5  # 5: reader rows of 8 words (worker, flags, process start), 72 KiB header
+HEADER_BYTES = 72 * 1024  # mostly the reader table: room for 1,136 readers
+HEADER_WORDS = HEADER_BYTES // 8
+MAX_SLOTS = 16
+ALIGN = 64
+PAGE = 4096
+MAX_LAYOUT_BYTES = 64 << 20  # the layout JSON: ~60 bytes per tensor, so about a million tensors
+
+# Header word indices.
+W_MAGIC = 0
+W_FORMAT = 1
+W_VERSION = 2  # last completed version
+W_LATEST = 3  # slot holding it
+W_NUM_SLOTS = 4
+W_CREATOR_PID = 5
+W_CREATOR_START = 6  # creator's process start time (ns), tells a reused pid apart
+W_WRITER_PID = 7
+W_PUBLISH_NS = 8  # wall-clock time of the last completed publish
+W_CREATE_NS = 9
+W_PIN_REQUEST = 10  # pin protocol, see _protocol.py
+W_PIN_GRANT = 11
+W_PIN_SLOT = 12
+W_PIN_RELEASE = 13
+W_LAYOUT_OFFSET = 14
+W_LAYOUT_BYTES = 15
+W_DATA_OFFSET = 16
+W_SLOT_BYTES = 17
+W_PAYLOAD_BYTES = 18
+W_PUBLISH_COUNT = 19
+W_CREATOR_PPID = 20  # lets a test's leak check find stores made by its children
+W_TOKEN_PID = 21  # pid of the reader holding the starvation token, 0 if none (see _protocol.py)
+W_PUBLISH_INTERVAL = 22  # ns between the last two publishes: tells a slow reader to ask for a pin at once
+W_ROWS = 23  # rows of the reader table ever claimed: the table is read up to there (see shmsync.table)
+W_SEQ = 32  # W_SEQ + i: slot i's sequence number, odd while it is being written
+W_SLOT_VERSION = 64  # W_SLOT_VERSION + i: the version slot i holds
+W_LEASES = 96  # W_LEASES + i: readers whose modules view slot i in place (see _protocol.py)
+# Reader table: one row per attached reader, each row written only by its own reader
+# (and its lease word also by whoever reclaims a dead reader's row).
+W_READERS = 128
+READER_WORDS = 8
+MAX_READERS = (HEADER_WORDS - W_READERS) // READER_WORDS
+# The words of a row. Only R_LEASE takes part in the slot protocol (see _protocol.py); the others
+# are what the readers' table shows (see shmsync.table), written by the row's reader alone.
+R_PID = 0
+R_VERSION = 1  # the version loaded, -1 before the first load
+R_RELOADS = 2
+R_RELOAD_NS = 3  # wall-clock time of the last reload
+R_LEASE = 4  # leased slot + 1, negative while being decided, 0 if none
+R_WORKER = 5  # the worker index its collector gave it, + 1 (0: none)
+R_FLAGS = 6  # ROW_* bits below
+R_START_NS = 7  # its process's start time: tells a reused pid, or one of another namespace, apart
+ROW_WAITING = 1  # between rollouts: waiting for work, not running stale weights
+ROW_ZERO_COPY = 2  # asked to view the store in place (zero_copy=True)
+ROW_DEVICE = 4  # loads into an accelerator's memory (a private device copy by necessity)
+ROW_LINK = 8  # a relay's link sending versions to another host (leases to send from; loads nothing)
+
+
+def header_view(buf) -> memoryview:
+    """The header words of a mapping as a memoryview of int64.
+
+    Indexing it yields plain Python ints, which makes a version check a single ~40 ns
+    load; call ``release()`` on it before unmapping.
+    """
+    return memoryview(buf)[:HEADER_BYTES].cast("q")
+
+
+def row_base(row: int) -> int:
+    """The first header word of reader-table row ``row``."""
+    return W_READERS + row * READER_WORDS
+
+
+def reader_column(h, field: int) -> list[int]:
+    """Word ``field`` (an ``R_*`` constant) of every row of the reader table, in one strided read
+    of header words ``h`` (a memoryview, a list or an int64 array)."""
+    column = h[W_READERS + field : W_READERS + MAX_READERS * READER_WORDS : READER_WORDS]
+    return column.tolist() if hasattr(column, "tolist") else [int(w) for w in column]
+
+
+def reader_rows(h) -> list[tuple[int, list[int]]]:
+    """``(row, words)`` for every claimed row of the reader table in header words ``h`` (a
+    memoryview or an int64 array), up to its high-water mark, ``words`` indexed by the ``R_*``
+    constants; pids may be dead. The flags are read before the rest (see :mod:`shmsync.table`)."""
+    rows = min(max(int(h[W_ROWS]), 0), MAX_READERS)
+    end = W_READERS + rows * READER_WORDS
+    flags = h[W_READERS + R_FLAGS : end : READER_WORDS]
+    flags = flags.tolist() if hasattr(flags, "tolist") else [int(w) for w in flags]
+    block = h[W_READERS:end]
+    block = block.tolist() if hasattr(block, "tolist") else [int(w) for w in block]
+    out = []
+    for row in itertools.compress(range(rows), block[R_PID::READER_WORDS]):
+        words = block[row * READER_WORDS : (row + 1) * READER_WORDS]
+        words[R_FLAGS] = flags[row]
+        out.append((row, words))
+    return out
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def check_words(h, file_size: int, name: str) -> tuple[int, int]:
+    """Check every header word that sizes, places or indexes anything against the file's size,
+    before anything is mapped; returns ``(layout offset, layout bytes)``.
+
+    ``h`` is the header's words (read with ``pread``, not mapped). A store is made by one
+    shmsync function (``WeightStore.create``), so every field must be exactly as it writes it.
+
+    Raises:
+        StoreNotFoundError: no magic word yet (a store still being created) or a short file.
+        ShmSyncError: a store of another format.
+        StoreCorruptError: naming the first field out of range and its value.
+    """
+    if file_size < HEADER_BYTES or len(h) < HEADER_WORDS:
+        raise StoreNotFoundError(
+            f"store {name!r} is still being created or is corrupt ({file_size} bytes, shorter than its "
+            f"{HEADER_BYTES}-byte header)"
+        )
+    if h[W_MAGIC] != MAGIC:
+        raise StoreNotFoundError(f"{name!r} is not a shmsync store, or it is still being created (no magic word)")
+    if h[W_FORMAT] != FORMAT:
+        raise ShmSyncError(f"store {name!r} has format {h[W_FORMAT]}, this shmsync reads {FORMAT}")
+
+    def bad(field: str, value: int, rule: str) -> StoreCorruptError:
+        return StoreCorruptError(f"store {name!r}: header field {field} is {value}: {rule}; the store was not opened")
+
+    n = h[W_NUM_SLOTS]
+    if not 2 <= n <= MAX_SLOTS:
+        raise bad("num_slots", n, f"it must be between 2 and {MAX_SLOTS}")
+    lo, ln = h[W_LAYOUT_OFFSET], h[W_LAYOUT_BYTES]
+    if lo != HEADER_BYTES:
+        raise bad("layout_offset", lo, f"the layout starts right after the header, at {HEADER_BYTES}")
+    if not 1 <= ln <= MAX_LAYOUT_BYTES:
+        raise bad("layout_bytes", ln, f"it must be between 1 and {MAX_LAYOUT_BYTES}")
+    data = h[W_DATA_OFFSET]
+    if data != _align(lo + ln, PAGE):
+        raise bad("data_offset", data, f"the slots start at the first page after the layout, {_align(lo + ln, PAGE)}")
+    stride, payload = h[W_SLOT_BYTES], h[W_PAYLOAD_BYTES]
+    if not 1 <= payload <= file_size:
+        raise bad("payload_bytes", payload, f"it must be between 1 and the file's {file_size} bytes")
+    if stride != _align(payload, PAGE):
+        raise bad("slot_bytes", stride, f"a slot is the payload rounded up to a page, {_align(payload, PAGE)}")
+    if data + stride * n != file_size:
+        raise bad(
+            "slot_bytes",
+            stride,
+            f"{n} slots of it from offset {data} make {data + stride * n} bytes, the file has {file_size}",
+        )
+    version, latest = h[W_VERSION], h[W_LATEST]
+    if version < -1:
+        raise bad("version", version, "versions are -1 (none yet) or more")
+    if not 0 <= latest < n:
+        raise bad("latest", latest, f"it indexes one of the {n} slots")
+    for i in range(n):
+        if h[W_SLOT_VERSION + i] < -1:
+            raise bad(f"slot_version[{i}]", h[W_SLOT_VERSION + i], "versions are -1 (empty) or more")
+        if not 0 <= h[W_LEASES + i] <= MAX_READERS:
+            raise bad(f"leases[{i}]", h[W_LEASES + i], f"a count of readers, 0 to {MAX_READERS}")
+    if not 0 <= h[W_ROWS] <= MAX_READERS:
+        raise bad("rows", h[W_ROWS], f"a count of reader-table rows, 0 to {MAX_READERS}")
+    if not 0 <= h[W_PIN_SLOT] < n:
+        raise bad("pin_slot", h[W_PIN_SLOT], f"it indexes one of the {n} slots")
+    for row, lease in enumerate(reader_column(h, R_LEASE)):
+        if not -n <= lease <= n:
+            raise bad(f"reader row {row} lease", lease, f"a slot + 1, negative while being decided, -{n} to {n}")
+    return lo, ln
+
+
+def slot_index(value: int, num_slots: int, field: str, name: str) -> int:
+    """``value``, read from the header as a slot index, if it is one (else StoreCorruptError)."""
+    if 0 <= value < num_slots:
+        return value
+    raise StoreCorruptError(f"store {name!r}: header field {field} is {value}, not a slot index (0 to {num_slots - 1})")

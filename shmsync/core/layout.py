@@ -1,0 +1,264 @@
+"""Where everything lives inside a segment: the header words and the tensor layout.
+
+A segment is::
+
+    [ header: 48 KiB of int64 words ][ layout (JSON) ][ slot 0 ][ slot 1 ] ... [ slot N-1 ]
+
+Every slot holds one full copy of the weights: each tensor at a 64-byte aligned
+offset, in the order of :attr:`Layout.entries`. Keys are tuples (nested
+TensorDict keys); the first element is the destination when a store holds several.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import tensordict
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch.nn.parameter import is_lazy
+
+from shmsync.core.header import ALIGN, HEADER_BYTES, MAX_LAYOUT_BYTES, PAGE
+from shmsync.errors import StoreCorruptError, WeightMismatchError
+
+# Every dtype torch has, by the name a layout stores: never getattr(torch, name) on a name read from a file.
+DTYPES = {
+    str(d).removeprefix("torch."): d for d in (getattr(torch, n) for n in dir(torch)) if isinstance(d, torch.dtype)
+}
+MAX_ENTRIES = 1 << 17  # tensors a store holds: far more than any model has
+MAX_PAYLOAD_BYTES = 1 << 40  # a slot: 1 TiB
+MAX_RANK = 64
+MAX_KEY_DEPTH = 32
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def key_str(key: tuple[str, ...]) -> str:
+    return ".".join(key)
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # within a slot
+    nbytes: int
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# tensordict's non-tensor containers (the public classes each tensordict minor has).
+_NON_TENSOR = tuple(
+    c for c in (getattr(tensordict, n, None) for n in ("NonTensorDataBase", "NonTensorStack")) if isinstance(c, type)
+)
+
+
+def _is_leaf(cls: type) -> bool:
+    return not issubclass(cls, TensorDictBase) or issubclass(cls, _NON_TENSOR)
+
+
+def _leaves(td: TensorDictBase) -> list[tuple[tuple[str, ...], torch.Tensor]]:
+    out = []
+    # Non-tensor entries count as leaves here so they are reported, not silently dropped.
+    for key, value in td.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf):
+        key = (key,) if isinstance(key, str) else tuple(key)
+        if not isinstance(value, torch.Tensor):
+            raise WeightMismatchError(f"entry {key_str(key)!r} is a {type(value).__name__}, not a tensor")
+        if is_lazy(value):
+            raise WeightMismatchError(
+                f"entry {key_str(key)!r} is an uninitialized parameter of a lazy module (its shape is not known "
+                "yet): run one forward pass through the module, or give the layer its input size, first"
+            )
+        out.append((key, value))
+    out.sort(key=lambda kv: kv[0])
+    return out
+
+
+class Layout:
+    """The keys, shapes, dtypes and offsets of the tensors in one slot."""
+
+    def __init__(self, entries: list[Entry]) -> None:
+        self.entries = entries
+        self.index = {e.key: i for i, e in enumerate(entries)}
+        last = entries[-1] if entries else None
+        self.payload_bytes = (last.offset + last.nbytes) if last else 0
+        self.slot_bytes = _align(max(self.payload_bytes, 1), PAGE)
+
+    @classmethod
+    def from_tensordict(cls, td: TensorDictBase) -> Layout:
+        entries, offset = [], 0
+        for key, t in _leaves(td):
+            nbytes = t.numel() * t.element_size()
+            entries.append(Entry(key, tuple(t.shape), t.dtype, offset, nbytes))
+            offset = _align(offset + nbytes, ALIGN)
+        if not entries:
+            raise WeightMismatchError("nothing to store: the source has no parameters or buffers")
+        return cls(entries)
+
+    def to_json(self, destinations: tuple[str, ...] | None) -> bytes:
+        rows = [[list(e.key), list(e.shape), _dtype_name(e.dtype), e.offset, e.nbytes] for e in self.entries]
+        doc = {"destinations": list(destinations) if destinations else None, "entries": rows}
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, what: str = "layout") -> tuple[Layout, tuple[str, ...] | None]:
+        """Parse a layout description (:meth:`to_json`'s bytes, from a store file or a peer),
+        checking every field before anything is sized from it.
+
+        Raises:
+            StoreCorruptError: naming ``what``, the first field out of range and its value.
+        """
+        return parse_description(raw, what)
+
+    def subset(self, prefix: tuple[str, ...]) -> list[int]:
+        """Indices of the entries under ``prefix`` (all entries for an empty prefix)."""
+        n = len(prefix)
+        return [i for i, e in enumerate(self.entries) if e.key[:n] == prefix]
+
+    def match(
+        self, td: TensorDictBase, what: str = "weights", prefix: tuple[str, ...] = (), allow_meta: bool = False
+    ) -> list[torch.Tensor]:
+        """Tensors of ``td`` in entry order, after checking keys, shapes and dtypes.
+
+        Args:
+            td: the weights to check.
+            what: how error messages name ``td``.
+            prefix: match only the entries under this key prefix (a destination), with the
+                prefix stripped from their keys.
+            allow_meta: accept tensors on the meta device (targets about to be materialized).
+
+        Raises:
+            WeightMismatchError: naming the first key, shape or dtype that differs.
+        """
+        n = len(prefix)
+        entries = [self.entries[i] for i in self.subset(prefix)]
+        want = {e.key[n:] for e in entries}
+        leaves = _leaves(td)
+        if len(leaves) != len(entries) or any(k not in want for k, _ in leaves):
+            got = {k for k, _ in leaves}
+            missing = sorted(key_str(k) for k in want - got)
+            extra = sorted(key_str(k) for k in got - want)
+            raise WeightMismatchError(
+                f"{what} do not have the store's keys: missing {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}"
+            )
+        tensors = []
+        for (key, t), e in zip(leaves, entries):
+            if tuple(t.shape) != e.shape:
+                raise WeightMismatchError(
+                    f"{what}: {key_str(key)!r} has shape {tuple(t.shape)}, the store holds {e.shape}"
+                )
+            if t.dtype != e.dtype:
+                raise WeightMismatchError(f"{what}: {key_str(key)!r} has dtype {t.dtype}, the store holds {e.dtype}")
+            if t.is_meta and not allow_meta:
+                raise WeightMismatchError(f"{what}: {key_str(key)!r} is on the meta device and holds no data")
+            tensors.append(t)
+        return tensors
+
+    def slot_views(self, buf, slot_offset: int) -> list[torch.Tensor]:
+        """Tensors viewing one slot of a mapping, in entry order."""
+        views = []
+        for e in self.entries:
+            if e.nbytes == 0:
+                views.append(torch.empty(e.shape, dtype=e.dtype))
+                continue
+            raw = torch.frombuffer(buf, dtype=torch.uint8, count=e.nbytes, offset=slot_offset + e.offset)
+            views.append(raw.view(e.dtype).view(e.shape) if e.shape else raw.view(e.dtype).reshape(()))
+        return views
+
+    def as_tensordict(self, tensors: list[torch.Tensor]) -> TensorDict:
+        td = TensorDict()
+        for e, t in zip(self.entries, tensors):
+            td.set(e.key if len(e.key) > 1 else e.key[0], t)
+        return td
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_description(raw: bytes, what: str = "layout") -> tuple[Layout, tuple[str, ...] | None]:
+    """See :meth:`Layout.from_json`."""
+
+    def bad(problem: str) -> StoreCorruptError:
+        return StoreCorruptError(f"{what}: {problem}")
+
+    if not isinstance(raw, (bytes, bytearray)) or not 1 <= len(raw) <= MAX_LAYOUT_BYTES:
+        raise bad(f"{len(raw)} bytes; a layout is 1 to {MAX_LAYOUT_BYTES} bytes of JSON")
+    # Parsing costs what the document holds, not what it is: each entry has three lists, so more
+    # than that is refused before a list is made (30 MiB of "[]," would be 10 million of them).
+    lists = bytes(raw).count(b"[")
+    if lists > 3 * MAX_ENTRIES + 2:
+        raise bad(f"{lists} lists; a layout of at most {MAX_ENTRIES} tensors holds at most {3 * MAX_ENTRIES + 2}")
+    try:
+        doc = json.loads(bytes(raw).decode())
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise bad(f"not valid JSON ({type(e).__name__}: {str(e)[:100]})") from None
+    if not isinstance(doc, dict) or set(doc) != {"destinations", "entries"}:
+        keys = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+        raise bad(f"want an object with 'destinations' and 'entries', got {keys}")
+    dests, rows = doc["destinations"], doc["entries"]
+    if dests is not None and (
+        not isinstance(dests, list)
+        or not dests
+        or not all(isinstance(d, str) and 0 < len(d) <= 1000 for d in dests)
+        or len(set(dests)) != len(dests)
+    ):
+        raise bad(f"'destinations' must be null or a list of distinct non-empty names, got {str(dests)[:200]}")
+    if not isinstance(rows, list) or not 1 <= len(rows) <= MAX_ENTRIES:
+        count = len(rows) if isinstance(rows, list) else type(rows).__name__
+        raise bad(f"'entries' must be a list of 1 to {MAX_ENTRIES} tensors, got {count}")
+    entries, end, previous = [], 0, None
+    for i, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != 5:
+            raise bad(f"entry {i} must be [key, shape, dtype, offset, nbytes], got {str(row)[:200]}")
+        key, shape, dtype, offset, nbytes = row
+        if (
+            not isinstance(key, list)
+            or not 1 <= len(key) <= MAX_KEY_DEPTH
+            or not all(isinstance(k, str) and 0 < len(k) <= 1000 for k in key)
+        ):
+            raise bad(f"entry {i}: key must be a list of 1 to {MAX_KEY_DEPTH} non-empty names, got {str(key)[:200]}")
+        key = tuple(key)
+        if previous is not None and key <= previous:
+            raise bad(f"entry {i}: key {key_str(key)!r} is out of order or repeated (keys are sorted)")
+        if dests is not None and key[0] not in dests:
+            raise bad(f"entry {i}: key {key_str(key)!r} is under no destination of {dests}")
+        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(_is_int(d) and d >= 0 for d in shape):
+            raise bad(
+                f"entry {i} ({key_str(key)!r}): shape must be up to {MAX_RANK} sizes >= 0, got {str(shape)[:200]}"
+            )
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise bad(f"entry {i} ({key_str(key)!r}): unknown dtype {str(dtype)[:100]!r}")
+        dt = DTYPES[dtype]
+        numel = 1
+        for d in shape:
+            numel *= d
+        itemsize = dt.itemsize
+        if not _is_int(nbytes) or nbytes != numel * itemsize:
+            raise bad(
+                f"entry {i} ({key_str(key)!r}): nbytes is {nbytes}, shape {shape} of {dtype} takes {numel * itemsize}"
+            )
+        if not _is_int(offset) or offset != _align(end, ALIGN):
+            want = _align(end, ALIGN)
+            raise bad(f"entry {i} ({key_str(key)!r}): offset is {offset}, the next {ALIGN}-byte boundary is {want}")
+        if offset + nbytes > MAX_PAYLOAD_BYTES:
+            raise bad(f"entry {i} ({key_str(key)!r}) ends at byte {offset + nbytes}, past {MAX_PAYLOAD_BYTES} (1 TiB)")
+        entries.append(Entry(key, tuple(shape), dt, offset, nbytes))
+        end, previous = offset + nbytes, key
+    return Layout(entries), (tuple(dests) if dests is not None else None)
+
+
+def segment_bytes(layout_json: bytes, slot_bytes: int, num_slots: int) -> tuple[int, int, int]:
+    """(layout offset, data offset, total size) for a new segment."""
+    data_offset = _align(HEADER_BYTES + len(layout_json), PAGE)
+    return HEADER_BYTES, data_offset, data_offset + slot_bytes * num_slots
+
+
+__all__ = ["Entry", "Layout", "segment_bytes"]

@@ -1,0 +1,686 @@
+"""The protocol between one writer and many readers of a store's slots (no torch here).
+
+Everything works on header words ``h`` (see :mod:`shmsync.core.header`) and on ``copy(slot)``
+callbacks that move the bytes, so the interleavings below can be driven step by step in
+tests, on a plain list of ints, without processes or torch.
+
+Slots and words
+---------------
+A store has ``N >= 2`` slots (3 by default), each a full copy of the weights. The header
+holds ``version`` (the last completed version), ``latest`` (the slot holding it), and per
+slot a sequence number ``seq[i]`` (odd while it is being written) and the version it holds.
+
+Writer (one process at a time, enforced by a kernel lock the store takes)::
+
+    target = a slot that is neither `latest`, nor pinned, nor leased (the least recently written)
+    seq[target] += 1            # odd: being written; then a full fence, and back off if leased
+    copy the weights into target                                   (Protocol.begin_write)
+    slot_version[target] = v; fence; seq[target] += 1   # even: complete
+    latest = target; version = v                                   (Protocol.commit)
+
+The writer never reads anything a reader writes except three pin words and the per-slot
+lease counts, and never waits: publishing is a copy plus a handful of word stores. One
+process has at most one write open at a time (a second ``begin_write`` raises), so a CPU
+publish cannot pick the slot a CUDA publish of the same process is still filling.
+
+Reader, optimistic path (seqlock validation, :meth:`Protocol.try_read`)::
+
+    s = seq[latest]; fence; v = slot_version[latest]; copy the slot; fence; valid iff seq is still s
+
+A slot is rewritten only once it is no longer ``latest``; with 3 slots the writer must
+finish two whole publishes and start a third while one reader copy runs before that copy
+is invalidated, so retries are rare. Validation guarantees that a reader never *accepts* a
+mixed copy, whatever the timing.
+
+Reader, bounded fallback (slot pinning, :meth:`Protocol.read_pinned`): after
+``max_attempts`` failed optimistic copies a reader takes the store's single reader token
+(a kernel lock, released if the reader dies) and asks the writer to pin a slot by writing
+a fresh ticket into ``pin_request``. At the start of its next publish the writer sets
+``pin_slot = latest`` (or a slot leased by a zero-copy reader, already safe from it) and
+``pin_grant = ticket``, and from then on never writes into ``pin_slot`` until
+``pin_release >= pin_grant`` (tickets only grow: a ticket released before its grant, by a
+reader whose optimistic copy succeeded meanwhile, pins nothing). With 3 slots there is always a
+slot that is neither latest nor pinned, so the writer still never waits, and the pinned reader's
+copy cannot be invalidated: it completes in one copy. A writer that is idle grants nothing, but then an
+optimistic copy succeeds, so the reader keeps trying those while it waits. A reader that
+dies while pinned only costs the writer one slot until the next ticket replaces its pin.
+A reader whose last copy took longer than the writer, publishing at its current pace, leaves
+a slot alone (``num_slots - 1`` publish intervals, from ``publish_interval`` in the header)
+skips the optimistic copies that would only fail and asks for a pin at once: it loads in one
+copy (:meth:`Protocol.outpaced`).
+
+The token bounds the wait of the others: its holder's pinned copy completes, so the next
+reader waits at most one copy for it. A holder that is *stopped* (SIGSTOP, a debugger)
+cannot block them either: the holder writes its pid into ``token_pid``, and once it is
+seen stopped the others issue a ticket without the token, which moves the pin; the stopped
+reader's copy, if it ever resumes, fails validation and is retried. A holder that runs,
+however slowly, keeps its pin: two slow readers taking the pin off each other would never
+finish.
+
+Leases (zero-copy readers, :meth:`Protocol.lease_latest`)
+---------------------------------------------------------
+A zero-copy reader points its module's parameters at the read-only memory of one slot and
+holds a *lease* on it; the writer never writes a leased slot. Leases are recorded in the
+reader table (each row's lease word: ``slot + 1``, or ``-(slot + 1)`` while the lease is
+being decided) and summed per slot into ``leases[i]``, which is what the writer reads
+first. A lease is taken in two steps, each ended by a full fence:
+
+1. *decided*: under the table lock, the row's lease word turns negative and the counts move
+   to the new slot; then the reader looks at the pin words and is refused if afterwards
+   more than ``N - 2`` distinct slots would be leased or pinned, or while a pin is being
+   granted (a ticket waits: its slot is not known yet);
+2. *confirmed*: the lease word turns positive; then the reader checks that the slot's
+   sequence number did not move. Only now does it use the slot.
+
+Rules that keep the writer from waiting:
+
+* a reader leases only the ``latest`` slot, and gives up its previous lease in the same
+  step (its module is not in use while it reloads); a reader without a row of the reader
+  table (the table is full) never leases: it copies. A refused reader leases nothing, not
+  even its previous slot (it may be rewritten from the moment the lease moved), and copies;
+* confirmed leases and pins never hold more than ``N - 2`` distinct slots, and at most one
+  lease is being decided at a time (the table lock): the writer always has a slot that is
+  neither latest, nor pinned, nor under a confirmed lease. It prefers one that nobody
+  leases; failing that, it writes through a lease being decided (whose reader then sees the
+  sequence move and gives it up), never into a pin (but with 2 slots, where the pinned
+  reader retries). The writer pins a leased slot when there is one besides the latest, so
+  a pin costs no slot of its own;
+* lease changes happen under the table lock (readers only: the writer never takes it)
+  and update the per-slot counts. A count may only be too high (a reader that died
+  holding a lease, a lease given up without the lock); the rows are the truth. So a
+  reader about to be refused first recomputes the counts from the rows of live readers
+  (each row's reader holds that row's kernel lock while it lives, so a reader in another
+  PID namespace, or one whose pid was reused, is told apart), and the writer, when a count
+  says a slot is leased, asks the rows before believing it.
+
+Handshakes, each a store, a full fence, then a load on both sides, so that of two racing
+parties at least one sees the other:
+
+* *a write against a lease*: the writer marks its target odd, issues a full fence, then reads
+  the target's lease count and rows, and backs off to another slot if a confirmed lease is
+  on it. The reader confirms its lease, issues a full fence, then checks that the slot's
+  sequence number did not move. So a slot is never both written and used by a lease.
+* *a pin against a lease*: the pinned reader's ticket, then the writer's look at the leases
+  (``pin_candidate``), then its grant; the leasing reader's decided lease, a full fence,
+  then its look at the pin words. Either the leasing reader sees the ticket (and is refused
+  until the pin's slot is known, and then if it is another slot), or the ticket came after
+  its lease, and the writer, looking after the ticket, sees the lease and pins the leased
+  slot (or the latest, if that is the one leased). So a confirmed lease and a pin never
+  hold more than ``N - 2`` slots between them.
+
+Without the second handshake and the writer's way through a lease being decided, a reader
+that read ``latest`` just before a publish and a writer granting a pin just after it would
+hold three slots of three between them, and the writer would have to write into the pin
+(both found by ``tests/protocol_model.py``, the exhaustive checker of this protocol).
+
+Ordering
+--------
+``fence`` orders stores with stores and loads with loads; ``full_fence`` also a store
+before a later load. On x86-64 the former is free (see :mod:`shmsync.core.fences`); elsewhere
+both are a real barrier. A store that ends the use of shared memory (a pin or lease
+release) is preceded by a fence so the copy's loads cannot drift after it.
+
+Crashes
+-------
+A writer killed in the middle of a copy leaves ``seq[target]`` odd and ``latest``
+untouched: readers keep loading the last complete version, and the next writer rewrites
+that slot from scratch. A copy that raises is aborted (:meth:`Protocol.abort`): the slot is
+marked empty, and nobody reads it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, MutableSequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import NamedTuple
+from typing import Protocol as Interface
+
+from shmsync.core import fences
+from shmsync.core.header import (
+    R_FLAGS,
+    R_LEASE,
+    R_PID,
+    R_RELOAD_NS,
+    R_RELOADS,
+    R_START_NS,
+    R_VERSION,
+    R_WORKER,
+    W_LATEST,
+    W_LEASES,
+    W_NUM_SLOTS,
+    W_PIN_GRANT,
+    W_PIN_RELEASE,
+    W_PIN_REQUEST,
+    W_PIN_SLOT,
+    W_PUBLISH_COUNT,
+    W_PUBLISH_INTERVAL,
+    W_PUBLISH_NS,
+    W_ROWS,
+    W_SEQ,
+    W_SLOT_VERSION,
+    W_TOKEN_PID,
+    W_VERSION,
+    W_WRITER_PID,
+    reader_column,
+    row_base,
+    slot_index,
+)
+from shmsync.core.processes import own_start_ns, pid_stopped
+from shmsync.errors import ReloadTimeoutError, ShmSyncError
+
+Words = MutableSequence[int]
+CopyFn = Callable[[int], None]  # copies out of (or into) the slot with that index
+
+LEASE = R_LEASE  # a reader row's lease word: leased slot + 1, 0 if none
+
+
+class Locks(Interface):
+    """The locks readers take (the writer takes none of them): the token, the table's lock, and
+    one per row of the reader table, held by that row's reader for as long as it lives."""
+
+    def try_token(self) -> bool:
+        """Take the reader token if it is free (never waits)."""
+
+    def release_token(self) -> None: ...
+
+    def table(self, patience: float | None) -> AbstractContextManager[bool]:
+        """Hold the reader table's lock; yields whether it was taken within ``patience`` s."""
+
+    def hold_row(self, row: int) -> bool:
+        """Take row ``row``'s lock if no live reader holds it (never waits)."""
+
+    def release_row(self, row: int) -> None: ...
+
+    def row_alive(self, row: int) -> bool:
+        """Whether a live reader holds row ``row``'s lock."""
+
+
+class LocalLocks:
+    """:class:`Locks` for a header shared by the threads of one process (the protocol's tests;
+    a store uses :class:`shmsync.core.segment.SegmentLocks`)."""
+
+    def __init__(self) -> None:
+        self.token = threading.Lock()
+        self.table_lock = threading.Lock()
+        self.rows: set[int] = set()  # rows whose reader lives; a test "kills" one by discarding it
+
+    def try_token(self) -> bool:
+        return self.token.acquire(blocking=False)
+
+    def release_token(self) -> None:
+        self.token.release()
+
+    @contextmanager
+    def table(self, patience: float | None) -> Iterator[bool]:
+        taken = self.table_lock.acquire(timeout=-1 if patience is None else patience)
+        try:
+            yield taken
+        finally:
+            if taken:
+                self.table_lock.release()
+
+    def hold_row(self, row: int) -> bool:
+        if row in self.rows:
+            return False
+        self.rows.add(row)
+        return True
+
+    def release_row(self, row: int) -> None:
+        self.rows.discard(row)
+
+    def row_alive(self, row: int) -> bool:
+        return row in self.rows
+
+
+class Write(NamedTuple):
+    """A write in progress: the slot and the odd sequence number it carries meanwhile."""
+
+    slot: int
+    seq: int
+
+
+def initialize(h: Words, num_slots: int) -> None:
+    """Set the protocol's words of a fresh header: no version yet, every slot empty."""
+    h[W_VERSION] = -1
+    h[W_LATEST] = 0
+    h[W_NUM_SLOTS] = num_slots
+    for i in range(num_slots):
+        h[W_SLOT_VERSION + i] = -1
+
+
+def lease_word(row: int) -> int:
+    return row_base(row) + LEASE
+
+
+class Protocol:
+    """One process's side of the protocol on one store's header.
+
+    Args:
+        h: the header words (a memoryview of int64 in a store; any list of ints in tests).
+        locks: the reader token and the table lock (:class:`Locks`).
+        name: the store's name, for error messages.
+        stopped: whether a pid is a stopped process (its reader token may be taken over).
+        ordering: ``"tso"`` or ``"weak"`` (see :mod:`shmsync.core.fences`); default: this CPU's.
+        pid: this process's id as written into the header.
+        clock: wall-clock time in ns (publish times, shared with other processes); timer: a
+            monotonic ns counter (how long a copy takes). Tests drive both by hand.
+
+    Examples:
+        >>> h = [0] * 6144
+        >>> initialize(h, 3)
+        >>> writer, reader = Protocol(h, LocalLocks()), Protocol(h, LocalLocks())
+        >>> slots = [None] * 3
+        >>> write = writer.begin_write()
+        >>> slots[write.slot] = "weights v0"
+        >>> writer.commit(write)
+        0
+        >>> got = []
+        >>> reader.try_read(lambda slot: got.append(slots[slot])), got
+        (0, ['weights v0'])
+    """
+
+    def __init__(
+        self,
+        h: Words,
+        locks: Locks,
+        *,
+        name: str = "store",
+        stopped: Callable[[int], bool] = pid_stopped,
+        ordering: str | None = None,
+        pid: int | None = None,
+        clock: Callable[[], int] = time.time_ns,
+        timer: Callable[[], int] = time.perf_counter_ns,
+    ) -> None:
+        self.h = h
+        self.num_slots = int(h[W_NUM_SLOTS])
+        self.locks = locks
+        self.name = name
+        self.stopped = stopped
+        self.fence, self.full_fence = fences.ordering(ordering)
+        self.pid = os.getpid() if pid is None else pid
+        self.start_ns = own_start_ns() if pid is None else 0  # shown beside the pid in the readers' table
+        self.clock, self.timer = clock, timer
+        self.writing: Write | None = None  # the write this process has open
+        self.listeners: list[Callable[[int], None]] = []  # called with each version this process commits
+        self.retries = 0  # optimistic copies that failed validation
+        self.pinned_reads = 0  # reads that needed the pinned fallback
+        self.copy_ns = 0  # how long this reader's last copy took
+
+    # -- writer ---------------------------------------------------------------------------------
+    def begin_write(self) -> Write:
+        """Choose a slot and mark it being written. Never waits.
+
+        Raises:
+            ShmSyncError: this process already has a write open (say, a CUDA publish in flight).
+        """
+        if self.writing is not None:
+            raise ShmSyncError(
+                f"store {self.name!r}: this process is still writing slot {self.writing.slot}; "
+                "one publish at a time (wait for the pending one)"
+            )
+        h = self.h
+        backed_off: tuple[int, ...] = ()
+        for _ in range(1000):
+            target = self.choose_target(backed_off)
+            if target is None:
+                if not backed_off:  # at most num_slots - 2 slots are leased: unreachable
+                    raise ShmSyncError(f"store {self.name!r}: every slot but the latest is leased by a reader")
+                backed_off = ()  # those leases may have been brief: look again
+                continue
+            seq = h[W_SEQ + target]
+            odd = seq + 2 if seq & 1 else seq + 1  # odd already: a writer died mid-copy
+            h[W_SEQ + target] = odd
+            self.full_fence()  # the store above before the lease loads below
+            if not h[W_LEASES + target] or not self.row_leased(target, confirmed=True):
+                self.writing = Write(target, odd)
+                return self.writing
+            h[W_SEQ + target] = odd + 1  # a reader leased it meanwhile: leave it, untouched
+            backed_off += (target,)
+        raise ShmSyncError(f"store {self.name!r}: readers kept leasing every free slot")
+
+    def commit(self, write: Write, version: int | None = None) -> int:
+        """Make the written slot the latest, complete version; returns that version
+        (default: one more than the last)."""
+        h = self.h
+        if version is None:
+            version = h[W_VERSION] + 1
+        h[W_SLOT_VERSION + write.slot] = version
+        self.fence()  # the copy's stores and the version before the sequence
+        h[W_SEQ + write.slot] = write.seq + 1
+        h[W_LATEST] = write.slot
+        h[W_VERSION] = version
+        now, last = self.clock(), h[W_PUBLISH_NS]
+        h[W_PUBLISH_INTERVAL] = now - last if last else 0
+        h[W_PUBLISH_NS] = now
+        h[W_WRITER_PID] = self.pid
+        h[W_PUBLISH_COUNT] += 1
+        self.writing = None
+        for listener in self.listeners:
+            listener(version)
+        return version
+
+    def abort(self, write: Write) -> None:
+        """Give up a write whose copy failed: the slot is left empty (never latest, never read)."""
+        h = self.h
+        h[W_SLOT_VERSION + write.slot] = -1
+        self.fence()
+        h[W_SEQ + write.slot] = write.seq + 1
+        self.writing = None
+
+    def choose_target(self, backed_off: tuple[int, ...] = ()) -> int | None:
+        """Serve a pending pin request, then pick the slot to write (None if every slot but
+        the latest is leased or backed off from). Never waits."""
+        h = self.h
+        request = h[W_PIN_REQUEST]
+        if request != h[W_PIN_GRANT]:
+            self.fence()  # the ticket before the leases pin_candidate reads (see Handshakes)
+            h[W_PIN_SLOT] = self.pin_candidate()
+            self.fence()
+            h[W_PIN_GRANT] = request
+        pinned = h[W_PIN_SLOT] if h[W_PIN_RELEASE] < h[W_PIN_GRANT] else -1
+        latest = h[W_LATEST] if h[W_VERSION] >= 0 else -1
+        others = [s for s in range(self.num_slots) if s != latest and s not in backed_off]
+        free = [s for s in others if not h[W_LEASES + s]]
+        if not free:  # a count may be too high: the rows tell
+            free = [s for s in others if not self.row_leased(s)]
+        candidates = [s for s in free if s != pinned]
+        if not candidates:  # a lease still being decided gives way (see Handshakes)
+            undecided = [s for s in others if not self.row_leased(s, confirmed=True)]
+            # With 2 slots, so does a pin: the pinned reader retries.
+            candidates = [s for s in undecided if s != pinned] or free or undecided
+        return min(candidates, key=lambda s: h[W_SLOT_VERSION + s]) if candidates else None
+
+    def pin_candidate(self) -> int:
+        """The slot to pin for a starving reader: a slot leased by a zero-copy reader if there
+        is one besides the latest (it is already safe from the writer, so the pin costs no
+        slot; its version is older but complete), else the latest."""
+        h = self.h
+        latest = h[W_LATEST]
+        for s in range(self.num_slots):
+            if s != latest and h[W_LEASES + s] and not h[W_SEQ + s] & 1 and self.row_leased(s):
+                return s
+        return latest
+
+    # -- reader ---------------------------------------------------------------------------------
+    def read(self, copy: CopyFn, *, max_attempts: int = 2, timeout: float = 60.0) -> int:
+        """Run ``copy(slot)`` on the newest complete slot until one copy validates; returns the
+        version copied. ``copy`` must have finished reading the slot when it returns.
+
+        Raises:
+            ReloadTimeoutError: no copy validated within ``timeout`` seconds.
+        """
+        if not self.outpaced():
+            for _ in range(max_attempts):
+                version = self.try_read(copy)
+                if version is not None:
+                    return version
+        return self.read_pinned(copy, time.monotonic() + timeout)
+
+    def outpaced(self) -> bool:
+        """Whether this reader's copies take longer than the writer, publishing now, surely
+        leaves the latest slot alone: an optimistic copy could fail, so the reader asks for a
+        pin at once and loads in one copy. A writer publishing back to back rewrites that slot
+        ``num_slots - 1`` publishes after it was written, and the reader finds it at any point
+        of the first of those intervals: ``num_slots - 2`` intervals are sure."""
+        h = self.h
+        interval = h[W_PUBLISH_INTERVAL]
+        if not interval or self.copy_ns <= max(1, self.num_slots - 2) * interval:
+            return False
+        return self.clock() - h[W_PUBLISH_NS] < 4 * interval  # still publishing at that pace
+
+    def try_read(self, copy: CopyFn) -> int | None:
+        """One optimistic copy of the latest slot: its version, or None if it did not validate."""
+        h = self.h
+        slot = h[W_LATEST]
+        if not 0 <= slot < self.num_slots:
+            slot_index(slot, self.num_slots, "latest", self.name)  # raises, naming it
+        seq = h[W_SEQ + slot]
+        if seq & 1:
+            return None  # `latest` moved on and that slot is already being rewritten
+        self.fence()  # the sequence before the version and the bytes
+        version = h[W_SLOT_VERSION + slot]
+        began = self.timer()
+        copy(slot)
+        self.copy_ns = self.timer() - began
+        self.fence()  # the bytes before the sequence, again
+        if h[W_SEQ + slot] != seq:
+            self.retries += 1
+            return None
+        return version
+
+    def read_pinned(self, copy: CopyFn, deadline: float, steal_after: float = 0.25) -> int:
+        """The bounded fallback: hold the reader token and copy a slot the writer pinned."""
+        h, locks = self.h, self.locks
+        self.pinned_reads += 1
+        waited_since = time.monotonic()
+        looked = 0.0
+        token = locks.try_token()
+        while not token:
+            # Another reader holds the token; it finishes in one copy. Keep trying meanwhile.
+            version = self.try_read(copy)
+            if version is not None:
+                return version
+            self._check_deadline(deadline, "waiting for the reader token")
+            now = time.monotonic()
+            if now - waited_since > steal_after and now - looked > 0.05:
+                looked = now
+                if self.stopped(h[W_TOKEN_PID]):
+                    break  # a stopped holder: take over its pin without the token (see above)
+            time.sleep(0.0005)
+            token = locks.try_token()
+        if token:
+            h[W_TOKEN_PID] = self.pid
+        try:
+            while True:
+                ticket = h[W_PIN_REQUEST] + 1
+                h[W_PIN_REQUEST] = ticket
+                try:
+                    version = self._await_pin(copy, ticket, deadline)
+                finally:
+                    self.fence()  # the copy's loads before the release
+                    h[W_PIN_RELEASE] = ticket  # a newer ticket's pin stays active: GRANT > this
+                if version is not None:
+                    return version
+        finally:
+            if token:
+                h[W_TOKEN_PID] = 0
+                locks.release_token()
+
+    def _await_pin(self, copy: CopyFn, ticket: int, deadline: float) -> int | None:
+        h = self.h
+        published = h[W_PUBLISH_COUNT]
+        waited_since = time.monotonic()
+        # A writer that publishes every `interval` grants within about that; only one that
+        # stays quiet longer is idle, and then an optimistic copy succeeds.
+        patience = max(0.002, 2e-9 * h[W_PUBLISH_INTERVAL]) if self.outpaced() else 0.002
+        while True:
+            if h[W_PIN_GRANT] == ticket:
+                self.fence()  # the grant before the pinned slot's words
+                slot = slot_index(h[W_PIN_SLOT], self.num_slots, "pin_slot", self.name)
+                seq = h[W_SEQ + slot]
+                if seq & 1:
+                    return None
+                self.fence()
+                version = h[W_SLOT_VERSION + slot]
+                began = self.timer()
+                copy(slot)
+                self.copy_ns = self.timer() - began
+                self.fence()
+                return version if h[W_SEQ + slot] == seq else None  # None: 2 slots only
+            # No grant yet. A writer that has not published for `patience` is idle or in a
+            # long copy; an optimistic copy then succeeds (or at worst fails once). The wait
+            # counts from the writer's last publish, not from the request: a writer may publish
+            # once more without seeing the ticket, and then stop.
+            count = h[W_PUBLISH_COUNT]
+            if count != published:
+                published, waited_since = count, time.monotonic()
+            elif time.monotonic() - waited_since > patience:
+                version = self.try_read(copy)
+                if version is not None:
+                    return version
+                waited_since = time.monotonic()
+            self._check_deadline(deadline, "waiting for the writer to pin a slot")
+            time.sleep(0.0001)
+
+    def _check_deadline(self, deadline: float, doing: str) -> None:
+        if time.monotonic() > deadline:
+            raise ReloadTimeoutError(f"store {self.name!r}: no complete version could be read in time ({doing})")
+
+    # -- reader table ---------------------------------------------------------------------------
+    def claim_row(self, patience: float | None = 5.0, *, worker: int | None = None, flags: int = 0) -> int:
+        """A free row of the reader table for this process, or -1 if the table is full or its
+        lock stayed busy for ``patience`` seconds (the reader then copies, unlisted). ``worker``
+        (the index a collector gave the reader) and ``flags`` (``ROW_*`` bits) are shown in the
+        readers' table."""
+        h = self.h
+        with self.locks.table(patience) as locked:
+            if not locked:
+                return -1
+            pids = reader_column(h, R_PID)
+            # Free rows first, then rows whose reader died (its lock is free; its lease stays
+            # counted until a recount). The row's lock, not its pid, says who lives.
+            candidates = [row for row, pid in enumerate(pids) if pid == 0]
+            candidates += [row for row, pid in enumerate(pids) if pid != 0]
+            for row in candidates:
+                if self.locks.hold_row(row):
+                    base = row_base(row)
+                    h[base + R_VERSION], h[base + R_RELOADS], h[base + R_RELOAD_NS], h[base + LEASE] = -1, 0, 0, 0
+                    h[base + R_WORKER] = 0 if worker is None else worker + 1
+                    h[base + R_FLAGS], h[base + R_START_NS] = flags, self.start_ns
+                    h[base + R_PID] = self.pid
+                    if h[W_ROWS] <= row:
+                        h[W_ROWS] = row + 1  # how far the readers' table is read
+                    return row
+            return -1
+
+    def update_row(self, row: int, version: int, reloads: int) -> None:
+        """Record what reader ``row`` loaded (for ``shmsync ls`` and ``store.readers()``)."""
+        if row >= 0:
+            base = row_base(row)
+            h = self.h
+            h[base + R_VERSION], h[base + R_RELOADS], h[base + R_RELOAD_NS] = version, reloads, self.clock()
+
+    def set_row_flags(self, row: int, flags: int) -> None:
+        """Set reader ``row``'s ``ROW_*`` flags (shown in the readers' table; no part of the protocol)."""
+        if row >= 0:
+            self.h[row_base(row) + R_FLAGS] = flags
+
+    def release_row(self, row: int) -> None:
+        if row >= 0:
+            self.h[row_base(row)] = 0
+            self.locks.release_row(row)
+
+    # -- leases ---------------------------------------------------------------------------------
+    def row_leased(self, slot: int, confirmed: bool = False) -> bool:
+        """Whether any row of the reader table leases ``slot`` (dead readers' rows included);
+        ``confirmed``: only leases past their handshake count, not those still being decided."""
+        column = reader_column(self.h, LEASE)
+        return slot + 1 in column or (not confirmed and -(slot + 1) in column)
+
+    def recount(self) -> set[int]:
+        """Recompute the per-slot lease counts from the rows of live readers; the leased slots.
+        Call with the table lock held."""
+        h = self.h
+        counts = [0] * self.num_slots
+        for row, lease in enumerate(reader_column(h, LEASE)):
+            if not lease:
+                continue
+            slot = slot_index(abs(lease) - 1, self.num_slots, f"reader row {row} lease", self.name)
+            if self.locks.row_alive(row):
+                counts[slot] += 1
+            else:
+                h[lease_word(row)] = 0  # a dead reader's lease
+        for slot, n in enumerate(counts):
+            h[W_LEASES + slot] = n
+        return {slot for slot, n in enumerate(counts) if n}
+
+    def lease_latest(self, row: int) -> tuple[int, int] | None:
+        """Move ``row``'s lease to the latest slot. Returns ``(slot, version)``, or None if the
+        lease is refused (always without a row). After a refusal the previous slot may be
+        rewritten at any moment: stop using it, and :meth:`release_lease` what is left."""
+        if row < 0:
+            return None  # the lease would live in the row: no row, no lease
+        h = self.h
+        with self.locks.table(0.01) as locked:
+            if not locked:
+                return None
+            slot = slot_index(h[W_LATEST], self.num_slots, "latest", self.name)
+            seq = h[W_SEQ + slot]
+            self.fence()  # the sequence before the version, as in try_read
+            version = h[W_SLOT_VERSION + slot]
+            if seq & 1 or version < 0:
+                return None  # `latest` moved on and that slot is already being rewritten
+            if not self._move_lease(row, slot):
+                return None
+        return (slot, version) if self._lease_holds(row, slot, (seq,)) else None
+
+    def lease_written(self, row: int, write: Write) -> bool:
+        """Move ``row``'s lease to the slot of ``write``, a write this process has open or has
+        just committed (a relay forwards the bytes of a version while it still receives them).
+        Refused (False; as for :meth:`lease_latest`, the previous slot is no longer safe) if the
+        rule above would break, or if the slot has moved on to another write meanwhile."""
+        if row < 0:
+            return False
+        with self.locks.table(0.01) as locked:
+            if not locked or not self._move_lease(row, write.slot):
+                return False
+        return self._lease_holds(row, write.slot, (write.seq, write.seq + 1))  # this write or its commit
+
+    def _move_lease(self, row: int, slot: int) -> bool:
+        """With the table lock held: lease ``slot`` for ``row``, for now as a lease being decided,
+        instead of its previous slot, unless afterwards more than ``N - 2`` distinct slots would be
+        leased or pinned, or a pin is being granted; refused, the row leases nothing."""
+        h, n = self.h, self.num_slots
+        word = lease_word(row)
+        previous = abs(h[word])
+        h[word] = -(slot + 1)  # being decided: counted, pinned by a writer that sees it, not yet used
+        counts = [h[W_LEASES + s] for s in range(n)]
+        if previous:
+            counts[slot_index(previous - 1, n, f"reader row {row} lease", self.name)] -= 1
+        counts[slot] += 1
+        leased = {s for s, c in enumerate(counts) if c > 0}
+        if len(leased) > n - 2:
+            leased = self.recount()  # dead readers' leases dropped (this row's new one counted)
+        else:
+            for s in {slot, previous - 1} - {-1}:
+                h[W_LEASES + s] = counts[s]
+        self.full_fence()  # the lease before the pin words (a pin against a lease, see Handshakes)
+        request, grant, release = h[W_PIN_REQUEST], h[W_PIN_GRANT], h[W_PIN_RELEASE]
+        pinned = {h[W_PIN_SLOT]} if release < grant else set()
+        granting = request != grant and request != release  # a ticket waits: its slot is unknown
+        if granting or len(leased | pinned) > n - 2:
+            h[word] = 0
+            self.recount()
+            return False
+        return True
+
+    def _lease_holds(self, row: int, slot: int, seqs: tuple[int, ...]) -> bool:
+        """The reader's half of the write handshake: confirm the lease, then, after a full fence,
+        is ``slot`` still at one of ``seqs``? A writer that starts on it from now on sees the
+        confirmed lease; one that started before, or went through the lease while it was being
+        decided, has already moved its sequence, and the lease is given up."""
+        self.h[lease_word(row)] = slot + 1
+        self.full_fence()  # the confirmed lease before the sequence load below
+        if self.h[W_SEQ + slot] in seqs:
+            return True
+        self.release_lease(row)
+        return False
+
+    def release_lease(self, row: int) -> None:
+        """Give up ``row``'s lease. If the table stays busy, the counts are left for the next
+        lease change to recompute: the writer avoids that slot a little longer, which is safe."""
+        if row < 0:
+            return
+        h = self.h
+        word = lease_word(row)
+        if not h[word]:
+            return
+        self.fence()  # the module's last loads from the slot before the release
+        with self.locks.table(0.01) as locked:
+            slot = slot_index(abs(h[word]) - 1, self.num_slots, f"reader row {row} lease", self.name)
+            h[word] = 0
+            if locked:
+                h[W_LEASES + slot] = max(0, h[W_LEASES + slot] - 1)

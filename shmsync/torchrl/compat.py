@@ -1,0 +1,523 @@
+"""The boundary between shmsync and TorchRL: every TorchRL internal shmsync relies on, and every
+behaviour of TorchRL it counts on, reached through the functions of this module alone.
+
+TorchRL's public extension points do most of the work: the ``WeightSyncScheme`` template methods
+(``_init_on_sender_impl`` and the rest), its ``model``, ``context`` and ``model_id``, the backend
+registry, the collectors' public methods and ``nn.Module`` hooks on the worker's policy. What they
+do not cover is listed in :data:`CATALOGUE`: for each entry the torchrl minors it was checked on,
+why no public path does the job, how it is checked, what happens if TorchRL moves it, and the
+TorchRL extension point that would retire it.
+
+Each entry is checked where it is used, every time (the checks are attribute lookups): a TorchRL
+that renamed or removed it, or stopped behaving as relied on, gets a :class:`TorchRLChangedError`
+naming the entry, the installed torchrl and the versions known to work, before a worker can run
+stale weights. No other module of shmsync, ``shmsync.workers`` or ``hydra_plugins`` touches a
+TorchRL private name (``tests/test_torchrl_compat.py`` parses the sources to make sure).
+
+Nothing here changes TorchRL: the wrappers below are set on the instances of the collectors and
+schemes a user hands a shmsync object to, never on TorchRL's classes or modules.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torchrl
+
+from shmsync.errors import ShmSyncError
+
+TORCHRL_VERSION = tuple(int(p) for p in torchrl.__version__.split("+")[0].split(".")[:2])
+SUPPORTED = ((0, 11), (0, 14))  # the minors make test runs, first and last
+
+
+def _minor(v: tuple[int, int]) -> str:
+    return ".".join(map(str, v))
+
+
+class TorchRLChangedError(ShmSyncError):
+    """A TorchRL internal shmsync relies on is missing or has another shape in the installed
+    torchrl, or TorchRL no longer behaves as shmsync relies on: shmsync stops rather than sync
+    weights on a guess. The message names the entry of the catalogue (see the docs' TorchRL page)."""
+
+
+if not SUPPORTED[0] <= TORCHRL_VERSION <= SUPPORTED[1]:
+    raise ImportError(
+        f"shmsync supports torchrl {_minor(SUPPORTED[0])} to {_minor(SUPPORTED[1])}, each minor tested; this is "
+        f"torchrl {torchrl.__version__}. Install a torchrl in that range (pip install 'torchrl>={_minor(SUPPORTED[0])},"
+        f"<{SUPPORTED[1][0]}.{SUPPORTED[1][1] + 1}'), or a shmsync that supports {_minor(TORCHRL_VERSION)}"
+    )
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One entry of the catalogue: a TorchRL internal or behaviour shmsync relies on."""
+
+    name: str
+    versions: str
+    why: str
+    check: str
+    moved: str
+    upstream: str
+
+
+# Entry names, as errors, tests and the docs name them.
+SCHEMES = "BaseCollector._weight_sync_schemes"
+METHODS = "MultiCollector.update_policy_weights_ / shutdown / load_state_dict / iterator, wrapped on the instance"
+CONNECT = "the call stack of MultiCollector.connect"
+WORKERS_SET_UP = "WeightSyncScheme.init_on_receiver and connect, in every worker"
+ROLLOUT = "Collector.rollout, shadowed on the worker's instance"
+WORKER_INIT = "the call stack of the worker's Collector.__init__"
+TRACKER = "BaseCollector.policy_version_tracker"
+OPTIM_COUNT = "Trainer._optim_count"
+TRAINER_MODULES = "Trainer._modules"
+CONTAINER = "Distributed(Sync)Collector._tensordict_out, the trainer's receive buffers"
+DIST_STORE = "DistributedWeightSyncScheme._store / ._store_info"
+DIST_PUSH = "DistributedWeightSyncScheme.send, wrapped on the trainer's instances"
+RECEIVERS = "BaseCollector._receiver_schemes"
+NODES = "Distributed(Sync)Collector.jobs"
+RAY_PUSH = "RayCollector.update_policy_weights_ reaches each actor after the calls submitted before it"
+
+CATALOGUE: dict[str, Internal] = {
+    i.name: i
+    for i in (
+        Internal(
+            SCHEMES,
+            "0.11-0.14",
+            "the collector's schemes by key, which TorchRL keeps in no public attribute: a collector's shmsync keys "
+            "share one store (one update call is one version), and shmsync's distributed collectors find the "
+            "trainer's schemes that push to the nodes",
+            "the attribute exists on the collector and is None or a mapping",
+            "TorchRLChangedError when the collector initializes the scheme, before any worker starts",
+            "a public read-only `collector.weight_sync_schemes`",
+        ),
+        Internal(
+            METHODS,
+            "0.11-0.14",
+            "public methods wrapped per collector: the keys sent by one update call publish as one version (under "
+            "`version=` if given), shutdown frees the stores, a restored state dict restores the workers' versions, "
+            "and each batch gets `('next', key)` where a worker could not tag it. This relies on the update call "
+            "ending in `scheme.send()` for each key it names",
+            "after each update call, every shmsync key it named was sent",
+            "TorchRLChangedError at that update call; if a wrapper is bypassed, each key publishes on its own",
+            "a scheme hook around one update call (`begin_update` / `end_update`)",
+        ),
+        Internal(
+            CONNECT,
+            "0.11-0.14",
+            "a scheme initialized before its collector (`init_on_sender(model=...)`) is handed no collector when "
+            "TorchRL connects it; the collector is found among the callers of `connect()`",
+            "a caller of `connect()` is a collector that holds the scheme",
+            "TorchRLChangedError at `connect()`, before the first batch",
+            "`connect()` (or `init_on_sender`) handing every scheme its collector as `context`",
+        ),
+        Internal(
+            WORKERS_SET_UP,
+            "0.11-0.14",
+            "TorchRL sets the scheme up in each worker; a worker it skipped would run its first weights forever",
+            "at the first update, every worker's reader attached to the store (waiting a little for late ones)",
+            "TorchRLChangedError at the first update",
+            "none needed: a worker-side `connect()` that TorchRL documents as always called",
+        ),
+        Internal(
+            ROLLOUT,
+            "0.11-0.14",
+            "polls before each rollout, so that a batch runs one version when the trainer published between batches, "
+            "and tags `('next', key)`. A `pre_collect_hook` would do the first, but users may reassign theirs",
+            "at the worker's start, its collector has a callable `rollout` and an instance dictionary",
+            "missing, or called another way: the policy's own check loads every version at every call, and the "
+            "trainer fills `('next', key)` from each frame's tag",
+            "a list of per-rollout hooks on the worker's collector, or the scheme told of each rollout",
+        ),
+        Internal(
+            WORKER_INIT,
+            "0.11-0.12",
+            "torchrl 0.11 and 0.12 hand the receiver no collector (0.13 and later set the scheme's `context`)",
+            "the worker's collector is a caller of the receiver's first load",
+            "the worker runs without the rollout shadow: its policy checks at every call, the trainer fills "
+            "`('next', key)`",
+            "(done in 0.13: `register_scheme_receiver` sets `context`)",
+        ),
+        Internal(
+            TRACKER,
+            "0.11-0.14",
+            "`track_policy_version`'s transform: its version is set to the version loaded (workers) or published "
+            "(trainer), so that `get_policy_version()` and `state_dict()` report the version the workers run",
+            "the attribute exists on the collector and is None or has a `version`",
+            "TorchRLChangedError at the trainer's start, or at the worker's start",
+            "a public `collector.set_policy_version(v)`",
+        ),
+        Internal(
+            OPTIM_COUNT,
+            "0.11-0.14",
+            "the optimizer-step count, for intervals and versions in optimizer steps (TorchRL's own hook reads it)",
+            "it is an int at each use",
+            "TorchRLChangedError at the hook's first call",
+            "a public `trainer.optim_steps`",
+        ),
+        Internal(
+            TRAINER_MODULES,
+            "0.11-0.14",
+            "modules added with `Trainer.register_module`, which paths such as `'replay_buffer'` name",
+            "it is a mapping when a path needs it",
+            "TorchRLChangedError naming the path",
+            "a public `trainer.get_module(name)`",
+        ),
+        Internal(
+            CONTAINER,
+            "0.14",
+            "the trainer receives each node's batch into buffers shaped like a batch of a single-process probe "
+            "collector, which has no version keys (gloo aborts on the mismatch), and DistributedSyncCollector's "
+            "nodes share one buffer memory: shmsync's subclasses add the keys and give each node memory of its own",
+            "right after TorchRL's constructor built them: `_tensordict_out` exists, with `_single_tds` "
+            "(DistributedSyncCollector), `_tensordict_out_unbind` (a lazy stack) or as a list of buffers",
+            "TorchRLChangedError right after construction, the nodes shut down; how TorchRL builds them "
+            "(`_make_container`) is not relied on",
+            "a public way to add keys to the receive spec, and one buffer per node",
+        ),
+        Internal(
+            DIST_STORE,
+            "0.14",
+            "TorchRL's distributed push carries no version: the trainer writes its push count into the TCPStore the "
+            "push already uses, and each node reads it and confirms what it published",
+            "`_store` is a `torch.distributed.Store` (trainer); `_store_info` has a host and a port (node)",
+            "TorchRLChangedError at the first push, or the node's report of it at that push",
+            "a `model_version` carried with each push, as the Ray scheme does",
+        ),
+        Internal(
+            DIST_PUSH,
+            "0.14",
+            "every push of shmsync's distributed collectors goes through `send()` of the trainer's scheme, and each "
+            "node's collector is told of it (`update_policy_weights_`) before the node acknowledges it",
+            "after each push, every node it reached confirmed the push's version; every batch, no node reported a "
+            "push it could not number",
+            "TorchRLChangedError at that push or at the next batch",
+            "a `model_version` carried with each push",
+        ),
+        Internal(
+            RECEIVERS,
+            "0.14",
+            "the scheme a node's collector receives the trainer's weights from (for its TCPStore address): "
+            "DistributedSyncCollector registers it on the collector; DistributedCollector registers none, and it "
+            "is found among the callers of the push it applies",
+            "the attribute is None or a mapping; the scheme is found",
+            "TorchRLChangedError at the first push (the node cannot answer it)",
+            "a public `collector.weight_recv_schemes`, set by every collector that receives",
+        ),
+        Internal(
+            NODES,
+            "0.14",
+            "the node processes, so that waiting for the nodes' stores ends as soon as a node died",
+            "a list of objects with `is_alive()` (or absent: the wait then ends at its deadline)",
+            "the wait ends at its deadline (60 s) with a named error",
+            "a public liveness check of the nodes",
+        ),
+        Internal(
+            RAY_PUSH,
+            "0.14",
+            "each push names its version to the actors it reaches in a call of shmsync's own submitted just before "
+            "(`__ray_call__`), which Ray runs first; the actor's collector is told of the push "
+            "(`update_policy_weights_`) within TorchRL's call",
+            "after each push, every actor it reached confirmed the push's version",
+            "TorchRLChangedError at that push",
+            "`model_version` passed to the actor collector's `update_policy_weights_` with the push's weights",
+        ),
+    )
+}
+
+
+def changed(name: str, detail: str) -> TorchRLChangedError:
+    """The error for catalogue entry ``name`` found otherwise than expected (``detail`` says how)."""
+    entry = CATALOGUE[name]
+    return TorchRLChangedError(
+        f'TorchRL internal "{name}" (checked on torchrl {entry.versions}; used for: {entry.why}) is not as shmsync '
+        f"expects in the installed torchrl {torchrl.__version__}: {detail}. shmsync supports torchrl "
+        f"{_minor(SUPPORTED[0])} to {_minor(SUPPORTED[1])}"
+    )
+
+
+def check(name: str, ok: bool, detail: str) -> None:
+    """Raise :func:`changed` unless ``ok``."""
+    if not ok:
+        raise changed(name, detail)
+
+
+# -- the collector's schemes and methods (trainer side) -------------------------------------------
+def schemes_of(collector: Any) -> dict[str, Any]:
+    """The collector's weight-sync schemes by key (``{}`` if it has none)."""
+    check(SCHEMES, hasattr(collector, "_weight_sync_schemes"), f"{type(collector).__name__} has no such attribute")
+    schemes = collector._weight_sync_schemes
+    check(SCHEMES, schemes is None or isinstance(schemes, Mapping), f"it is a {type(schemes).__name__}")
+    return dict(schemes) if schemes is not None else {}
+
+
+def _holds(owner: Any, scheme: Any) -> bool:
+    schemes = getattr(owner, "_weight_sync_schemes", None)
+    return isinstance(schemes, Mapping) and any(s is scheme for s in schemes.values())
+
+
+def wrap_on_instance(obj: Any, method: str, wrapper: Callable[[Callable], Callable], entry: str = METHODS) -> None:
+    """Make ``wrapper(obj.method)`` the method of this one instance (an instance attribute
+    shadows the class's method; TorchRL's class is left alone)."""
+    original = getattr(obj, method, None)
+    check(entry, callable(original), f"{type(obj).__name__}.{method} is missing or not callable")
+    setattr(obj, method, wrapper(original))
+
+
+def collector_connecting(scheme: Any) -> Any:
+    """The collector among the callers of ``scheme.connect()``: TorchRL hands a scheme initialized
+    before its collector no reference to it."""
+    owner = _caller_owning(lambda owner: _holds(owner, scheme), CONNECT)
+    check(CONNECT, owner is not None, "connect() was called, but no caller is a collector holding the scheme")
+    return owner
+
+
+def declared_update_keys(args: tuple, kwargs: dict) -> list[str] | None:
+    """The keys an ``update_policy_weights_(*args, **kwargs)`` call names, as TorchRL resolves them
+    (``weights_dict``'s keys, else ``model_id``, else ``"policy"``); None if it does not say."""
+    weights_dict = kwargs.get("weights_dict")
+    if isinstance(weights_dict, Mapping):
+        return [str(k) for k in weights_dict]
+    return [kwargs.get("model_id") or "policy"]
+
+
+def check_update_sent(missing: list[str]) -> None:
+    """Raise if an update call ended without sending keys it named (TorchRL no longer ends
+    ``update_policy_weights_`` in ``scheme.send()``)."""
+    check(METHODS, not missing, f"update_policy_weights_ returned without calling send() for {missing}")
+
+
+def check_workers_set_up(attached: int, expected: int, store_name: str) -> None:
+    check(
+        WORKERS_SET_UP,
+        attached >= expected,
+        f"only {attached} of the {expected} worker readers attached to store {store_name!r}: TorchRL did not set "
+        "the scheme up in every worker, which would then run its first weights forever",
+    )
+
+
+# -- the worker's collector -----------------------------------------------------------------------
+def worker_rollout(collector: Any) -> Callable | None:
+    """The worker collector's ``rollout``, if it has one that an instance attribute can shadow
+    (without, the worker does without the shadow: its policy checks at every call)."""
+    rollout = getattr(collector, "rollout", None)
+    if callable(rollout) and isinstance(getattr(collector, "__dict__", None), dict):
+        return rollout
+    return None
+
+
+def shadowed_rollout(collector: Any) -> Any:
+    """What shadows the worker collector's ``rollout`` on its instance, or None."""
+    instance = getattr(collector, "__dict__", None)
+    return instance.get("rollout") if isinstance(instance, dict) else None
+
+
+def shadow_rollout(collector: Any, rollout: Callable) -> None:
+    """Make ``rollout`` the worker collector's rollout, for this instance only."""
+    instance = getattr(collector, "__dict__", None)
+    check(ROLLOUT, isinstance(instance, dict), f"{type(collector).__name__} has no instance dictionary")
+    instance["rollout"] = rollout
+
+
+HANDS_WORKERS_THEIR_COLLECTOR = TORCHRL_VERSION >= (0, 13)
+
+
+def worker_collector_on_stack() -> Any:
+    """torchrl <= 0.12: the worker's collector, found among the callers of the receiver's first
+    load; None if it is not there (the worker then works without the rollout shadow)."""
+    return _caller_owning(
+        lambda owner: callable(getattr(owner, "rollout", None)) and callable(getattr(owner, "iterator", None)),
+        WORKER_INIT,
+    )
+
+
+def tracker_of(collector: Any) -> Any:
+    """``track_policy_version``'s tracker of a TorchRL collector, or None if it tracks none."""
+    check(TRACKER, hasattr(collector, "policy_version_tracker"), f"{type(collector).__name__} has no such attribute")
+    tracker = collector.policy_version_tracker
+    check(TRACKER, tracker is None or hasattr(tracker, "version"), f"{type(tracker).__name__} has no version attribute")
+    return tracker
+
+
+def set_policy_version(collector: Any, version: int, *, built: bool = True) -> None:
+    """Make ``track_policy_version``'s tracker of ``collector`` (if it tracks) report ``version``.
+    ``built=False``: the collector may still be in its constructor (a worker's first load), and
+    may not have its tracker yet."""
+    if not built and not hasattr(collector, "policy_version_tracker"):
+        return
+    tracker = tracker_of(collector)
+    if tracker is not None and tracker.version != version:
+        tracker.version = version
+
+
+def _caller_owning(predicate: Callable[[Any], bool], entry: str, depth: int = 16) -> Any:
+    """The ``self`` of the nearest caller for which ``predicate(self)`` holds, or None."""
+    check(entry, hasattr(sys, "_getframe"), "this Python has no sys._getframe")
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if owner is not None and predicate(owner):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+# -- trainers and the hook ------------------------------------------------------------------------
+def hook_takes_sender(hook_class: type) -> bool:
+    """torchrl 0.14 added ``sender=`` and ``interval_unit=`` to its hook."""
+    return "sender" in inspect.signature(hook_class.__init__).parameters
+
+
+def optimizer_step_count(trainer: Any) -> int:
+    """The trainer's optimizer steps so far (the mixed-precision stepper's count if it has one)."""
+    stepper = getattr(trainer, "optimization_stepper", None)
+    count = getattr(stepper, "optimizer_step_count", None)
+    if count is not None:
+        return int(count)
+    value = getattr(trainer, "_optim_count", None)
+    check(OPTIM_COUNT, isinstance(value, int), f"{type(trainer).__name__}._optim_count is {value!r}")
+    return value
+
+
+def registered_module(trainer: Any, name: str) -> Any:
+    """The module ``trainer.register_module(name, ...)`` added; AttributeError if there is none."""
+    from torchrl.trainers import Trainer
+
+    modules = getattr(trainer, "_modules", None)
+    if modules is None and not isinstance(trainer, Trainer):
+        raise AttributeError(name)
+    check(TRAINER_MODULES, isinstance(modules, Mapping), f"{type(trainer).__name__}._modules is {modules!r}")
+    if name not in modules:
+        raise AttributeError(name)
+    return modules[name]
+
+
+def check_hook_arguments(
+    collector, update_weights_interval, policy_weights_getter, weight_update_map, trainer, sender, interval_unit
+) -> None:
+    """torchrl 0.14's validation of its hook's arguments, for a torchrl whose hook lacks them."""
+    if update_weights_interval < 1:
+        raise ValueError("update_weights_interval must be >= 1")
+    if interval_unit not in ("batches", "optim_steps"):
+        raise ValueError(f"interval_unit must be 'batches' or 'optim_steps', got {interval_unit!r}")
+    if sender is None and collector is None:
+        raise ValueError("either a collector or a sender must be provided")
+    if sender is not None and (policy_weights_getter is not None or weight_update_map is not None):
+        raise ValueError("sender is mutually exclusive with policy_weights_getter and weight_update_map")
+    if weight_update_map is not None and trainer is None:
+        raise ValueError("trainer must be provided when using weight_update_map")
+    if interval_unit == "optim_steps" and trainer is None:
+        raise ValueError("trainer must be provided when interval_unit='optim_steps'")
+
+
+# -- distributed collectors (torchrl >= 0.14) -----------------------------------------------------
+
+
+def extend_receive_buffers(collector: Any, add: Callable[[Any], None]) -> None:
+    """Apply ``add`` to each node's receive buffer of a distributed collector (to give it the
+    version keys the nodes' batches carry), leaving them locked as TorchRL left them; for
+    DistributedSyncCollector, first give each node memory of its own."""
+    check(
+        CONTAINER,
+        hasattr(collector, "_tensordict_out"),
+        f"{type(collector).__name__} has no _tensordict_out receive buffer",
+    )
+    if hasattr(collector, "_single_tds"):  # DistributedSyncCollector: one buffer, viewed per node
+        # TorchRL expands one probe batch, so every node's view is the same memory (stride 0) and
+        # the nodes' batches overwrite each other: a frame's tag could come from one node and its
+        # data from the other. Each node gets memory of its own.
+        out = collector._tensordict_out.clone()
+        add(out)
+        collector._tensordict_out = out.lock_()
+        collector._single_tds = out.unbind(0)
+    elif hasattr(collector, "_tensordict_out_unbind"):  # DistributedCollector(sync=True): a lazy stack
+        root = collector._tensordict_out.unlock_()
+        for td in collector._tensordict_out_unbind:
+            add(td.unlock_())
+        root.lock_()
+        for td in collector._tensordict_out_unbind:
+            td.lock_()
+    else:  # DistributedCollector(sync=False): one buffer per node
+        buffers = collector._tensordict_out
+        check(CONTAINER, isinstance(buffers, (list, tuple)), f"_tensordict_out is a {type(buffers).__name__}")
+        for td in buffers:
+            add(td.unlock_())
+            td.lock_()
+
+
+def push_store(scheme: Any) -> torch.distributed.Store:
+    """The TCPStore the trainer's distributed scheme pushes through."""
+    store = getattr(scheme, "_store", None)
+    check(
+        DIST_STORE,
+        isinstance(store, torch.distributed.Store),
+        f"{type(scheme).__name__}._store is a {type(store).__name__}",
+    )
+    return store
+
+
+def upstream_store_address(collector: Any) -> tuple[str, int] | None:
+    """Node side: where the trainer's TCPStore listens, from the distributed scheme the node's
+    collector receives from (registered on the collector, or, for DistributedCollector, which
+    registers none, the scheme applying the push among the callers); None if none is found."""
+    receivers = list(receiver_schemes(collector).values())
+    if not receivers:
+        caller = _caller_owning(
+            lambda owner: hasattr(owner, "_store_info") and getattr(owner, "context", None) is collector, RECEIVERS
+        )
+        receivers = [caller] if caller is not None else []
+    for scheme in receivers:
+        if hasattr(scheme, "_store_info"):
+            info = scheme._store_info
+            ok = isinstance(info, Mapping) and "host" in info and "port" in info
+            check(DIST_STORE, ok, f"{type(scheme).__name__}._store_info is {info!r}")
+            return str(info["host"]), int(info["port"])
+    names = [type(s).__name__ for s in receivers]
+    check(DIST_STORE, not receivers, f"none of the schemes the node receives from ({names}) has _store_info")
+    return None
+
+
+def wrap_push(scheme: Any, wrapper: Callable[[Callable], Callable]) -> None:
+    """Wrap ``send`` of one trainer-side distributed scheme instance (shmsync's collector's own)."""
+    wrap_on_instance(scheme, "send", wrapper, DIST_PUSH)
+
+
+def check_push_confirmed(problems: list[str]) -> None:
+    check(DIST_PUSH, not problems, "; ".join(problems))
+
+
+def receiver_schemes(collector: Any) -> dict[str, Any]:
+    """The schemes ``collector`` receives the trainer's weights from (a node's), or ``{}``."""
+    schemes = getattr(collector, "_receiver_schemes", None)
+    if schemes is None:
+        return {}
+    check(RECEIVERS, isinstance(schemes, Mapping), f"it is a {type(schemes).__name__}")
+    return dict(schemes)
+
+
+def node_processes(collector: Any) -> list[Any] | None:
+    """The node processes of a distributed collector (``launcher="mp"``), or None if TorchRL keeps
+    none (another launcher, or a torchrl that renamed them: waits then end at their deadlines)."""
+    jobs = getattr(collector, "jobs", None)
+    if jobs is None or not all(callable(getattr(j, "is_alive", None)) for j in jobs or ()):
+        return None
+    check(NODES, isinstance(jobs, (list, tuple)), f"{type(collector).__name__}.jobs is a {type(jobs).__name__}")
+    return list(jobs)
+
+
+# -- Ray --------------------------------------------------------------------------------------------
+def check_ray_push_confirmed(problems: list[str]) -> None:
+    check(RAY_PUSH, not problems, "; ".join(problems))
+
+
+def is_torchrl_collector(obj: Any) -> bool:
+    """Whether ``obj`` is one of TorchRL's collectors (checked by class, not by duck typing)."""
+    from torchrl.collectors import BaseCollector
+
+    return isinstance(obj, BaseCollector)

@@ -1,0 +1,326 @@
+"""TorchRL's collectors for several hosts with shmsync as each host's local leg.
+
+:class:`DistributedSyncCollector`, :class:`DistributedCollector` and :class:`RayCollector` are
+TorchRL's classes of those names (``torchrl.collectors.distributed``), subclassed: they take the
+same arguments and behave the same, and with a :class:`~shmsync.ShmWeightSyncScheme` in
+``collector_kwargs["weight_sync_schemes"]`` they also
+
+- **number each push** of the trainer's weights, so that every frame on every host carries the
+  trainer's version (whichever nodes or actors a push reaches), and each host's workers load
+  every push at once, through shared memory;
+- **check each push landed**: after it, every node or actor it reached must have published it to
+  its workers, else :class:`~shmsync.torchrl.compat.TorchRLChangedError` names what TorchRL
+  stopped doing; nothing runs stale quietly;
+- (``DistributedSyncCollector``, ``DistributedCollector``) give the trainer's receive buffers the
+  version keys the nodes' batches carry, and each node memory of its own.
+
+TorchRL's own classes hand a scheme in ``collector_kwargs`` nothing on the trainer's side, so
+this is done here, by subclassing, rather than by changing TorchRL's classes. TorchRL's own
+classes with a shmsync local scheme are refused with an error that names these.
+
+Examples:
+    >>> from shmsync import ShmWeightSyncScheme
+    >>> from shmsync.torchrl.distributed import DistributedSyncCollector
+    >>> collector = DistributedSyncCollector(  # doctest: +SKIP
+    ...     [make_env] * 2, policy, frames_per_batch=256, total_frames=2048,
+    ...     collector_class=MultiSyncCollector, num_workers_per_collector=2,
+    ...     collector_kwargs={"weight_sync_schemes": {"policy": ShmWeightSyncScheme()}},
+    ...     launcher="mp",
+    ... )
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torchrl.collectors import distributed as torchrl_distributed
+
+from shmsync.errors import ShmSyncError
+from shmsync.remote_rows import ReportBook
+from shmsync.table import HostReport, ReaderRow, add_remote
+from shmsync.torchrl import compat
+from shmsync.torchrl.legs import (
+    ERROR,
+    PUBLISHED_KEY,
+    READERS_KEY,
+    READY_KEY,
+    VERSION_KEY,
+    decode_report,
+    name_push,
+    published_version,
+)
+from shmsync.torchrl.scheme import claim_remote_legs
+
+log = logging.getLogger("shmsync.torchrl.distributed")
+READY_TIMEOUT_S = 60.0  # how long the first push waits for every node's store
+CONFIRM_TIMEOUT_S = 60.0  # how long the trainer waits for the actors' answers after a push
+
+
+class _NumberedPushes:
+    """Trainer side of shmsync's distributed collectors: each push of the trainer's distributed
+    schemes is numbered in their TCPStore before it is sent, and confirmed by every node it
+    reached after it returns (TorchRL's push waits for the nodes' acknowledgements, which come
+    after they applied it)."""
+
+    def __init__(self, collector: Any, *, wait_until_ready: bool) -> None:
+        self.collector = collector
+        self.count = 0
+        self.failed = False  # shmsync raised: the nodes are to be stopped, not waited for
+        self.waiting = wait_until_ready
+        self.stores: list[torch.distributed.Store] = []
+        for scheme in compat.schemes_of(collector).values():
+            store = compat.push_store(scheme)
+            store.set(VERSION_KEY, b"0")
+            self.stores.append(store)
+            compat.wrap_push(scheme, lambda send, store=store: _bound(self.push, store, send))
+        self.ranks = list(range(1, collector.num_workers + 1))
+        self.book = ReportBook(latest=lambda: self.count)
+        self._seen: dict[int, int] = {}  # rank -> the number of its last report taken
+        self._looked = 0.0
+
+    # -- the nodes' readers ---------------------------------------------------------------------------
+    @property
+    def latest(self) -> int:
+        return self.count
+
+    def remote_rows(self, latest: int) -> tuple[list[HostReport], list[ReaderRow]]:
+        """The nodes' last reports (``shmsync.table.RemoteRows``): read from the TCPStore, where each
+        node rewrites its table about once a second, at most twice a second; never a message to a node."""
+        now = time.monotonic()
+        if now - self._looked > 0.5 and self.stores:
+            self._looked = now
+            store = self.stores[0]
+            for rank in self.ranks:
+                key = READERS_KEY.format(rank=rank)
+                try:
+                    if not store.check([key]):
+                        continue
+                    seq, entries = decode_report(store.get(key))
+                except (ValueError, RuntimeError) as e:
+                    log.warning("shmsync: ignored node %s's readers' report: %s", rank, e)
+                    continue
+                if self._seen.get(rank) != seq:
+                    self._seen[rank] = seq
+                    self.book.heard(entries[0].node if entries else f"rank{rank}", f"node {rank}", entries)
+        return self.book.remote_rows(latest)
+
+    def push(self, store: torch.distributed.Store, send: Callable, weights: Any = None, worker_ids: Any = None) -> Any:
+        self.wait_until_ready()
+        self.count += 1
+        store.set(VERSION_KEY, str(self.count).encode())
+        result = send(weights=weights, worker_ids=worker_ids)
+        problems = []
+        for rank in self._ranks(worker_ids):
+            answer = _read(store, PUBLISHED_KEY.format(rank=rank))
+            if answer != str(self.count):
+                problems.append(f"node {rank} answered {answer!r} for push {self.count}")
+        self._confirmed(problems)
+        return result
+
+    def _confirmed(self, problems: list[str]) -> None:
+        self.failed = self.failed or bool(problems)
+        compat.check_push_confirmed(problems)
+
+    def check_reports(self) -> None:
+        """No node reported a push it could not number (a push that went around :meth:`push`)."""
+        for store in self.stores[:1]:
+            reports = [(rank, _read(store, PUBLISHED_KEY.format(rank=rank))) for rank in self.ranks]
+            self._confirmed([f"node {r} answered {a!r}" for r, a in reports if (a or "").startswith(ERROR)])
+
+    def wait_until_ready(self) -> None:
+        """Once, before the first push: every node's store exists (a push before would reach no worker)."""
+        if not self.waiting:
+            return
+        store = self.stores[0]
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            waiting = [r for r in self.ranks if not store.check([READY_KEY.format(rank=r)])]
+            if not waiting:
+                self.waiting = False
+                return
+            nodes = compat.node_processes(self.collector)
+            dead = [r for r in waiting if nodes is not None and r - 1 < len(nodes) and not nodes[r - 1].is_alive()]
+            if dead or time.monotonic() > deadline:
+                self.failed = True
+                why = f"node(s) {dead} exited" if dead else f"node(s) {waiting} not ready after {READY_TIMEOUT_S:.0f} s"
+                raise ShmSyncError(
+                    f"{type(self.collector).__name__}: {why} before their shmsync store existed; see the node's output"
+                )
+            time.sleep(0.02)
+
+    def _ranks(self, worker_ids: Any) -> list[int]:
+        if worker_ids is None:
+            return self.ranks
+        ids = worker_ids if isinstance(worker_ids, (list, tuple)) else [worker_ids]
+        return [int(i) + 1 for i in ids]
+
+
+def _read(store: torch.distributed.Store, key: str) -> str | None:
+    return store.get(key).decode() if store.check([key]) else None
+
+
+def _bound(method: Callable, store: Any, send: Callable) -> Callable:
+    def send_numbered(weights: Any = None, worker_ids: Any = None) -> Any:
+        return method(store, send, weights, worker_ids)
+
+    return send_numbered
+
+
+def _add_version_keys(collector: Any, keys: list[str]) -> None:
+    """Give the trainer's receive buffers the version keys the nodes' batches carry."""
+
+    def add(td: Any) -> None:
+        for key in keys:
+            for where in (key, ("next", key)) if "next" in td.keys() else (key,):
+                td.set(where, torch.zeros(td.batch_size, dtype=torch.int64, device=td.device))
+
+    compat.extend_receive_buffers(collector, add)
+
+
+class _ShmSyncNodes:
+    """What shmsync adds to TorchRL's two torch.distributed collectors."""
+
+    _shmsync_base: type
+    _shmsync_pushes: _NumberedPushes | None = None
+    _shmsync_failed = False
+
+    def _shmsync_init(self, args: tuple, kwargs: dict) -> None:
+        legs = claim_remote_legs(kwargs.get("collector_kwargs"), "distributed", self._shmsync_base.__name__)
+        self._shmsync_base.__init__(self, *args, **kwargs)
+        if not legs:
+            return
+        try:
+            keys = list(dict.fromkeys(s.version_key for s in legs if s.version_key))
+            _add_version_keys(self, keys)
+            self._shmsync_pushes = _NumberedPushes(self, wait_until_ready=self._shmsync_base is _SYNC)
+            for scheme in legs:  # scheme.readers() lists every node's workers
+                add_remote(scheme, self._shmsync_pushes)
+        except BaseException:
+            self._shmsync_failed = True
+            self.shutdown()
+            raise
+
+    def iterator(self) -> Iterator[Any]:
+        pushes = self._shmsync_pushes
+        if pushes is not None:
+            pushes.wait_until_ready()  # before TorchRL's first push
+        for batch in self._shmsync_base.iterator(self):
+            if pushes is not None:
+                pushes.check_reports()
+            yield batch
+
+    def shutdown(self, *args: Any, **kwargs: Any) -> None:
+        failed = self._shmsync_failed or (self._shmsync_pushes is not None and self._shmsync_pushes.failed)
+        # DistributedSyncCollector's nodes collect on their own until their last frame: after shmsync
+        # raised they would not end, and TorchRL would wait for each, then leave it running (the
+        # trainer then waits for it at exit). DistributedCollector's nodes answer TorchRL's shutdown.
+        if failed and self._shmsync_base is _SYNC:
+            _stop(compat.node_processes(self))
+        try:
+            self._shmsync_base.shutdown(self, *args, **kwargs)
+        finally:
+            _stop(compat.node_processes(self))  # any TorchRL left running
+
+
+def _stop(nodes: list[Any] | None) -> None:
+    """End node processes that are still running (their workers end with them: their pipes close)."""
+    for job in nodes or ():
+        if job.is_alive():
+            job.terminate()
+            job.join(5)
+        if job.is_alive():
+            job.kill()
+            job.join(5)
+
+
+_SYNC = torchrl_distributed.DistributedSyncCollector
+
+
+class DistributedSyncCollector(_ShmSyncNodes, torchrl_distributed.DistributedSyncCollector):
+    """TorchRL's ``DistributedSyncCollector``, with shmsync as each node's local leg (see the module).
+
+    Its nodes receive pushes before their own collector (and so their store) exists: the first
+    batch waits until every node's store exists (at most 60 s; a node that exited first is named)."""
+
+    _shmsync_base = torchrl_distributed.DistributedSyncCollector
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._shmsync_init(args, kwargs)
+
+
+class DistributedCollector(_ShmSyncNodes, torchrl_distributed.DistributedCollector):
+    """TorchRL's ``DistributedCollector``, with shmsync as each node's local leg (see the module)."""
+
+    _shmsync_base = torchrl_distributed.DistributedCollector
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._shmsync_init(args, kwargs)
+
+
+class RayCollector(torchrl_distributed.RayCollector):
+    """TorchRL's ``RayCollector``, with shmsync as each actor's local leg (see the module).
+
+    Each push is named to the actors it reaches in a call of shmsync's own, submitted just before
+    TorchRL's (Ray runs one caller's calls to an actor in order), and each of them is asked
+    afterwards which version it published: one short Ray call per actor and push.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._shmsync_legs = claim_remote_legs(kwargs.get("collector_kwargs"), "ray", "RayCollector")
+        self._shmsync_pushes = 0
+        self._shmsync_book = ReportBook(latest=lambda: self._shmsync_pushes)
+        for scheme in self._shmsync_legs:  # scheme.readers() lists every actor's workers
+            add_remote(scheme, self._shmsync_book)
+        super().__init__(*args, **kwargs)
+
+    def update_policy_weights_(self, policy_or_weights: Any = None, *, worker_ids: Any = None, **kwargs: Any) -> Any:
+        if not self._shmsync_legs:
+            return super().update_policy_weights_(policy_or_weights, worker_ids=worker_ids, **kwargs)
+        import ray
+
+        actors = self._shmsync_actors(worker_ids)
+        self._shmsync_pushes += 1
+        number = self._shmsync_pushes
+        for _, actor in actors:
+            actor.__ray_call__.remote(name_push, number)
+        result = super().update_policy_weights_(policy_or_weights, worker_ids=worker_ids, **kwargs)
+        answers = ray.get(
+            [actor.__ray_call__.remote(published_version) for _, actor in actors], timeout=CONFIRM_TIMEOUT_S
+        )
+        compat.check_ray_push_confirmed(
+            [
+                f"actor {i} holds version {v}, not push {number}"
+                for (i, _), (v, _) in zip(actors, answers)
+                if v != number
+            ]
+        )
+        for (i, _), (_, report) in zip(actors, answers):
+            self._shmsync_heard(i, report)
+        return result
+
+    def _shmsync_heard(self, actor: int, report: bytes | None) -> None:
+        """An actor's readers' table, as it answered after a push (Ray runs an actor's calls one at a
+        time: asking a busy actor would wait for its batch, so the trainer's table is as of the push)."""
+        if report is None:
+            return
+        try:
+            _, entries = decode_report(report)
+        except ValueError as e:
+            log.warning("shmsync: ignored actor %s's readers' report: %s", actor, e)
+            return
+        if entries:
+            self._shmsync_book.heard(entries[0].node, f"actor {actor}", entries)
+
+    def _shmsync_actors(self, worker_ids: Any) -> list[tuple[int, Any]]:
+        actors = list(self.remote_collectors)
+        if worker_ids is None:
+            return list(enumerate(actors))
+        ids = worker_ids if isinstance(worker_ids, (list, tuple)) else [worker_ids]
+        return [(int(i), actors[int(i)]) for i in ids]
+
+
+__all__ = ["DistributedCollector", "DistributedSyncCollector", "RayCollector"]

@@ -1,0 +1,202 @@
+"""shmsync's part of one TorchRL collector that a user handed a :class:`~shmsync.ShmWeightSyncScheme`.
+
+A :class:`CollectorGlue` is made when TorchRL gives the scheme its collector
+(``init_on_sender(context=collector)``, or the collector's ``connect()`` for a scheme initialized
+before it). It holds the collector's groups of stores and decides each publish's version
+(:class:`~shmsync.torchrl.push_numbers.VersionSource`), and wraps four public methods on that one
+collector instance (TorchRL's class is left alone):
+
+- ``update_policy_weights_``: the keys one call sends publish as one version, under
+  ``version=n`` if given (shmsync's own keyword); a call that named a shmsync key but ended
+  without sending it raises :class:`~shmsync.torchrl.compat.TorchRLChangedError`;
+- ``shutdown``: frees the stores at once;
+- ``load_state_dict``: republishes under the restored versions, so the workers' frames carry them;
+- ``iterator``: gives each batch ``("next", key)`` where a worker could not tag it.
+
+Each is a convenience over a path that stays correct without it: bypassed, each send publishes
+on its own, the stores are freed with the scheme, and the workers' own tags stand.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+from tensordict import TensorDictBase
+
+from shmsync.frames import tag_next
+from shmsync.torchrl import compat
+from shmsync.torchrl.push_numbers import VersionSource
+from shmsync.torchrl.stores import SenderGroup, check_all
+
+_GLUES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # collector -> its glue
+
+
+class RemoteLeg(Protocol):
+    """What a collector that is another process's remote leg reports of each push it applies."""
+
+    def applied(self, version: int) -> None:
+        """The push numbered ``version`` is published to this collector's workers."""
+
+    def failed(self, error: BaseException) -> None:
+        """The push could not be published: report it to the trainer, or raise it."""
+
+
+class CollectorGlue:
+    """The stores, versions and instance wrappers of one collector.
+
+    Args:
+        collector: the TorchRL collector.
+        versions: decides each publish's version.
+        leg: set when the collector is another process's remote leg (a node, a Ray actor).
+    """
+
+    def __init__(self, collector: Any, versions: VersionSource, leg: RemoteLeg | None = None) -> None:
+        self._collector = weakref.ref(collector)
+        self.versions = versions
+        self.leg = leg
+        self.groups: list[SenderGroup] = []
+        self.version_keys: list[str] = []
+        self.num_workers = getattr(collector, "num_workers", None)
+        compat.tracker_of(collector)  # checked now, before any worker starts
+        compat.wrap_on_instance(collector, "update_policy_weights_", lambda f: _bind(self.update, f))
+        compat.wrap_on_instance(collector, "shutdown", lambda f: _bind(self.shutdown, f))
+        compat.wrap_on_instance(collector, "load_state_dict", lambda f: _bind(self.load_state_dict, f))
+        compat.wrap_on_instance(collector, "iterator", lambda f: _bind(self.iterator, f))
+
+    @classmethod
+    def of(cls, collector: Any) -> CollectorGlue | None:
+        """The glue of ``collector``, if it has one."""
+        return _GLUES.get(collector)
+
+    @classmethod
+    def for_collector(
+        cls, collector: Any, versions: Callable[[], VersionSource], leg: RemoteLeg | None = None
+    ) -> CollectorGlue:
+        """The glue of ``collector``, made on first use."""
+        glue = _GLUES.get(collector)
+        if glue is None:
+            glue = _GLUES[collector] = cls(collector, versions(), leg)
+        return glue
+
+    @property
+    def collector(self) -> Any:
+        return self._collector()
+
+    def add(self, group: SenderGroup, version_key: str | None) -> None:
+        """Serve ``group`` (its stores hold this collector's keys)."""
+        if group in self.groups:
+            return
+        group.flush = self.publish_now
+        group.on_publish = self.sync_tracker
+        group.check_attached = True  # the first batch or update checks that every worker attached
+        self.groups.append(group)
+        if version_key is not None and version_key not in self.version_keys:
+            self.version_keys.append(version_key)
+
+    def live_groups(self) -> list[SenderGroup]:
+        return [g for g in self.groups if not g.closed]
+
+    # -- publishing -------------------------------------------------------------------------------
+    def publish_now(self, group: SenderGroup) -> None:
+        """A send outside any update call: publish it at once, under its decided version."""
+        self._publish([group], given=None)
+
+    def _publish(self, groups: list[SenderGroup], given: int | None) -> None:
+        staged = [g for g in groups if g.pending]
+        if not staged:
+            return
+        try:
+            version = self.versions.decide(given)
+            prepared = [(g, g.take()) for g in staged]
+            if len(prepared) > 1:  # several groups: all are checked before any is written
+                check_all([pair for _, pairs in prepared for pair in pairs], version)
+            for g, pairs in prepared:
+                g.publish(pairs, version)
+        except BaseException as error:
+            for g in groups:
+                g.pending.clear()
+            if self.leg is None:
+                raise
+            self.leg.failed(error)
+            return
+        if self.leg is not None:
+            self.leg.applied(max(g.version for g in staged))
+
+    def sync_tracker(self) -> None:
+        """Make ``track_policy_version``'s tracker report the version last published."""
+        collector = self.collector
+        groups = self.live_groups()
+        if collector is not None and groups:
+            compat.set_policy_version(collector, max(g.version for g in groups))
+
+    # -- the wrappers -----------------------------------------------------------------------------
+    def update(self, original: Callable, *args: Any, version: int | None = None, **kwargs: Any) -> Any:
+        """``update_policy_weights_``: one call, one version."""
+        groups = self.live_groups()
+        if self.leg is None:  # a remote leg applies pushes while its collector is still being built
+            for g in groups:
+                g.check_workers_attached()
+        ours = {k for g in groups for k in g.keys}
+        expected = [k for k in compat.declared_update_keys(args, kwargs) or () if k in ours]
+        for g in groups:
+            g.held = True
+        try:
+            result = original(*args, **kwargs)
+        except BaseException:
+            for g in groups:
+                g.pending.clear()
+            raise
+        finally:
+            for g in groups:
+                g.held = False
+        sent = {k for g in groups for k in g.pending}
+        missing = [k for k in expected if k not in sent]
+        if missing:
+            for g in groups:
+                g.pending.clear()
+            compat.check_update_sent(missing)
+        self._publish(groups, given=version)
+        return result
+
+    def shutdown(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for g in self.live_groups():
+                g.close()
+
+    def load_state_dict(self, original: Callable, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(state_dict, *args, **kwargs)
+        saved = [_saved_version(state_dict, i) for i in range(self.num_workers or 0)]
+        for g in self.live_groups():
+            g.relabel(saved if g.per_worker else [max((v for v in saved if v is not None), default=None)])
+        return result
+
+    def iterator(self, original: Callable, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        for g in self.live_groups():
+            g.check_workers_attached()  # before the first batch: a worker left out would run its first weights
+        for batch in original(*args, **kwargs):
+            if self.version_keys and isinstance(batch, TensorDictBase):
+                for key in self.version_keys:
+                    if key in batch.keys() and ("next", key) not in batch.keys(True):
+                        tag_next(batch, key)
+            yield batch
+
+
+def _bind(method: Callable, original: Callable) -> Callable:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return method(original, *args, **kwargs)
+
+    wrapper.__name__ = getattr(original, "__name__", "wrapper")
+    wrapper.__doc__ = getattr(original, "__doc__", None)
+    wrapper.__wrapped__ = original
+    return wrapper
+
+
+def _saved_version(state_dict: Any, worker: int) -> int | None:
+    worker_state = state_dict.get(f"worker{worker}") if hasattr(state_dict, "get") else None
+    version = worker_state.get("policy_version") if hasattr(worker_state, "get") else None
+    return int(version) if isinstance(version, (int, torch.Tensor)) and not isinstance(version, bool) else None

@@ -1,0 +1,201 @@
+"""Worker side of :class:`~shmsync.ShmWeightSyncScheme`: a reader per key, checked at every policy call.
+
+Two mechanisms load new versions, each enough on its own, so that no single TorchRL call path
+carries the guarantee:
+
+- the policy's own **forward pre-hook** checks the version (~0.1 us when nothing changed) and
+  reloads when it changed: whatever path TorchRL takes to run the policy, its next call finds
+  the newest version. With ``poll_every_steps=N`` it checks every N-th call inside a rollout
+  shmsync saw begin, and at every call outside one (a rollout TorchRL started another way);
+- the worker's collector's **rollout** is shadowed by an instance attribute that polls before
+  each rollout (so a batch runs one version whenever the trainer published between batches),
+  and after it tags ``("next", key)``, and tags the frames itself if the policy's hooks did not
+  run. Not a ``pre_collect_hook``: users may assign theirs after construction.
+
+Frames are tagged with the version loaded when they were produced. Once every worker has
+attached to the store, the last one to do so removes its name from the host: from then on the
+store lives exactly as long as the processes mapping it, whatever kills them.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from tensordict import TensorDictBase
+from torch import nn
+
+from shmsync.frames import tag_all, tag_next, tag_versions
+from shmsync.reader import WeightReader
+from shmsync.store import WeightStore
+from shmsync.torchrl import compat
+
+
+class Receiver:
+    """The reader for one key in one worker, bound to whatever model the scheme points at.
+
+    Args:
+        scheme: the worker's copy of the scheme.
+        store_name: the store to attach to.
+        expected_readers: readers that attach to this store in all (every worker, every key);
+            the last of them removes the store's name from the host.
+    """
+
+    def __init__(self, scheme: Any, store_name: str, expected_readers: int | None = None) -> None:
+        self.scheme = scheme
+        self.store = WeightStore.attach(store_name)
+        self.reader: WeightReader | None = None
+        self.token = secrets.token_hex(4)
+        self.calls = 0
+        self.hooked_calls = 0  # policy calls seen by the forward hooks (the rollout wrapper checks)
+        self.in_rollout = False  # inside a rollout that shmsync's shadow saw begin
+        self.expected_readers = expected_readers
+        self.collector: Any = None  # the worker's own collector, once TorchRL hands it over
+        self.waiting = False  # between rollouts of a collector whose rollouts shmsync sees
+
+    @property
+    def version(self) -> int:
+        return self.reader.version if self.reader is not None else -1
+
+    def current(self) -> WeightReader:
+        model = self.scheme.model
+        if self.reader is None or self.reader.module is not model:
+            # The collector may replace the policy (say, a copy moved to its device).
+            on_gpu = any(t.is_cuda for t in (*model.parameters(), *model.buffers()))
+            first = self.reader is None
+            self.reader = WeightReader(
+                self.store,
+                model,
+                destination=self.scheme.model_id,
+                zero_copy=self.scheme.zero_copy and not on_gpu,
+                worker=getattr(self.scheme, "worker_idx", None),
+            )
+            self.reader.set_waiting(self.waiting)
+            self._install_hooks(model)
+            if first:
+                self._unlink_once_all_attached()
+        return self.reader
+
+    def _unlink_once_all_attached(self) -> None:
+        expected = self.expected_readers
+        if expected is not None and len(self.store.readers()) >= expected:
+            self.store.unlink()  # every reader holds its mapping: the name is no longer needed
+
+    def poll(self) -> bool:
+        reloaded = self.current().poll()
+        if reloaded and self.collector is not None:
+            # The first load may come while the worker's collector is still being built.
+            compat.set_policy_version(self.collector, self.version, built=False)
+        return reloaded
+
+    def bind(self, collector: Any) -> None:
+        """Poll before every rollout of ``collector`` (this worker's own collector)."""
+        if collector is None or self.collector is collector:
+            return
+        self.collector = collector
+        rollout = compat.shadowed_rollout(collector)
+        if not isinstance(rollout, PollingRollout):
+            original = compat.worker_rollout(collector)
+            if original is None:
+                return  # no rollout to shadow: the policy's hook checks at every call
+            rollout = PollingRollout(original)
+            compat.shadow_rollout(collector, rollout)
+        rollout.add(self)
+        self.set_waiting(True)  # until its first rollout: the collector waits for the trainer's word
+
+    def set_waiting(self, waiting: bool) -> None:
+        """Tell the readers' table whether this worker is between rollouts."""
+        self.waiting = waiting
+        if self.reader is not None:
+            self.reader.set_waiting(waiting)
+
+    def _install_hooks(self, model: nn.Module) -> None:
+        if getattr(model, "_shmsync_hooks", None) == self.token:
+            return  # copied along with the module: the closures already point here
+        model._shmsync_hooks = self.token  # a plain attribute: deep copies of the module keep it
+        # state_dict() of the worker's policy shows the newest published weights.
+        model.register_state_dict_pre_hook(_state_dict_pre_hook(self))
+        model.register_forward_pre_hook(_step_poll_hook(self, self.scheme.poll_every_steps))
+        if self.scheme.version_key is not None:
+            tag_versions(model, lambda: self.version, self.scheme.version_key)
+
+    def close(self) -> None:
+        rollout = compat.shadowed_rollout(self.collector) if self.collector is not None else None
+        if isinstance(rollout, PollingRollout):
+            rollout.discard(self)
+        self.collector = None
+        self.store.close()
+
+
+class PollingRollout:
+    """Stands in for a worker collector's ``rollout``: poll, roll out, tag ``("next", key)``."""
+
+    def __init__(self, rollout: Callable[[], Any]) -> None:
+        self.rollout = rollout
+        self.receivers: list[Receiver] = []
+
+    def add(self, receiver: Receiver) -> None:
+        if receiver not in self.receivers:
+            self.receivers.append(receiver)
+            # The policy's receiver names the version: it is the one the frames are tagged with.
+            self.receivers.sort(key=lambda r: r.scheme.model_id != "policy")
+
+    def discard(self, receiver: Receiver) -> None:
+        if receiver in self.receivers:
+            self.receivers.remove(receiver)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        receivers = self.receivers
+        for receiver in receivers:
+            receiver.poll()
+        first = receivers[0] if receivers else None
+        if first is not None:
+            # Also after a load_state_dict() that restored another number with no reload.
+            compat.set_policy_version(first.collector, first.version)
+        hooked, version = (first.hooked_calls, first.version) if first is not None else (0, -1)
+        for receiver in receivers:
+            receiver.in_rollout = True
+            receiver.set_waiting(False)  # after its poll: never seen running with the old version
+        try:
+            batch = self.rollout(*args, **kwargs)
+        finally:
+            for receiver in receivers:
+                receiver.in_rollout = False
+                receiver.set_waiting(True)
+        key = first.scheme.version_key if first is not None else None
+        if key is not None and isinstance(batch, TensorDictBase):
+            if first.hooked_calls == hooked:
+                # The policy ran without its hooks (TorchRL called it another way): nothing
+                # reloaded during the rollout, so every frame ran the version polled above.
+                tag_all(batch, key, version)
+            tag_next(batch, key)
+        return batch
+
+
+def find_worker_collector() -> Any:
+    """The worker's own collector, when TorchRL does not hand it over (torchrl 0.11, 0.12)."""
+    return None if compat.HANDS_WORKERS_THEIR_COLLECTOR else compat.worker_collector_on_stack()
+
+
+# Hooks are closures, not bound methods: deep-copying a module copies its hooks, and a
+# copied bound method would copy the receiver (and its mapping) with it.
+def _state_dict_pre_hook(receiver: Receiver) -> Callable:
+    def hook(module, prefix, keep_vars):
+        receiver.poll()
+
+    return hook
+
+
+def _step_poll_hook(receiver: Receiver, every: int | None) -> Callable:
+    """Checks the version at every policy call (every ``every``-th inside a rollout shmsync saw
+    begin, if given) and reloads when it changed: whatever path TorchRL takes to a rollout, its
+    next step runs the newest version."""
+
+    def hook(module, args):
+        receiver.calls += 1
+        receiver.hooked_calls += 1
+        if every is None or not receiver.in_rollout or receiver.calls % every == 0:
+            receiver.poll()
+
+    return hook

@@ -1,0 +1,225 @@
+"""Main-process side of :class:`~shmsync.ShmWeightSyncScheme`: the stores behind a collector's keys.
+
+One :class:`SenderGroup` holds the stores behind a collector's shmsync keys: one store shared by
+every worker, or one per worker (``per_worker_weights``). All keys live in each store as
+destinations, so the keys sent by one ``update_policy_weights_`` call form one version. What
+version a publish gets is decided above (:mod:`shmsync.torchrl.push_numbers`); when an update call holds
+the group (:attr:`SenderGroup.held`), staged keys wait for its end, else each send publishes at once.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from shmsync.alarm import ReaderAlarm
+from shmsync.store import WeightStore
+from shmsync.table import ReaderTable, merge
+from shmsync.torchrl import compat
+
+ATTACH_PATIENCE = 5.0  # seconds the first check waits for workers still attaching
+
+
+class SenderGroup:
+    """The stores of one collector (or of one scheme initialized before any collector).
+
+    Args:
+        models: one mapping ``{key: module or TensorDict}`` per store: a single one when all
+            workers share weights, else one per worker, in worker order.
+        num_slots: copies kept in shared memory per store.
+        num_workers: the number of workers when known (checks ``worker_ids``).
+        devices: each worker's policy device when known (resolves device ``worker_ids``).
+    """
+
+    def __init__(
+        self,
+        models: list[dict[str, Any]],
+        *,
+        num_slots: int,
+        num_workers: int | None = None,
+        devices: Sequence[Any] | None = None,
+    ) -> None:
+        self.keys = list(models[0])
+        self.models = models  # held: a model built here from a factory has no other owner
+        self.per_worker = len(models) > 1
+        self.num_workers = len(models) if self.per_worker else num_workers
+        self.devices = list(devices) if devices is not None else None
+        token = secrets.token_hex(6)
+        self.stores: list[WeightStore] = []
+        try:
+            for i, m in enumerate(models):
+                suffix = f"-w{i}" if self.per_worker else ""
+                self.stores.append(WeightStore.create(m, name=f"torchrl-{token}{suffix}", num_slots=num_slots))
+        except BaseException:
+            self.close()
+            raise
+        self.pending: dict[str, tuple[Any, tuple[int, ...]]] = {}
+        self.held = False  # an update call of the collector holds staged keys until it ends
+        self.check_attached = False  # set when a collector serves these stores: its workers attach
+        self.on_publish: Callable[[], None] | None = None
+        self.flush: Callable[[SenderGroup], None] = publish_next  # a send outside any update call
+        self.alarm: ReaderAlarm | None = None
+
+    def readers(self, processes: bool = False, memory: bool | None = None) -> ReaderTable:
+        """The readers' table of every store of the group."""
+        return merge([store.readers(processes=processes, memory=memory) for store in self.stores])
+
+    def start_alarm(self, settings: dict[str, Any] | None) -> None:
+        """Watch the group's readers with a stale-worker alarm of ``settings`` (once; None: none)."""
+        if settings is not None and self.alarm is None:
+            self.alarm = ReaderAlarm(self.readers, **settings).start()
+
+    def expected_readers(self) -> int | None:
+        """Readers that attach to each store: a worker's reader per key (None if not known)."""
+        if self.num_workers is None:
+            return None
+        return len(self.keys) * (1 if self.per_worker else self.num_workers)
+
+    @property
+    def store_names(self) -> list[str]:
+        return [s.name for s in self.stores]
+
+    @property
+    def version(self) -> int:
+        """The newest version of any of the stores."""
+        return max(s.version for s in self.stores)
+
+    # -- publishing -------------------------------------------------------------------------------
+    def stage(self, key: str, weights: Any, worker_ids: Any = None) -> None:
+        """Queue ``weights`` for ``key``; published at once, or when the update call holding the
+        group ends."""
+        self.pending[key] = (weights, self._targets(key, weights, worker_ids))
+        if not self.held:
+            self.flush(self)
+
+    def take(self) -> list[tuple[WeightStore, dict[str, Any]]]:
+        """Take what is staged: ``(store, source)`` pairs, one per store it reaches."""
+        pending, self.pending = self.pending, {}
+        targets = sorted({w for _, ids in pending.values() for w in ids})
+        return [(self.stores[w], self._source(w, pending)) for w in targets]
+
+    def publish(self, prepared: list[tuple[WeightStore, dict[str, Any]]], version: int | None = None) -> list[int]:
+        """Publish ``prepared`` (from :meth:`take`), checked all before any is written.
+
+        Raises:
+            StaleReaderError: the alarm (``on_stale="raise"``) found a stale worker; nothing published.
+        """
+        if self.alarm is not None:
+            self.alarm.raise_pending()
+        check_all(prepared, version)
+        versions = [store.publish(source, version=version) for store, source in prepared]
+        if self.on_publish is not None:
+            self.on_publish()
+        return versions
+
+    def relabel(self, versions: Sequence[int | None]) -> None:
+        """Republish each store's newest weights under a restored version, when it is higher."""
+        for store, wanted in zip(self.stores, versions):
+            if wanted is not None and int(wanted) > store.version:
+                store.publish(store.snapshot().weights, version=int(wanted))
+        if self.on_publish is not None:
+            self.on_publish()
+
+    def check_workers_attached(self) -> None:
+        """Once, for a collector's stores: every worker's reader attached (waiting a little for
+        late ones), else raise. Once the collector is built, TorchRL has set the scheme up in
+        every worker it started."""
+        expected = self.expected_readers()
+        if not self.check_attached or expected is None:
+            return
+        self.check_attached = False
+        deadline = time.monotonic() + ATTACH_PATIENCE
+        while True:
+            attached = [len(store.readers()) for store in self.stores]
+            if min(attached) >= expected or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for store, n in zip(self.stores, attached):
+            compat.check_workers_set_up(n, expected, store.name)
+
+    def _targets(self, key: str, weights: Any, worker_ids: Any) -> tuple[int, ...]:
+        """The stores an update reaches, checked before anything is written."""
+        if _is_per_worker(weights):
+            if worker_ids is not None:
+                raise ValueError(f"key {key!r}: pass per-worker weights {{worker: weights}} or worker_ids, not both")
+            ids, what = sorted(weights), "per-worker weights"
+        elif worker_ids is None:
+            return tuple(range(len(self.stores)))
+        else:
+            ids, what = self._worker_indices(worker_ids), f"worker_ids={worker_ids!r}"
+        if self.num_workers is not None:
+            unknown = [i for i in ids if not 0 <= i < self.num_workers]
+            if unknown:
+                raise ValueError(f"key {key!r}: {what} name workers {unknown}; there are {self.num_workers}")
+        if self.per_worker:
+            return tuple(ids)
+        if self.num_workers is not None and set(ids) == set(range(self.num_workers)):
+            return (0,)
+        raise ValueError(
+            f"key {key!r}: {what} would update only some workers, but every worker of this collector "
+            "loads one shared set of weights; build the scheme with "
+            "ShmWeightSyncScheme(per_worker_weights=True) to give each worker its own"
+        )
+
+    def _worker_indices(self, worker_ids: Any) -> list[int]:
+        ids = worker_ids if isinstance(worker_ids, (list, tuple)) else [worker_ids]
+        out: list[int] = []
+        for w in ids:
+            if isinstance(w, (str, torch.device)):
+                if self.devices is None:
+                    raise ValueError(f"worker_ids={worker_ids!r}: the workers' devices are not known to this scheme")
+                # No device given to the collector: the policy stays where it is built, on the CPU.
+                matches = [i for i, d in enumerate(self.devices) if torch.device(d or "cpu") == torch.device(w)]
+                if not matches:
+                    raise ValueError(f"worker_ids={worker_ids!r}: no worker runs on {w}")
+                out += matches
+            elif isinstance(w, int) and not isinstance(w, bool):
+                out.append(w)
+            else:
+                raise TypeError(f"worker_ids must be ints or devices, got {type(w).__name__}")
+        return sorted(set(out))
+
+    def _source(self, w: int, pending: dict[str, tuple[Any, tuple[int, ...]]]) -> dict[str, Any]:
+        source = {}
+        for key in self.keys:
+            weights, ids = pending.get(key, (None, ()))
+            if w in ids and _is_per_worker(weights):
+                weights = weights[w]
+            elif w not in ids:
+                weights = None
+            source[key] = self.models[w][key] if weights is None else weights
+        return source
+
+    @property
+    def closed(self) -> bool:
+        return all(store.closed for store in self.stores)
+
+    def close(self) -> None:
+        """Free the stores (a closed store still tells its last version)."""
+        if self.alarm is not None:
+            self.alarm.stop()
+        for store in self.stores:
+            if not store.closed:
+                store.close()
+
+
+def publish_next(group: SenderGroup) -> None:
+    """Publish what ``group`` has staged under the next version."""
+    group.publish(group.take())
+
+
+def check_all(prepared: list[tuple[WeightStore, Any]], version: int | None = None) -> None:
+    """Check each ``(store, source)`` pair (and ``version``) before any is published, so that an
+    update reaching several stores writes all or none. A single store checks as it publishes,
+    before it writes anything: checking it twice would only cost time."""
+    if len(prepared) > 1:
+        for store, source in prepared:
+            store.check(source, version=version)
+
+
+def _is_per_worker(weights: Any) -> bool:
+    return isinstance(weights, dict) and bool(weights) and all(isinstance(k, int) for k in weights)
