@@ -60,12 +60,12 @@ if TYPE_CHECKING:
     from shmsync.frames import lag_stats, staleness, tag_versions
     from shmsync.lifetime import exit_with_parent
     from shmsync.reader import WeightReader
-    from shmsync.torchrl.sender import WeightSender
     from shmsync.store import Snapshot, WeightStore
     from shmsync.table import ReaderRow, ReaderTable
     from shmsync.torchrl.compat import TorchRLChangedError
     from shmsync.torchrl.hooks import LogLag, UpdateWeights
     from shmsync.torchrl.scheme import ShmWeightSyncScheme
+    from shmsync.torchrl.sender import WeightSender
 
 
 def __getattr__(name: str) -> Any:

@@ -12,7 +12,9 @@ TensorDict keys); the first element is the destination when a store holds severa
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import tensordict
 import torch
@@ -141,23 +143,10 @@ class Layout:
         want = {e.key[n:] for e in entries}
         leaves = _leaves(td)
         if len(leaves) != len(entries) or any(k not in want for k, _ in leaves):
-            got = {k for k, _ in leaves}
-            missing = sorted(key_str(k) for k in want - got)
-            extra = sorted(key_str(k) for k in got - want)
-            raise WeightMismatchError(
-                f"{what} do not have the store's keys: missing {missing[:5]}"
-                f"{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}"
-            )
+            raise WeightMismatchError(f"{what} do not have the store's keys: {_key_difference(want, leaves)}")
         tensors = []
         for (key, t), e in zip(leaves, entries):
-            if tuple(t.shape) != e.shape:
-                raise WeightMismatchError(
-                    f"{what}: {key_str(key)!r} has shape {tuple(t.shape)}, the store holds {e.shape}"
-                )
-            if t.dtype != e.dtype:
-                raise WeightMismatchError(f"{what}: {key_str(key)!r} has dtype {t.dtype}, the store holds {e.dtype}")
-            if t.is_meta and not allow_meta:
-                raise WeightMismatchError(f"{what}: {key_str(key)!r} is on the meta device and holds no data")
+            _check_tensor(what, key, t, e, allow_meta)
             tensors.append(t)
         return tensors
 
@@ -179,6 +168,27 @@ class Layout:
         return td
 
 
+def _key_difference(want: set[tuple[str, ...]], leaves: list) -> str:
+    """``'a.b', 'c' missing; 'd' not in the store``: the keys that differ, five of each at most."""
+    got = {k for k, _ in leaves}
+    parts = []
+    for keys, says in ((want - got, "missing"), (got - want, "not in the store")):
+        if keys:
+            names = sorted(key_str(k) for k in keys)
+            shown = ", ".join(repr(k) for k in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            parts.append(f"{shown} {says}")
+    return "; ".join(parts)
+
+
+def _check_tensor(what: str, key: tuple[str, ...], t: torch.Tensor, e: Entry, allow_meta: bool) -> None:
+    if tuple(t.shape) != e.shape:
+        raise WeightMismatchError(f"{what}: {key_str(key)!r} has shape {tuple(t.shape)}, the store holds {e.shape}")
+    if t.dtype != e.dtype:
+        raise WeightMismatchError(f"{what}: {key_str(key)!r} has dtype {t.dtype}, the store holds {e.dtype}")
+    if t.is_meta and not allow_meta:
+        raise WeightMismatchError(f"{what}: {key_str(key)!r} is on the meta device and holds no data")
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -189,6 +199,21 @@ def parse_description(raw: bytes, what: str = "layout") -> tuple[Layout, tuple[s
     def bad(problem: str) -> StoreCorruptError:
         return StoreCorruptError(f"{what}: {problem}")
 
+    doc = _load_document(raw, bad)
+    dests, rows = doc["destinations"], doc["entries"]
+    _check_destinations(dests, bad)
+    if not isinstance(rows, list) or not 1 <= len(rows) <= MAX_ENTRIES:
+        count = len(rows) if isinstance(rows, list) else type(rows).__name__
+        raise bad(f"'entries' must be a list of 1 to {MAX_ENTRIES} tensors, got {count}")
+    entries: list[Entry] = []
+    for i, row in enumerate(rows):
+        previous = entries[-1] if entries else None
+        entries.append(_parse_entry(i, row, dests, previous, bad))
+    return Layout(entries), (tuple(dests) if dests is not None else None)
+
+
+def _load_document(raw: bytes, bad: Callable[[str], StoreCorruptError]) -> dict:
+    """The layout's JSON object, its size and its number of lists checked before it is parsed."""
     if not isinstance(raw, (bytes, bytearray)) or not 1 <= len(raw) <= MAX_LAYOUT_BYTES:
         raise bad(f"{len(raw)} bytes; a layout is 1 to {MAX_LAYOUT_BYTES} bytes of JSON")
     # Parsing costs what the document holds, not what it is: each entry has three lists, so more
@@ -203,7 +228,10 @@ def parse_description(raw: bytes, what: str = "layout") -> tuple[Layout, tuple[s
     if not isinstance(doc, dict) or set(doc) != {"destinations", "entries"}:
         keys = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
         raise bad(f"want an object with 'destinations' and 'entries', got {keys}")
-    dests, rows = doc["destinations"], doc["entries"]
+    return doc
+
+
+def _check_destinations(dests: Any, bad: Callable[[str], StoreCorruptError]) -> None:
     if dests is not None and (
         not isinstance(dests, list)
         or not dests
@@ -211,48 +239,51 @@ def parse_description(raw: bytes, what: str = "layout") -> tuple[Layout, tuple[s
         or len(set(dests)) != len(dests)
     ):
         raise bad(f"'destinations' must be null or a list of distinct non-empty names, got {str(dests)[:200]}")
-    if not isinstance(rows, list) or not 1 <= len(rows) <= MAX_ENTRIES:
-        count = len(rows) if isinstance(rows, list) else type(rows).__name__
-        raise bad(f"'entries' must be a list of 1 to {MAX_ENTRIES} tensors, got {count}")
-    entries, end, previous = [], 0, None
-    for i, row in enumerate(rows):
-        if not isinstance(row, list) or len(row) != 5:
-            raise bad(f"entry {i} must be [key, shape, dtype, offset, nbytes], got {str(row)[:200]}")
-        key, shape, dtype, offset, nbytes = row
-        if (
-            not isinstance(key, list)
-            or not 1 <= len(key) <= MAX_KEY_DEPTH
-            or not all(isinstance(k, str) and 0 < len(k) <= 1000 for k in key)
-        ):
-            raise bad(f"entry {i}: key must be a list of 1 to {MAX_KEY_DEPTH} non-empty names, got {str(key)[:200]}")
-        key = tuple(key)
-        if previous is not None and key <= previous:
-            raise bad(f"entry {i}: key {key_str(key)!r} is out of order or repeated (keys are sorted)")
-        if dests is not None and key[0] not in dests:
-            raise bad(f"entry {i}: key {key_str(key)!r} is under no destination of {dests}")
-        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(_is_int(d) and d >= 0 for d in shape):
-            raise bad(
-                f"entry {i} ({key_str(key)!r}): shape must be up to {MAX_RANK} sizes >= 0, got {str(shape)[:200]}"
-            )
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise bad(f"entry {i} ({key_str(key)!r}): unknown dtype {str(dtype)[:100]!r}")
-        dt = DTYPES[dtype]
-        numel = 1
-        for d in shape:
-            numel *= d
-        itemsize = dt.itemsize
-        if not _is_int(nbytes) or nbytes != numel * itemsize:
-            raise bad(
-                f"entry {i} ({key_str(key)!r}): nbytes is {nbytes}, shape {shape} of {dtype} takes {numel * itemsize}"
-            )
-        if not _is_int(offset) or offset != _align(end, ALIGN):
-            want = _align(end, ALIGN)
-            raise bad(f"entry {i} ({key_str(key)!r}): offset is {offset}, the next {ALIGN}-byte boundary is {want}")
-        if offset + nbytes > MAX_PAYLOAD_BYTES:
-            raise bad(f"entry {i} ({key_str(key)!r}) ends at byte {offset + nbytes}, past {MAX_PAYLOAD_BYTES} (1 TiB)")
-        entries.append(Entry(key, tuple(shape), dt, offset, nbytes))
-        end, previous = offset + nbytes, key
-    return Layout(entries), (tuple(dests) if dests is not None else None)
+
+
+def _parse_key(i: int, key: Any, dests: Any, previous: Entry | None, bad: Callable) -> tuple[str, ...]:
+    if (
+        not isinstance(key, list)
+        or not 1 <= len(key) <= MAX_KEY_DEPTH
+        or not all(isinstance(k, str) and 0 < len(k) <= 1000 for k in key)
+    ):
+        raise bad(f"entry {i}: key must be a list of 1 to {MAX_KEY_DEPTH} non-empty names, got {str(key)[:200]}")
+    key = tuple(key)
+    if previous is not None and key <= previous.key:
+        raise bad(f"entry {i}: key {key_str(key)!r} is out of order or repeated (keys are sorted)")
+    if dests is not None and key[0] not in dests:
+        raise bad(f"entry {i}: key {key_str(key)!r} is under no destination of {dests}")
+    return key
+
+
+def _parse_shape_and_dtype(where: str, shape: Any, dtype: Any, bad: Callable) -> tuple[torch.dtype, int]:
+    """The dtype and the number of elements of an entry's shape and dtype, checked."""
+    if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(_is_int(d) and d >= 0 for d in shape):
+        raise bad(f"{where}: shape must be up to {MAX_RANK} sizes >= 0, got {str(shape)[:200]}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise bad(f"{where}: unknown dtype {str(dtype)[:100]!r}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    return DTYPES[dtype], numel
+
+
+def _parse_entry(i: int, row: Any, dests: Any, previous: Entry | None, bad: Callable) -> Entry:
+    """Entry ``i`` of a layout, each field checked: in key order, placed right after ``previous``."""
+    if not isinstance(row, list) or len(row) != 5:
+        raise bad(f"entry {i} must be [key, shape, dtype, offset, nbytes], got {str(row)[:200]}")
+    key, shape, dtype, offset, nbytes = row
+    key = _parse_key(i, key, dests, previous, bad)
+    where = f"entry {i} ({key_str(key)!r})"
+    dt, numel = _parse_shape_and_dtype(where, shape, dtype, bad)
+    if not _is_int(nbytes) or nbytes != numel * dt.itemsize:
+        raise bad(f"{where}: nbytes is {nbytes}, shape {shape} of {dtype} takes {numel * dt.itemsize}")
+    want = _align(previous.offset + previous.nbytes if previous is not None else 0, ALIGN)
+    if not _is_int(offset) or offset != want:
+        raise bad(f"{where}: offset is {offset}, the next {ALIGN}-byte boundary is {want}")
+    if offset + nbytes > MAX_PAYLOAD_BYTES:
+        raise bad(f"{where} ends at byte {offset + nbytes}, past {MAX_PAYLOAD_BYTES} (1 TiB)")
+    return Entry(key, tuple(shape), dt, offset, nbytes)
 
 
 def segment_bytes(layout_json: bytes, slot_bytes: int, num_slots: int) -> tuple[int, int, int]:

@@ -98,13 +98,15 @@ CATALOGUE: dict[str, Internal] = {
         Internal(
             METHODS,
             "0.11-0.14",
-            "public methods wrapped per collector: the keys sent by one update call publish as one version (under "
-            "`version=` if given), shutdown frees the stores, a restored state dict restores the workers' versions, "
-            "and each batch gets `('next', key)` where a worker could not tag it. This relies on the update call "
-            "ending in `scheme.send()` for each key it names",
-            "after each update call, every shmsync key it named was sent",
-            "TorchRLChangedError at that update call; if a wrapper is bypassed, each key publishes on its own",
-            "a scheme hook around one update call (`begin_update` / `end_update`)",
+            "public methods wrapped per collector: an update call publishes the shmsync keys it names straight "
+            "into their stores as one version (under `version=` if given), as TorchRL documents `weights_dict` "
+            "(atomic), without TorchRL's per-key loop; shutdown frees the stores; a restored state dict restores "
+            "the workers' versions; each batch gets `('next', key)` where a worker could not tag it. Only the "
+            "methods' public signatures are relied on",
+            "the collector has the four methods and an instance dictionary, when the scheme meets it",
+            "TorchRLChangedError then; if a wrapper is bypassed, TorchRL's loop calls `send()`, which publishes each "
+            "key at once",
+            "a scheme hook around one update call (`begin_update` / `end_update`) and a public version argument",
         ),
         Internal(
             CONNECT,
@@ -276,19 +278,35 @@ def collector_connecting(scheme: Any) -> Any:
     return owner
 
 
-def declared_update_keys(args: tuple, kwargs: dict) -> list[str] | None:
-    """The keys an ``update_policy_weights_(*args, **kwargs)`` call names, as TorchRL resolves them
-    (``weights_dict``'s keys, else ``model_id``, else ``"policy"``); None if it does not say."""
-    weights_dict = kwargs.get("weights_dict")
-    if isinstance(weights_dict, Mapping):
-        return [str(k) for k in weights_dict]
-    return [kwargs.get("model_id") or "policy"]
+def update_request(args: tuple, kwargs: dict) -> tuple[dict[str, Any], Any]:
+    """What an ``update_policy_weights_(*args, **kwargs)`` call asks for, as TorchRL's public
+    signature resolves it: ``({key: weights or None}, worker_ids)`` (``weights_dict``, else
+    ``{model_id or "policy": policy_or_weights / weights= / policy=}``).
 
-
-def check_update_sent(missing: list[str]) -> None:
-    """Raise if an update call ended without sending keys it named (TorchRL no longer ends
-    ``update_policy_weights_`` in ``scheme.send()``)."""
-    check(METHODS, not missing, f"update_policy_weights_ returned without calling send() for {missing}")
+    Raises:
+        ValueError: conflicting arguments, as TorchRL refuses them.
+    """
+    if len(args) > 1:
+        raise TypeError(f"update_policy_weights_() takes at most one positional argument, got {len(args)}")
+    given = {k: kwargs.get(k) for k in ("weights", "policy")}
+    weights = args[0] if args else kwargs.get("policy_or_weights")
+    for name, value in given.items():
+        if value is not None:
+            if weights is not None:
+                raise ValueError(f"Cannot specify both positional 'policy_or_weights' and keyword '{name}'")
+            weights = value
+    weights_dict, model_id = kwargs.get("weights_dict"), kwargs.get("model_id")
+    if weights_dict is not None:
+        if model_id is not None:
+            raise ValueError("Cannot specify both 'weights_dict' and 'model_id'")
+        if weights is not None:
+            raise ValueError("Cannot specify both 'weights_dict' and 'policy_or_weights'")
+        if not isinstance(weights_dict, Mapping):
+            raise TypeError(
+                f"weights_dict must be a mapping of model ids to weights, got {type(weights_dict).__name__}"
+            )
+        return {str(k): v for k, v in weights_dict.items()}, kwargs.get("worker_ids")
+    return {model_id or "policy": weights}, kwargs.get("worker_ids")
 
 
 def check_workers_set_up(attached: int, expected: int, store_name: str) -> None:

@@ -6,15 +6,16 @@ before it). It holds the collector's groups of stores and decides each publish's
 (:class:`~shmsync.torchrl.push_numbers.VersionSource`), and wraps four public methods on that one
 collector instance (TorchRL's class is left alone):
 
-- ``update_policy_weights_``: the keys one call sends publish as one version, under
-  ``version=n`` if given (shmsync's own keyword); a call that named a shmsync key but ended
-  without sending it raises :class:`~shmsync.torchrl.compat.TorchRLChangedError`;
+- ``update_policy_weights_``: the shmsync keys the call names are published here, straight into
+  their stores, as one version (under ``version=n`` if given, shmsync's own keyword), without
+  going through TorchRL's per-key loop; the call goes on to TorchRL for any other key;
 - ``shutdown``: frees the stores at once;
 - ``load_state_dict``: republishes under the restored versions, so the workers' frames carry them;
 - ``iterator``: gives each batch ``("next", key)`` where a worker could not tag it.
 
-Each is a convenience over a path that stays correct without it: bypassed, each send publishes
-on its own, the stores are freed with the scheme, and the workers' own tags stand.
+Each stands over a path that stays correct without it: bypassed, TorchRL's loop calls each
+scheme's ``send()``, which publishes that key at once; the stores are freed with the scheme; the
+workers' own tags stand.
 """
 
 from __future__ import annotations
@@ -89,8 +90,6 @@ class CollectorGlue:
         """Serve ``group`` (its stores hold this collector's keys)."""
         if group in self.groups:
             return
-        group.flush = self.publish_now
-        group.on_publish = self.sync_tracker
         group.check_attached = True  # the first batch or update checks that every worker attached
         self.groups.append(group)
         if version_key is not None and version_key not in self.version_keys:
@@ -100,30 +99,28 @@ class CollectorGlue:
         return [g for g in self.groups if not g.closed]
 
     # -- publishing -------------------------------------------------------------------------------
-    def publish_now(self, group: SenderGroup) -> None:
-        """A send outside any update call: publish it at once, under its decided version."""
-        self._publish([group], given=None)
-
-    def _publish(self, groups: list[SenderGroup], given: int | None) -> None:
-        staged = [g for g in groups if g.pending]
-        if not staged:
+    def publish(self, weights: dict[str, Any], worker_ids: Any = None, given: int | None = None) -> None:
+        """Publish ``weights`` (key -> weights, or None for the key's model) as one version, whatever
+        groups the keys live in (checked all before any is written); then tell the tracker, and the
+        trainer if this collector is a remote leg."""
+        groups = [g for g in self.live_groups() if any(k in g.keys for k in weights)]
+        if not groups:
             return
         try:
             version = self.versions.decide(given)
-            prepared = [(g, g.take()) for g in staged]
-            if len(prepared) > 1:  # several groups: all are checked before any is written
-                check_all([pair for _, pairs in prepared for pair in pairs], version)
-            for g, pairs in prepared:
-                g.publish(pairs, version)
+            parts = [(g, {k: w for k, w in weights.items() if k in g.keys}) for g in groups]
+            if len(parts) > 1:  # several groups: all are checked before any is written
+                check_all([(s, src) for g, w in parts for s, src in g.prepare(w, worker_ids)], version)
+            for g, w in parts:
+                g.publish(w, worker_ids, version)
         except BaseException as error:
-            for g in groups:
-                g.pending.clear()
             if self.leg is None:
                 raise
             self.leg.failed(error)
             return
+        self.sync_tracker()
         if self.leg is not None:
-            self.leg.applied(max(g.version for g in staged))
+            self.leg.applied(max(g.version for g in groups))
 
     def sync_tracker(self) -> None:
         """Make ``track_policy_version``'s tracker report the version last published."""
@@ -134,31 +131,19 @@ class CollectorGlue:
 
     # -- the wrappers -----------------------------------------------------------------------------
     def update(self, original: Callable, *args: Any, version: int | None = None, **kwargs: Any) -> Any:
-        """``update_policy_weights_``: one call, one version."""
+        """``update_policy_weights_``: the shmsync keys it names, one version; the rest, TorchRL's."""
         groups = self.live_groups()
         if self.leg is None:  # a remote leg applies pushes while its collector is still being built
             for g in groups:
                 g.check_workers_attached()
         ours = {k for g in groups for k in g.keys}
-        expected = [k for k in compat.declared_update_keys(args, kwargs) or () if k in ours]
-        for g in groups:
-            g.held = True
-        try:
-            result = original(*args, **kwargs)
-        except BaseException:
-            for g in groups:
-                g.pending.clear()
-            raise
-        finally:
-            for g in groups:
-                g.held = False
-        sent = {k for g in groups for k in g.pending}
-        missing = [k for k in expected if k not in sent]
-        if missing:
-            for g in groups:
-                g.pending.clear()
-            compat.check_update_sent(missing)
-        self._publish(groups, given=version)
+        weights, worker_ids = compat.update_request(args, kwargs)
+        rest = {k: w for k, w in weights.items() if k not in ours}
+        if rest:  # TorchRL's own schemes, by TorchRL
+            result = original(weights_dict=rest, worker_ids=worker_ids)
+        else:
+            result = None
+        self.publish({k: w for k, w in weights.items() if k in ours}, worker_ids, given=version)
         return result
 
     def shutdown(self, original: Callable, *args: Any, **kwargs: Any) -> Any:

@@ -121,8 +121,8 @@ class UpdateWeights(_TorchRLUpdateWeights):
                 )
 
     def _check_takes_versions(self) -> None:
-        from shmsync.torchrl.sender import WeightSender
         from shmsync.torchrl.scheme import ShmWeightSyncScheme
+        from shmsync.torchrl.sender import WeightSender
 
         if self.sender is not None:
             if not isinstance(self.sender, WeightSender):

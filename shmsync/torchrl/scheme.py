@@ -282,16 +282,21 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             self.send(weights)
 
     def send(self, weights: Any = None, worker_ids: Any = None) -> None:
-        """Publish ``weights`` for this key (default: the model the scheme was built from).
+        """Publish ``weights`` for this key (default: the model the scheme was built from), at once.
 
         Returns as soon as the store holds the new version. ``weights`` may be a module, a
         TensorDict, a state dict, or ``{worker index: weights}`` with ``per_worker_weights``;
         ``worker_ids`` (ints or devices) limits the update to those workers, which needs
-        ``per_worker_weights`` unless it names them all.
+        ``per_worker_weights`` unless it names them all. (``collector.update_policy_weights_()``
+        publishes every shmsync key it names as one version, without calling this.)
         """
         if self._group is None:
             raise RuntimeError("ShmWeightSyncScheme.send() needs init_on_sender() first (pass it to a collector)")
-        self._group.stage(self.model_id, weights, worker_ids)
+        glue = CollectorGlue.of(self.context) if self._served and self.context is not None else None
+        if glue is not None:
+            glue.publish({self.model_id: weights}, worker_ids)
+        else:
+            self._group.publish({self.model_id: weights}, worker_ids)
 
     @property
     def stores(self) -> tuple[WeightStore, ...]:

@@ -2,16 +2,16 @@
 
 One :class:`SenderGroup` holds the stores behind a collector's shmsync keys: one store shared by
 every worker, or one per worker (``per_worker_weights``). All keys live in each store as
-destinations, so the keys sent by one ``update_policy_weights_`` call form one version. What
-version a publish gets is decided above (:mod:`shmsync.torchrl.push_numbers`); when an update call holds
-the group (:attr:`SenderGroup.held`), staged keys wait for its end, else each send publishes at once.
+destinations, so :meth:`SenderGroup.publish` makes the keys of one update one version: the keys
+given get their new weights, the others keep theirs. What version a publish gets is decided by
+the caller (:mod:`shmsync.torchrl.push_numbers`).
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,11 +57,7 @@ class SenderGroup:
         except BaseException:
             self.close()
             raise
-        self.pending: dict[str, tuple[Any, tuple[int, ...]]] = {}
-        self.held = False  # an update call of the collector holds staged keys until it ends
         self.check_attached = False  # set when a collector serves these stores: its workers attach
-        self.on_publish: Callable[[], None] | None = None
-        self.flush: Callable[[SenderGroup], None] = publish_next  # a send outside any update call
         self.alarm: ReaderAlarm | None = None
 
     def readers(self, processes: bool = False, memory: bool | None = None) -> ReaderTable:
@@ -89,40 +85,33 @@ class SenderGroup:
         return max(s.version for s in self.stores)
 
     # -- publishing -------------------------------------------------------------------------------
-    def stage(self, key: str, weights: Any, worker_ids: Any = None) -> None:
-        """Queue ``weights`` for ``key``; published at once, or when the update call holding the
-        group ends."""
-        self.pending[key] = (weights, self._targets(key, weights, worker_ids))
-        if not self.held:
-            self.flush(self)
-
-    def take(self) -> list[tuple[WeightStore, dict[str, Any]]]:
-        """Take what is staged: ``(store, source)`` pairs, one per store it reaches."""
-        pending, self.pending = self.pending, {}
-        targets = sorted({w for _, ids in pending.values() for w in ids})
-        return [(self.stores[w], self._source(w, pending)) for w in targets]
-
-    def publish(self, prepared: list[tuple[WeightStore, dict[str, Any]]], version: int | None = None) -> list[int]:
-        """Publish ``prepared`` (from :meth:`take`), checked all before any is written.
+    def publish(self, weights: dict[str, Any], worker_ids: Any = None, version: int | None = None) -> list[int]:
+        """Publish the keys of ``weights`` (new weights, or None for the key's own model) into every
+        store they reach, each store's other keys from their models, as one version a store
+        (``version``, or each store's next); everything is checked before anything is written.
+        Returns the versions.
 
         Raises:
             StaleReaderError: the alarm (``on_stale="raise"``) found a stale worker; nothing published.
+            ValueError, WeightMismatchError: an update aimed at workers or weights that do not fit.
         """
         if self.alarm is not None:
             self.alarm.raise_pending()
+        prepared = self.prepare(weights, worker_ids)
         check_all(prepared, version)
-        versions = [store.publish(source, version=version) for store, source in prepared]
-        if self.on_publish is not None:
-            self.on_publish()
-        return versions
+        return [store.publish(source, version=version) for store, source in prepared]
+
+    def prepare(self, weights: dict[str, Any], worker_ids: Any = None) -> list[tuple[WeightStore, dict[str, Any]]]:
+        """``(store, source)`` for every store the update of ``weights`` reaches (nothing written)."""
+        targets = {key: self._targets(key, w, worker_ids) for key, w in weights.items()}
+        reached = sorted(set().union(*targets.values())) if targets else []
+        return [(self.stores[w], self._source(w, weights, targets)) for w in reached]
 
     def relabel(self, versions: Sequence[int | None]) -> None:
         """Republish each store's newest weights under a restored version, when it is higher."""
         for store, wanted in zip(self.stores, versions):
             if wanted is not None and int(wanted) > store.version:
                 store.publish(store.snapshot().weights, version=int(wanted))
-        if self.on_publish is not None:
-            self.on_publish()
 
     def check_workers_attached(self) -> None:
         """Once, for a collector's stores: every worker's reader attached (waiting a little for
@@ -183,15 +172,14 @@ class SenderGroup:
                 raise TypeError(f"worker_ids must be ints or devices, got {type(w).__name__}")
         return sorted(set(out))
 
-    def _source(self, w: int, pending: dict[str, tuple[Any, tuple[int, ...]]]) -> dict[str, Any]:
+    def _source(self, w: int, weights: dict[str, Any], targets: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+        """What store ``w`` publishes: the new weights of the keys aimed at it, the rest as they are."""
         source = {}
         for key in self.keys:
-            weights, ids = pending.get(key, (None, ()))
-            if w in ids and _is_per_worker(weights):
-                weights = weights[w]
-            elif w not in ids:
-                weights = None
-            source[key] = self.models[w][key] if weights is None else weights
+            new = weights.get(key) if w in targets.get(key, ()) else None
+            if _is_per_worker(new):
+                new = new[w]
+            source[key] = self.models[w][key] if new is None else new
         return source
 
     @property
@@ -205,11 +193,6 @@ class SenderGroup:
         for store in self.stores:
             if not store.closed:
                 store.close()
-
-
-def publish_next(group: SenderGroup) -> None:
-    """Publish what ``group`` has staged under the next version."""
-    group.publish(group.take())
 
 
 def check_all(prepared: list[tuple[WeightStore, Any]], version: int | None = None) -> None:
