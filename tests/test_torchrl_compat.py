@@ -56,9 +56,17 @@ def test_a_torchrl_outside_the_tested_range_is_refused_at_import_with_a_clear_me
     assert "shmsync supports torchrl 0.11 to 0.14, each minor tested; this is torchrl 0.15.0" in proc.stderr
 
 
+BOUNDARY = ROOT / "shmsync" / "torchrl" / "compat.py"
+
+
+def _shmsync_module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def test_every_entry_is_checked_somewhere_and_in_the_docs_catalogue():
-    boundary = (ROOT / "shmsync" / "_torchrl_compat.py").read_text()
-    others = "".join(p.read_text() for p in (ROOT / "shmsync").glob("*.py") if p.name != "_torchrl_compat.py")
+    boundary = BOUNDARY.read_text()
+    others = "".join(p.read_text() for p in (ROOT / "shmsync").rglob("*.py") if p != BOUNDARY)
     constants = {n: v for n, v in vars(compat).items() if isinstance(v, str) and v in compat.CATALOGUE}
     assert sorted(constants.values()) == sorted(compat.CATALOGUE), "every entry has one constant naming it"
     unchecked = []
@@ -156,7 +164,8 @@ def _uses_of_torchrl_internals(path: Path, module: str, private: set[str], root:
 
 def test_nothing_outside_the_boundary_touches_a_torchrl_internal():
     private = _torchrl_private_names()
-    sources = [(p, f"shmsync.{p.stem}") for p in (ROOT / "shmsync").glob("*.py") if p.name != "_torchrl_compat.py"]
+    sources = [(p, _shmsync_module(p)) for p in (ROOT / "shmsync").rglob("*.py") if p != BOUNDARY]
+    assert len(sources) > 40, "every module of the package is looked at, in every folder"
     sources += [(p, f"shmsync.workers.{p.stem}") for p in (ROOT / "workers").glob("*.py")]
     sources += [(p, "hydra_plugins.shmsync_searchpath") for p in (ROOT / "hydra_plugins").rglob("*.py")]
     uses = [use for path, module in sorted(sources) for use in _uses_of_torchrl_internals(path, module, private)]
