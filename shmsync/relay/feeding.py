@@ -1,0 +1,180 @@
+"""Feeding one relay: a thread per admitted relay sends it the newest version whenever there is a
+newer one, straight from a leased slot of this node's store (or, on a relay's node, from the slot
+a version is still arriving in), and a keepalive while idle.
+
+A lease on the slot sent from is held only while the relay takes bytes: one that takes none for
+:data:`~shmsync.relay.messages.STALL_SECONDS` has the rest of the frame kept on the link (at most
+a bucket), the lease released and that version given up (CNCL) once it takes bytes again; one
+that takes none for ``timeout`` is dropped. No link keeps a copy of the weights.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from shmsync.core.header import ROW_LINK
+from shmsync.errors import ShmSyncError
+from shmsync.relay.messages import CNCL, DATA, PING, VERS, VERSION, Child, Forwarding
+
+
+class Feeder:
+    """Sends ``child`` every newer version of ``server``'s node (a :class:`~shmsync.relay.server.Server`).
+
+    Run :meth:`run` on a thread of its own; it ends when the server closes or the relay goes.
+    """
+
+    def __init__(self, server: Any, child: Child) -> None:
+        self.server, self.child = server, child
+        self.store: Any = None
+        self.row = -1  # this link's row in the store's table (for its leases), claimed on first use
+
+    def run(self) -> None:
+        server, child = self.server, self.child
+        try:
+            while self._step():
+                pass
+            self._say_goodbye()
+        except (OSError, EOFError, ShmSyncError) as e:
+            if not server.stopping.is_set():
+                server.drop(child.id, f"{type(e).__name__}: {e}")
+        finally:
+            store, row = self.store, self.row
+            if store is not None and row >= 0 and not store.closed:
+                store.memory.protocol.release_lease(row)
+                store.memory.protocol.release_row(row)
+            with server.changed:
+                server.children.pop(child.id, None)  # its place and its address go with it
+            child.link.close()
+
+    def _step(self) -> bool:
+        """Send what is due now: the rest of a stalled frame, a newer version, or a keepalive.
+        False once the server is closing."""
+        server, child = self.server, self.child
+        if child.link.kept is not None:
+            self._recover()
+            return True
+        newer, store, fwd = self._wait_for_newer()
+        if server.stopping.is_set():
+            return False
+        if not newer:
+            self._sent(child.link.send_or_keep(PING))  # idle: the relay can tell this node lives
+            return True
+        self.store = store
+        protocol = store.memory.protocol
+        if self.row < 0:
+            self.row = protocol.claim_row(flags=ROW_LINK)  # not a reader: left out of the readers' table
+        in_flight = fwd is not None and fwd.state != "cancelled" and fwd.version > store.version
+        if in_flight and fwd.version > child.sent:
+            self._forward(store, fwd)
+        elif not self._send_latest(store):
+            # No slot can be leased now (another link sends from the one that can be, or the
+            # writer is on it): no private copy; the newest version goes once one can be.
+            with server.changed:
+                server.changed.wait(0.05)
+        return True
+
+    def _wait_for_newer(self) -> tuple[bool, Any, Forwarding | None]:
+        """Wait until a version newer than the relay's can be sent, at most a keepalive's period."""
+        server = self.server
+        with server.changed:
+            waited = time.monotonic()
+            while not server.stopping.is_set() and not server.newer(self.child.sent):
+                if time.monotonic() - waited > server.ping_every:
+                    break
+                server.changed.wait(0.05)  # also sees publishes of other processes
+            return server.newer(self.child.sent), server.store, server.forwarding
+
+    def _forward(self, store: Any, fwd: Forwarding) -> None:
+        """A version still arriving (or not committed yet): forward what is there, then follow."""
+        protocol = store.memory.protocol
+        if protocol.lease_written(self.row, fwd.write):
+            try:
+                with store.memory.slot_buffer(fwd.write.slot) as view:
+                    self._send(fwd.version, view, fwd)
+            finally:
+                protocol.release_lease(self.row)
+            return
+        server = self.server  # no lease to be had: wait for the commit, then send it whole
+        with server.changed:
+            while fwd.state == "receiving" and not server.stopping.is_set():
+                server.changed.wait(0.05)
+
+    def _send_latest(self, store: Any) -> bool:
+        """Send the store's latest version from its leased slot; False if no slot could be leased."""
+        protocol = store.memory.protocol
+        leased = protocol.lease_latest(self.row)
+        try:
+            if leased is None:
+                return False
+            slot, version = leased
+            if version > self.child.sent:
+                with store.memory.slot_buffer(slot) as view:
+                    self._send(version, view, None)
+            return True
+        finally:
+            protocol.release_lease(self.row)
+
+    def _sent(self, whole: bool) -> bool:
+        """Note whether a frame went whole; if not, the relay stalls from now on."""
+        if not whole and self.child.stalled_since is None:
+            self.child.stalled_since = time.monotonic()
+        return whole
+
+    def _recover(self) -> None:
+        """A stalled relay: wait (no lease held) until it takes the rest of its frame, then give up
+        the version it was in the middle of; raise if it takes nothing for ``timeout`` seconds."""
+        server, child = self.server, self.child
+        deadline = child.stalled_since + server.timeout
+        if not child.link.flush_kept(deadline, server.stopping.is_set):
+            if server.stopping.is_set():
+                raise EOFError("closing")
+            raise TimeoutError(f"it took no bytes for {server.timeout:.0f} s")
+        child.stalled_since = None
+        if child.in_version:
+            child.in_version = not self._sent(child.link.send_or_keep(CNCL))
+
+    def _available(self, fwd: Forwarding | None, offset: int, n: int) -> int:
+        """How far the version is there to send: ``n``, what has arrived of one still arriving,
+        or -1 if it was cancelled upstream or the server closes."""
+        server = self.server
+        if fwd is not None:
+            with server.changed:
+                while fwd.received <= offset and fwd.state == "receiving" and not server.stopping.is_set():
+                    server.changed.wait(0.05)
+                n = fwd.received if fwd.state != "cancelled" else -1
+        return -1 if server.stopping.is_set() else n
+
+    def _send(self, version: int, view: memoryview, fwd: Forwarding | None) -> None:
+        """Send one version from ``view`` (as far as ``fwd`` has received it, if given). Sets
+        ``child.sent`` once it went whole; returns early if it was cancelled upstream, the server
+        closes, or the relay stalls (the rest of the frame is then kept on the link)."""
+        child = self.child
+        link, n = child.link, len(view)
+        child.in_version = True
+        if not self._sent(link.send_or_keep(VERS, VERSION.pack(version, n))):
+            return
+        offset = 0
+        while offset < n:
+            available = self._available(fwd, offset, n)
+            if available < 0:
+                child.in_version = not self._sent(link.send_or_keep(CNCL))
+                return
+            end = min(available, offset + self.server.bucket_bytes)
+            if not self._sent(link.send_or_keep(DATA, view[offset:end])):
+                return
+            offset = end
+        child.in_version = False
+        child.sent = version
+
+    def _say_goodbye(self) -> None:
+        link = self.child.link
+        if link.kept is not None:
+            return  # a stalled relay: it sees the link close
+        try:
+            link.send_or_keep(self.server.final)  # a relay that stopped reading must not hold close() up
+        except OSError:
+            pass
+
+
+__all__ = ["Feeder"]

@@ -1,0 +1,108 @@
+"""A relay's versions coming in from its parent: each received straight into a free slot of this
+host's store, each piece checked before it is there and forwarded at once to the relays below,
+the version committed under the trainer's number once its last byte is in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shmsync.errors import ProtocolError
+from shmsync.relay import wire
+from shmsync.relay.messages import (
+    BYE,
+    CNCL,
+    DATA,
+    MAX_VERSION,
+    MAX_VERSION_LEAP,
+    PING,
+    STOP,
+    VERS,
+    VERSION,
+    Forwarding,
+)
+from shmsync.store import WeightStore
+
+
+def follow(relay: Any, link: wire.Link, max_versions: int | None) -> str:
+    """Receive versions from ``link`` until the trainer closed its sender (``"stopped"``) or
+    ``max_versions`` were published here (``"enough"``)."""
+    nbytes = relay.layout.payload_bytes
+    while max_versions is None or relay.received < max_versions:
+        # The parent sends a keepalive while idle: silence for `timeout` means it is gone.
+        kind, _ = link.recv_frame({VERS: (VERSION.size, VERSION.size), PING: 0, STOP: 0, BYE: 0}, relay.timeout)
+        if kind == PING:
+            continue
+        if kind == STOP:
+            return "stopped"
+        if kind == BYE:
+            raise Left(f"{link.peer} left the tree")
+        version, size = VERSION.unpack(link.recv_payload(relay.timeout))
+        held = relay.store.version if relay.store is not None else -1
+        if not (held < version <= MAX_VERSION) or (held >= 0 and version - held > MAX_VERSION_LEAP):
+            raise ProtocolError(
+                f"{link.peer} sent version {version}; this host holds {held} (versions only go up, by at most "
+                f"{MAX_VERSION_LEAP} at a time, to at most {MAX_VERSION})"
+            )
+        if size != nbytes:
+            raise ProtocolError(f"{link.peer} announced {size} bytes for version {version}, the layout {nbytes}")
+        if _receive(relay, link, version):
+            relay.received += 1
+    return "enough"
+
+
+def _receive(relay: Any, link: wire.Link, version: int) -> bool:
+    """Receive one version into a free slot and commit it; False if the sender cancelled it."""
+
+    def fill(buffer: memoryview) -> None:
+        fwd = None
+        if relay.server is not None and relay.store is not None:
+            fwd = relay.server.begin(version, len(buffer), relay.store.memory.protocol.writing)
+        try:
+            _fill(relay, link, buffer, fwd)
+        except Cancelled:
+            raise
+        except BaseException:
+            if fwd is not None:
+                relay.server.end(fwd, complete=False)
+            raise
+        if fwd is not None:
+            relay.server.end(fwd, complete=True)
+
+    try:
+        if relay.store is None:
+            relay.store = WeightStore.create_from_bytes(
+                relay.description, fill, version=version, name=relay.name, num_slots=relay.num_slots
+            )
+            if relay.server is not None:
+                relay.server.set_store(relay.store)
+        else:
+            relay.store.publish_bytes(fill, version=version)
+    except Cancelled:
+        return False
+    return True
+
+
+def _fill(relay: Any, link: wire.Link, buffer: memoryview, fwd: Forwarding | None) -> None:
+    """Receive a version's frames into ``buffer``; each piece is there (and forwarded) only
+    once it passed its check."""
+    n, got = len(buffer), 0
+    while got < n:
+        kind, length = link.recv_frame({DATA: (1, min(n - got, relay.bucket)), CNCL: 0, STOP: 0, BYE: 0}, relay.timeout)
+        if kind in (CNCL, STOP, BYE):
+            if fwd is not None:
+                relay.server.end(fwd, complete=False)
+            if kind == CNCL:
+                raise Cancelled()
+            raise Left(f"{link.peer} stopped in the middle of a version")
+        link.recv_payload_into(buffer[got : got + length], relay.timeout)
+        got += length
+        if fwd is not None:
+            relay.server.advance(fwd, got)
+
+
+class Cancelled(Exception):
+    """The parent cancelled the version being received (it will send a newer one)."""
+
+
+class Left(Exception):
+    """The parent stopped feeding this relay (it is leaving the tree): attach elsewhere."""

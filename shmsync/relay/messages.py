@@ -1,0 +1,123 @@
+"""The relay's messages, limits and small shared pieces (no torch here).
+
+Relay -> server: JOIN, then HAVE or MISM; or PROB (a server checking this one's address: it
+answers NODE); then, about once a second, RPRT (its readers' table, :mod:`shmsync.relay.reports`).
+Server -> relay: REDI (go there instead), or LYOT and CONF; then per version VERS, DATA...,
+CNCL (that version will not complete), PING while idle, and at the end STOP (the trainer closed:
+end) or BYE (this server leaves: re-attach through the trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shmsync.core.layout import key_str
+from shmsync.core.protocol import Write
+from shmsync.errors import ProtocolError
+from shmsync.relay import wire
+
+log = logging.getLogger("shmsync.relay")
+
+# Message kinds (see wire for the framing). Relay -> server: JOIN, then HAVE or MISM; or PROB
+# (a server checking this one's address: it answers NODE). Server -> relay: REDI (go there
+# instead), or LYOT and CONF; then per version VERS, DATA..., CNCL (that version will not
+# complete), PING while idle, and at the end STOP (the trainer closed: end) or BYE (this server
+# leaves: re-attach through the trainer).
+JOIN, HAVE, MISM, PROB, NODE = b"JOIN", b"HAVE", b"MISM", b"PROB", b"NODE"
+REDI, LYOT, CONF = b"REDI", b"LYOT", b"CONF"
+VERS, DATA, CNCL, PING, STOP, BYE = b"VERS", b"DATA", b"CNCL", b"PING", b"STOP", b"BYE_"
+VERSION = struct.Struct(">qQ")  # version, payload bytes
+
+FANOUT = 2
+BUCKET_BYTES = 1 << 20
+MAX_BUCKET_BYTES = 1 << 30
+MAX_FANOUT = 64
+MAX_PENDING = 4096  # handshakes under way at once (at most a quarter of the descriptors); beyond, one is cut
+MAX_JOINING = 32  # peers that proved the secret and are joining, at once
+SILENT_CUTOFF = 1.0  # seconds a new connection may send nothing
+STALL_SECONDS = 1.0  # a relay that takes no bytes this long stalls: its link lets its slot go
+MAX_LINKS = 256  # relays one server feeds, overflow included
+MAX_DROPPED = 256  # relays remembered in `dropped`
+MAX_HOPS = 16  # redirects followed before giving up
+MAX_DEPTH = 256
+MAX_VERSION = 1 << 62  # versions a peer may send (a store holds int64 versions)
+MAX_VERSION_LEAP = 1 << 32  # how far above the host's version a relay's next version may be
+CLOSE_WITHIN = 2.0  # close() returns within this many seconds, whatever the peers do
+
+
+@dataclass
+class Forwarding:
+    """A version a relay is receiving: its children send its bytes as they arrive."""
+
+    version: int
+    nbytes: int
+    write: Write
+    received: int = 0
+    state: str = "receiving"  # then "complete" or "cancelled"
+
+
+@dataclass
+class Child:
+    id: int
+    node: str  # the relay's own random id (for cycle checks and its address's check)
+    link: wire.Link
+    serve: tuple[str, int] | None
+    sent: int
+    verified: bool = False  # a relay at `serve` proved the secret and this node id
+    verifying: bool = True  # that check is under way
+    in_version: bool = False  # a VERS went out, the version's end (its last DATA, or CNCL) not yet
+    stalled_since: float | None = None  # when the relay last took no bytes for STALL_SECONDS
+    thread: threading.Thread | None = field(default=None, repr=False)
+
+
+class Throttled:
+    """Logs a kind of message at most ``burst`` times per ``period`` seconds, then how many more."""
+
+    def __init__(self, burst: int = 5, period: float = 10.0) -> None:
+        self.burst, self.period = burst, period
+        self.start, self.count, self.lock = 0.0, 0, threading.Lock()
+
+    def warning(self, message: str) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if now - self.start > self.period:
+                if self.count > self.burst:
+                    log.warning("... and %d more like it in %.0f s", self.count - self.burst, self.period)
+                self.start, self.count = now, 0
+            self.count += 1
+            if self.count > self.burst:
+                return
+        log.warning("%s", message)
+
+
+def check_join(doc: Any, peer: str) -> tuple[str, tuple[str, int] | None]:
+    if not isinstance(doc, dict) or set(doc) != {"node", "serve"}:
+        raise ProtocolError(f"{peer} joined with {str(doc)[:100]}, not {{'node': ..., 'serve': ...}}")
+    node = doc["node"]
+    if not (isinstance(node, str) and len(node) == 16 and all(c in "0123456789abcdef" for c in node)):
+        raise ProtocolError(f"{peer} joined with node id {str(node)[:40]!r}, not 16 hex digits")
+    serve = None if doc["serve"] is None else wire.address(doc["serve"], f"{peer}'s serving address")
+    return node, serve
+
+
+def describe_difference(ours: bytes, theirs: bytes) -> str:
+    """The first key, shape or dtype in which two store layouts differ, in words."""
+    a, b = (json.loads(x) for x in (ours, theirs))
+    rows_a = {key_str(tuple(r[0])): r for r in a["entries"]}
+    rows_b = {key_str(tuple(r[0])): r for r in b["entries"]}
+    missing, extra = sorted(set(rows_b) - set(rows_a)), sorted(set(rows_a) - set(rows_b))
+    if missing or extra:
+        return f"keys the trainer has and this store lacks {missing[:5]}, keys only here {extra[:5]}"
+    for key in sorted(rows_a):
+        (_, shape_a, dtype_a, *_), (_, shape_b, dtype_b, *_) = rows_a[key], rows_b[key]
+        if shape_a != shape_b:
+            return f"{key!r} has shape {tuple(shape_a)} here, {tuple(shape_b)} on the trainer"
+        if dtype_a != dtype_b:
+            return f"{key!r} has dtype {dtype_a} here, {dtype_b} on the trainer"
+    return "the destinations or the byte layout differ"
