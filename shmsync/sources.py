@@ -4,6 +4,7 @@ store's destinations, :func:`as_tensordict` turns one part into a TensorDict."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,3 +94,98 @@ def parts(
     if unknown:
         raise WeightMismatchError(f"{what}: the store has no destination {unknown[0]!r} (it has {list(destinations)})")
     return [((d,), source[d]) for d in sorted(source)]
+
+
+class SourceMatcher:
+    """Checks what is published against a store's layout (keys, shapes, dtypes) and returns its
+    tensors in entry order, remembering the last module and TensorDict it checked: if they hold
+    the very same tensors, in the same places, the full walk is skipped (an update checks, then
+    publishes, the same source; the trainer publishes the same module again and again).
+
+    Args:
+        layout: the store's layout.
+        destinations: its destination names, or None.
+    """
+
+    def __init__(self, layout: Any, destinations: tuple[str, ...] | None) -> None:
+        self.layout, self.destinations = layout, destinations
+        self._plans: dict = {}  # (id(module), prefix) -> what _module checked last time
+
+    def match(self, source: Any, what: str) -> list[torch.Tensor]:
+        """The source's tensors in entry order, checked against the layout (nothing written).
+        Destination by destination, without building a nested TensorDict: entries are sorted by
+        key, so destinations come in sorted order, as :func:`~shmsync.sources.parts` gives them."""
+        tensors = []
+        for prefix, part in parts(source, self.destinations, what):
+            where = f"{what}, destination {prefix[0]!r}" if prefix else what
+            if isinstance(part, nn.Module):
+                tensors += self._module(part, prefix, where)
+            elif isinstance(part, TensorDictBase):
+                tensors += self._tensordict(part, prefix, where)
+            else:
+                sub, _ = as_tensordict(part, where)
+                tensors += self.layout.match(sub, where, prefix=prefix)
+        return tensors
+
+    def _tensordict(self, td: TensorDictBase, prefix: tuple[str, ...], what: str) -> list[torch.Tensor]:
+        """``layout.match`` for a TensorDict, with a fast path for one checked before: if each of
+        its keys still holds the very same tensor, with the same shape and dtype, the full walk
+        over its keys is skipped (an update checks, then publishes, the same TensorDict)."""
+        plan_key = ("td", id(td), prefix)
+        cached = self._plans.get(plan_key)
+        if cached is not None:
+            ref, paths, before, entries = cached
+            if ref() is td and all(
+                td.get(path, None) is t and t.shape == e.shape and t.dtype == e.dtype
+                for path, t, e in zip(paths, before, entries)
+            ):
+                return list(before)
+        sub, _ = as_tensordict(td, what)
+        tensors = self.layout.match(sub, what, prefix=prefix)
+        if sub is td:  # keys as stored (not a flat state-dict-like TensorDict)
+            layout = self.layout
+            entries = [layout.entries[i] for i in layout.subset(prefix)]
+            paths = [e.key[len(prefix) :] for e in entries]
+            if len(self._plans) >= 32:  # TensorDicts made afresh for each update must not pile up
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[plan_key] = (weakref.ref(td), paths, tensors, entries)
+        return tensors
+
+    def _module(self, module: nn.Module, prefix: tuple[str, ...], what: str) -> list[torch.Tensor]:
+        """Like ``layout.match(TensorDict.from_module(module))``, with a fast path for a module
+        published before: if it still holds the very same tensors, in the same places, with the
+        same shapes and dtypes, the full check is skipped."""
+        owned = _owned_tensors(module)
+        cached = self._plans.get((id(module), prefix))
+        if cached is not None:
+            ref, before, order, entries = cached
+            if (
+                ref() is module
+                and len(owned) == len(before)
+                and all(a is b for a, b in zip(owned, before))
+                and all(
+                    owned[i].shape == e.shape and owned[i].dtype == e.dtype and not owned[i].is_meta
+                    for i, e in zip(order, entries)
+                )
+            ):
+                return [owned[i] for i in order]
+        tensors = self.layout.match(module_weights(module), what, prefix=prefix)
+        position = {id(t): i for i, t in enumerate(owned)}
+        if len(position) == len(owned) and all(id(t) in position for t in tensors):
+            entries = [self.layout.entries[i] for i in self.layout.subset(prefix)]
+            order = [position[id(t)] for t in tensors]
+            self._plans[(id(module), prefix)] = (weakref.ref(module), owned, order, entries)
+        return tensors
+
+
+def _owned_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer object of ``module``, in registration order."""
+    return [
+        t
+        for m in module.modules()
+        for _, t in (
+            *m.named_parameters(recurse=False, remove_duplicate=False),
+            *m.named_buffers(recurse=False, remove_duplicate=False),
+        )
+        if t is not None
+    ]

@@ -11,6 +11,7 @@ import torch
 from shmsync import WeightStore
 from shmsync.core import segment
 from shmsync.errors import StoreUntrustedError
+from shmsync.raw_versions import create_from_bytes
 
 from helpers import open_fds
 
@@ -124,7 +125,7 @@ def test_a_store_made_under_a_temporary_name_appears_whole_or_not_at_all(store_d
         seen.append(os.listdir(store_dir))
         buffer[:] = b"\x01" * len(buffer)
 
-    store = WeightStore.create_from_bytes(source.layout_description, fill, version=7, name="made")
+    store = create_from_bytes(source.layout_description, fill, version=7, name="made")
     try:
         (incoming,) = set(seen[0]) - {"shmsync-source"}  # mid-fill: only a temporary name
         assert incoming.startswith("shmsync-.incoming-")
@@ -138,5 +139,5 @@ def test_a_store_made_under_a_temporary_name_appears_whole_or_not_at_all(store_d
         raise RuntimeError("the peer went away")
 
     with pytest.raises(RuntimeError, match="went away"):
-        WeightStore.create_from_bytes(source.layout_description, failing, version=1, name="never")
+        create_from_bytes(source.layout_description, failing, version=1, name="never")
     assert os.listdir(store_dir) == []

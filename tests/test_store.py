@@ -284,9 +284,9 @@ def test_publish_wrong_dtype(store):
 
 def test_publish_wrong_keys(store):
     before = store_state(store)
-    with pytest.raises(WeightMismatchError, match=r"missing \['1\.bias', '1\.weight'\]"):
+    with pytest.raises(WeightMismatchError, match=r"store's keys: '1\.bias', '1\.weight' missing$"):
         store.publish(nn.Sequential(nn.Linear(4, 3)))
-    with pytest.raises(WeightMismatchError, match=r"unexpected \['2\.bias', '2\.weight'\]"):
+    with pytest.raises(WeightMismatchError, match=r"store's keys: '2\.bias', '2\.weight' not in the store$"):
         store.publish(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2), nn.Linear(2, 2)))
     assert_unchanged(store, before)
 
@@ -367,7 +367,7 @@ def test_republishing_a_changed_module_is_still_checked(store):
         store.publish(module)
     module[0].weight = nn.Parameter(torch.zeros(3, 4))
     module.add_module("extra", nn.Linear(1, 1))  # a new submodule
-    with pytest.raises(WeightMismatchError, match=r"unexpected \['extra\.bias', 'extra\.weight'\]"):
+    with pytest.raises(WeightMismatchError, match=r"'extra\.bias', 'extra\.weight' not in the store$"):
         store.publish(module)
     del module.extra
     module.to("meta")
@@ -426,7 +426,7 @@ def test_flat_tensordicts_with_dotted_keys_publish_and_name_real_differences(sto
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     assert store.publish(TensorDict(dict(model.state_dict()))) == 1
     before = store_state(store)
-    with pytest.raises(WeightMismatchError, match=r"missing \['0\.bias', '1\.bias', '1\.weight'\], unexpected \[\]"):
+    with pytest.raises(WeightMismatchError, match=r"store's keys: '0\.bias', '1\.bias', '1\.weight' missing$"):
         store.publish(TensorDict({"0.weight": torch.zeros(3, 4)}))
     assert_unchanged(store, before)
 

@@ -9,15 +9,82 @@ protocol's ``copy(slot)`` callbacks, and never touch header words themselves.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from shmsync.core.header import W_CREATOR_PID, W_DATA_OFFSET, W_NUM_SLOTS, W_PAYLOAD_BYTES, W_SLOT_BYTES
-from shmsync.core.layout import Layout
-from shmsync.core.protocol import Protocol
-from shmsync.core.segment import Segment, SegmentLocks
+from shmsync.core import fences
+from shmsync.core.header import (
+    FORMAT,
+    MAGIC,
+    MAX_SLOTS,
+    W_CREATE_NS,
+    W_CREATOR_PID,
+    W_CREATOR_PPID,
+    W_CREATOR_START,
+    W_DATA_OFFSET,
+    W_FORMAT,
+    W_LAYOUT_BYTES,
+    W_LAYOUT_OFFSET,
+    W_MAGIC,
+    W_NUM_SLOTS,
+    W_PAYLOAD_BYTES,
+    W_SLOT_BYTES,
+    header_view,
+)
+from shmsync.core.layout import Layout, segment_bytes
+from shmsync.core.processes import process_start_ns
+from shmsync.core.protocol import Protocol, initialize
+from shmsync.core.segment import CREATOR_LOCK, Segment, SegmentLocks
+
+
+def new_segment(
+    layout: Layout, destinations: Any, make_segment: Callable[..., Segment], name: str, num_slots: int, track: bool
+) -> Segment:
+    """A new store's segment, sized for ``num_slots`` slots of ``layout``, its layout and header
+    written (the magic word last: nobody attaches to a half-written header), no version yet; this
+    process holds its creator lock. ``make_segment(name, size, track=...)`` makes the file.
+
+    Raises:
+        ValueError: ``num_slots`` out of range.
+    """
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or not 2 <= num_slots <= MAX_SLOTS:
+        raise ValueError(f"num_slots must be an int between 2 and {MAX_SLOTS}, got {num_slots!r}")
+    doc = layout.to_json(destinations)
+    layout_offset, data_offset, size = segment_bytes(doc, layout.slot_bytes, num_slots)
+    segment = make_segment(name, size, track=track)
+    h = header_view(segment.buf)
+    try:
+        segment.lock(CREATOR_LOCK, exclusive=True, wait=False)
+        segment.buf[layout_offset : layout_offset + len(doc)] = doc
+        pid = os.getpid()
+        for word, value in (
+            (W_FORMAT, FORMAT),
+            (W_CREATOR_PID, pid),
+            (W_CREATOR_PPID, os.getppid()),
+            (W_CREATOR_START, process_start_ns(pid)),
+            (W_CREATE_NS, time.time_ns()),
+            (W_LAYOUT_OFFSET, layout_offset),
+            (W_LAYOUT_BYTES, len(doc)),
+            (W_DATA_OFFSET, data_offset),
+            (W_SLOT_BYTES, layout.slot_bytes),
+            (W_PAYLOAD_BYTES, layout.payload_bytes),
+        ):
+            h[word] = value
+        initialize(h, num_slots)
+        fences.ordering()[1]()  # everything above before the magic word
+        h[W_MAGIC] = MAGIC  # last: attach() refuses a half-initialised header
+    except BaseException:
+        h.release()
+        segment.unlink()
+        segment.close()
+        raise
+    h.release()
+    return segment
 
 
 class StoreMemory:

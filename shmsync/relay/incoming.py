@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from shmsync.errors import ProtocolError
+from shmsync.raw_versions import create_from_bytes, publish_bytes
 from shmsync.relay import wire
 from shmsync.relay.messages import (
     BYE,
@@ -20,7 +21,6 @@ from shmsync.relay.messages import (
     VERSION,
     Forwarding,
 )
-from shmsync.store import WeightStore
 
 
 def follow(relay: Any, link: wire.Link, max_versions: int | None) -> str:
@@ -70,13 +70,13 @@ def _receive(relay: Any, link: wire.Link, version: int) -> bool:
 
     try:
         if relay.store is None:
-            relay.store = WeightStore.create_from_bytes(
+            relay.store = create_from_bytes(
                 relay.description, fill, version=version, name=relay.name, num_slots=relay.num_slots
             )
             if relay.server is not None:
                 relay.server.set_store(relay.store)
         else:
-            relay.store.publish_bytes(fill, version=version)
+            publish_bytes(relay.store, fill, version=version)
     except Cancelled:
         return False
     return True

@@ -12,6 +12,7 @@ from typing import Any
 
 from shmsync.core.protocol import Write
 from shmsync.errors import AuthenticationError, ProtocolError, RelayError
+from shmsync.raw_versions import add_publish_listener, remove_publish_listener
 from shmsync.relay import wire
 from shmsync.relay.acceptor import Acceptor
 from shmsync.relay.feeding import Feeder
@@ -108,7 +109,7 @@ class Server:
                 return
             self.store = store
             self.changed.notify_all()
-        store.add_publish_listener(self.notify)
+        add_publish_listener(store, self.notify)
 
     def notify(self, *_: Any) -> None:
         with self.changed:
@@ -322,7 +323,7 @@ class Server:
             self.changed.notify_all()
             children, store = list(self.children.values()), self.store
         if store is not None:
-            store.remove_publish_listener(self.notify)
+            remove_publish_listener(store, self.notify)
         if self._accept is not None:
             self._accept.join(max(0.0, min(0.5, deadline - time.monotonic())))
         self.sock.close()
