@@ -22,7 +22,6 @@ from tensordict import TensorDict
 
 from shmsync.core.copies import copy_all
 from shmsync.core.header import (
-    HEADER_BYTES,
     W_CREATE_NS,
     W_CREATOR_PID,
     W_CREATOR_PPID,
@@ -32,13 +31,12 @@ from shmsync.core.header import (
     W_PUBLISH_NS,
     W_VERSION,
     W_WRITER_PID,
-    check_words,
     header_view,
 )
 from shmsync.core.layout import Layout
-from shmsync.core.mapping import StoreMemory, new_segment
-from shmsync.core.segment import CREATOR_LOCK, WRITER_LOCK, Segment
-from shmsync.errors import ShmSyncError, StoreCorruptError
+from shmsync.core.mapping import StoreMemory, new_segment, read_layout
+from shmsync.core.segment import CREATOR_LOCK, WRITER_LOCK, Segment, not_found_hint
+from shmsync.errors import ShmSyncError, StoreNotFoundError
 from shmsync.sources import SourceMatcher, as_tensordict
 from shmsync.store_writer import StoreWriter
 from shmsync.table import ReaderTable, assemble, local_rows
@@ -174,21 +172,10 @@ class WeightStore(StoreWriter):
             ValueError: ``name`` is not a valid store name.
         """
 
-        def inspect(fd: int, st: os.stat_result) -> tuple[Layout, Any]:
-            if st.st_size < HEADER_BYTES:
-                check_words((), st.st_size, name)  # raises, saying why
-            h = memoryview(os.pread(fd, HEADER_BYTES, 0)).cast("q")
-            lo, ln = check_words(h, st.st_size, name)
-            raw = os.pread(fd, ln, lo)
-            layout, destinations = Layout.from_json(raw, f"store {name!r}: layout")
-            if layout.payload_bytes != h[W_PAYLOAD_BYTES]:
-                raise StoreCorruptError(
-                    f"store {name!r}: header field payload_bytes is {h[W_PAYLOAD_BYTES]}, its layout holds "
-                    f"{layout.payload_bytes} bytes; the store was not opened"
-                )
-            return layout, destinations
-
-        segment, (layout, destinations) = Segment.open(name, inspect)
+        try:
+            segment, (layout, destinations) = Segment.open(name, lambda fd, st: read_layout(fd, st, name))
+        except StoreNotFoundError as e:
+            raise StoreNotFoundError(f"{e}{not_found_hint(name)}") from None
         try:
             return cls._open(segment, layout, destinations, owner=False, unlink_at_exit=False)
         except BaseException:

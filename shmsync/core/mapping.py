@@ -20,6 +20,7 @@ import torch
 from shmsync.core import fences
 from shmsync.core.header import (
     FORMAT,
+    HEADER_BYTES,
     MAGIC,
     MAX_SLOTS,
     W_CREATE_NS,
@@ -34,12 +35,14 @@ from shmsync.core.header import (
     W_NUM_SLOTS,
     W_PAYLOAD_BYTES,
     W_SLOT_BYTES,
+    check_words,
     header_view,
 )
 from shmsync.core.layout import Layout, segment_bytes
 from shmsync.core.processes import process_start_ns
 from shmsync.core.protocol import Protocol, initialize
 from shmsync.core.segment import CREATOR_LOCK, Segment, SegmentLocks
+from shmsync.errors import StoreCorruptError
 
 
 def new_segment(
@@ -85,6 +88,28 @@ def new_segment(
         raise
     h.release()
     return segment
+
+
+def read_layout(fd: int, st: os.stat_result, name: str) -> tuple[Layout, Any]:
+    """Store ``name``'s layout and destinations, its file (``fd``, ``st``) read with ``pread``:
+    every header word that sizes, places or indexes anything, and every layout field, checked
+    against the file's size before anything is mapped.
+
+    Raises:
+        StoreNotFoundError: a file too short for a header (a store still being made).
+        StoreCorruptError: naming the first field out of range.
+    """
+    if st.st_size < HEADER_BYTES:
+        check_words((), st.st_size, name)  # raises, saying why
+    h = memoryview(os.pread(fd, HEADER_BYTES, 0)).cast("q")
+    lo, ln = check_words(h, st.st_size, name)
+    layout, destinations = Layout.from_json(os.pread(fd, ln, lo), f"store {name!r}: layout")
+    if layout.payload_bytes != h[W_PAYLOAD_BYTES]:
+        raise StoreCorruptError(
+            f"store {name!r}: header field payload_bytes is {h[W_PAYLOAD_BYTES]}, its layout holds "
+            f"{layout.payload_bytes} bytes; the store was not opened"
+        )
+    return layout, destinations
 
 
 class StoreMemory:

@@ -139,6 +139,7 @@ from typing import NamedTuple
 from typing import Protocol as Interface
 
 from shmsync.core import fences
+from shmsync.core.fences import Fence
 from shmsync.core.header import (
     R_FLAGS,
     R_LEASE,
@@ -255,61 +256,20 @@ def lease_word(row: int) -> int:
     return row_base(row) + LEASE
 
 
-class Protocol:
-    """One process's side of the protocol on one store's header.
+class _Writer:
+    """The writer's side of :class:`Protocol` (one process at a time)."""
 
-    Args:
-        h: the header words (a memoryview of int64 in a store; any list of ints in tests).
-        locks: the reader token and the table lock (:class:`Locks`).
-        name: the store's name, for error messages.
-        stopped: whether a pid is a stopped process (its reader token may be taken over).
-        ordering: ``"tso"`` or ``"weak"`` (see :mod:`shmsync.core.fences`); default: this CPU's.
-        pid: this process's id as written into the header.
-        clock: wall-clock time in ns (publish times, shared with other processes); timer: a
-            monotonic ns counter (how long a copy takes). Tests drive both by hand.
+    h: Words
+    num_slots: int
+    locks: Locks
+    name: str
+    fence: Fence
+    full_fence: Fence
+    pid: int
+    clock: Callable[[], int]
+    writing: Write | None
+    listeners: list[Callable[[int], None]]
 
-    Examples:
-        >>> h = [0] * 6144
-        >>> initialize(h, 3)
-        >>> writer, reader = Protocol(h, LocalLocks()), Protocol(h, LocalLocks())
-        >>> slots = [None] * 3
-        >>> write = writer.begin_write()
-        >>> slots[write.slot] = "weights v0"
-        >>> writer.commit(write)
-        0
-        >>> got = []
-        >>> reader.try_read(lambda slot: got.append(slots[slot])), got
-        (0, ['weights v0'])
-    """
-
-    def __init__(
-        self,
-        h: Words,
-        locks: Locks,
-        *,
-        name: str = "store",
-        stopped: Callable[[int], bool] = pid_stopped,
-        ordering: str | None = None,
-        pid: int | None = None,
-        clock: Callable[[], int] = time.time_ns,
-        timer: Callable[[], int] = time.perf_counter_ns,
-    ) -> None:
-        self.h = h
-        self.num_slots = int(h[W_NUM_SLOTS])
-        self.locks = locks
-        self.name = name
-        self.stopped = stopped
-        self.fence, self.full_fence = fences.ordering(ordering)
-        self.pid = os.getpid() if pid is None else pid
-        self.start_ns = own_start_ns() if pid is None else 0  # shown beside the pid in the readers' table
-        self.clock, self.timer = clock, timer
-        self.writing: Write | None = None  # the write this process has open
-        self.listeners: list[Callable[[int], None]] = []  # called with each version this process commits
-        self.retries = 0  # optimistic copies that failed validation
-        self.pinned_reads = 0  # reads that needed the pinned fallback
-        self.copy_ns = 0  # how long this reader's last copy took
-
-    # -- writer ---------------------------------------------------------------------------------
     def begin_write(self) -> Write:
         """Choose a slot and mark it being written. Never waits.
 
@@ -374,15 +334,27 @@ class Protocol:
         """Serve a pending pin request, then pick the slot to write (None if every slot but
         the latest is leased or backed off from). Never waits."""
         h = self.h
+        self.serve_pin_request()
+        pinned = h[W_PIN_SLOT] if h[W_PIN_RELEASE] < h[W_PIN_GRANT] else -1
+        latest = h[W_LATEST] if h[W_VERSION] >= 0 else -1
+        others = [s for s in range(self.num_slots) if s != latest and s not in backed_off]
+        candidates = self._writable(others, pinned)
+        return min(candidates, key=lambda s: h[W_SLOT_VERSION + s]) if candidates else None
+
+    def serve_pin_request(self) -> None:
+        """Grant a ticket that waits: pin a slot for the starving reader (see :meth:`pin_candidate`)."""
+        h = self.h
         request = h[W_PIN_REQUEST]
         if request != h[W_PIN_GRANT]:
             self.fence()  # the ticket before the leases pin_candidate reads (see Handshakes)
             h[W_PIN_SLOT] = self.pin_candidate()
             self.fence()
             h[W_PIN_GRANT] = request
-        pinned = h[W_PIN_SLOT] if h[W_PIN_RELEASE] < h[W_PIN_GRANT] else -1
-        latest = h[W_LATEST] if h[W_VERSION] >= 0 else -1
-        others = [s for s in range(self.num_slots) if s != latest and s not in backed_off]
+
+    def _writable(self, others: list[int], pinned: int) -> list[int]:
+        """Of ``others`` (every slot but the latest and those backed off from), the ones the writer
+        may write: neither leased nor pinned, or failing those, a lease still being decided."""
+        h = self.h
         free = [s for s in others if not h[W_LEASES + s]]
         if not free:  # a count may be too high: the rows tell
             free = [s for s in others if not self.row_leased(s)]
@@ -391,7 +363,7 @@ class Protocol:
             undecided = [s for s in others if not self.row_leased(s, confirmed=True)]
             # With 2 slots, so does a pin: the pinned reader retries.
             candidates = [s for s in undecided if s != pinned] or free or undecided
-        return min(candidates, key=lambda s: h[W_SLOT_VERSION + s]) if candidates else None
+        return candidates
 
     def pin_candidate(self) -> int:
         """The slot to pin for a starving reader: a slot leased by a zero-copy reader if there
@@ -404,7 +376,24 @@ class Protocol:
                 return s
         return latest
 
-    # -- reader ---------------------------------------------------------------------------------
+
+class _Reader:
+    """A reader's side of :class:`Protocol`: optimistic copies, and the pinned fallback."""
+
+    h: Words
+    num_slots: int
+    locks: Locks
+    name: str
+    fence: Fence
+    full_fence: Fence
+    pid: int
+    stopped: Callable[[int], bool]
+    clock: Callable[[], int]
+    timer: Callable[[], int]
+    retries: int
+    pinned_reads: int
+    copy_ns: int
+
     def read(self, copy: CopyFn, *, max_attempts: int = 2, timeout: float = 60.0) -> int:
         """Run ``copy(slot)`` on the newest complete slot until one copy validates; returns the
         version copied. ``copy`` must have finished reading the slot when it returns.
@@ -437,19 +426,26 @@ class Protocol:
         slot = h[W_LATEST]
         if not 0 <= slot < self.num_slots:
             slot_index(slot, self.num_slots, "latest", self.name)  # raises, naming it
+        version = self.copy_validated(slot, copy)  # None: `latest` moved on, being rewritten
+        if version is None:
+            self.retries += 1
+        return version
+
+    def copy_validated(self, slot: int, copy: CopyFn) -> int | None:
+        """The seqlock read of one slot: ``copy(slot)`` between two loads of its sequence number;
+        the slot's version if both were the same even number, else None (it is being, or was,
+        rewritten meanwhile: the copy must not be used)."""
+        h = self.h
         seq = h[W_SEQ + slot]
         if seq & 1:
-            return None  # `latest` moved on and that slot is already being rewritten
+            return None
         self.fence()  # the sequence before the version and the bytes
         version = h[W_SLOT_VERSION + slot]
         began = self.timer()
         copy(slot)
         self.copy_ns = self.timer() - began
         self.fence()  # the bytes before the sequence, again
-        if h[W_SEQ + slot] != seq:
-            self.retries += 1
-            return None
-        return version
+        return version if h[W_SEQ + slot] == seq else None
 
     def read_pinned(self, copy: CopyFn, deadline: float, steal_after: float = 0.25) -> int:
         """The bounded fallback: hold the reader token and copy a slot the writer pinned."""
@@ -500,16 +496,7 @@ class Protocol:
             if h[W_PIN_GRANT] == ticket:
                 self.fence()  # the grant before the pinned slot's words
                 slot = slot_index(h[W_PIN_SLOT], self.num_slots, "pin_slot", self.name)
-                seq = h[W_SEQ + slot]
-                if seq & 1:
-                    return None
-                self.fence()
-                version = h[W_SLOT_VERSION + slot]
-                began = self.timer()
-                copy(slot)
-                self.copy_ns = self.timer() - began
-                self.fence()
-                return version if h[W_SEQ + slot] == seq else None  # None: 2 slots only
+                return self.copy_validated(slot, copy)  # None: with 2 slots only
             # No grant yet. A writer that has not published for `patience` is idle or in a
             # long copy; an optimistic copy then succeeds (or at worst fails once). The wait
             # counts from the writer's last publish, not from the request: a writer may publish
@@ -529,7 +516,20 @@ class Protocol:
         if time.monotonic() > deadline:
             raise ReloadTimeoutError(f"store {self.name!r}: no complete version could be read in time ({doing})")
 
-    # -- reader table ---------------------------------------------------------------------------
+
+class _Table:
+    """The reader table: each reader's row, and the leases of zero-copy readers."""
+
+    h: Words
+    num_slots: int
+    locks: Locks
+    name: str
+    fence: Fence
+    full_fence: Fence
+    pid: int
+    start_ns: int
+    clock: Callable[[], int]
+
     def claim_row(self, patience: float | None = 5.0, *, worker: int | None = None, flags: int = 0) -> int:
         """A free row of the reader table for this process, or -1 if the table is full or its
         lock stayed busy for ``patience`` seconds (the reader then copies, unlisted). ``worker``
@@ -684,3 +684,58 @@ class Protocol:
             h[word] = 0
             if locked:
                 h[W_LEASES + slot] = max(0, h[W_LEASES + slot] - 1)
+
+
+class Protocol(_Writer, _Reader, _Table):
+    """One process's side of the protocol on one store's header.
+
+    Args:
+        h: the header words (a memoryview of int64 in a store; any list of ints in tests).
+        locks: the reader token and the table lock (:class:`Locks`).
+        name: the store's name, for error messages.
+        stopped: whether a pid is a stopped process (its reader token may be taken over).
+        ordering: ``"tso"`` or ``"weak"`` (see :mod:`shmsync.core.fences`); default: this CPU's.
+        pid: this process's id as written into the header.
+        clock: wall-clock time in ns (publish times, shared with other processes); timer: a
+            monotonic ns counter (how long a copy takes). Tests drive both by hand.
+
+    Examples:
+        >>> h = [0] * 6144
+        >>> initialize(h, 3)
+        >>> writer, reader = Protocol(h, LocalLocks()), Protocol(h, LocalLocks())
+        >>> slots = [None] * 3
+        >>> write = writer.begin_write()
+        >>> slots[write.slot] = "weights v0"
+        >>> writer.commit(write)
+        0
+        >>> got = []
+        >>> reader.try_read(lambda slot: got.append(slots[slot])), got
+        (0, ['weights v0'])
+    """
+
+    def __init__(
+        self,
+        h: Words,
+        locks: Locks,
+        *,
+        name: str = "store",
+        stopped: Callable[[int], bool] = pid_stopped,
+        ordering: str | None = None,
+        pid: int | None = None,
+        clock: Callable[[], int] = time.time_ns,
+        timer: Callable[[], int] = time.perf_counter_ns,
+    ) -> None:
+        self.h = h
+        self.num_slots = int(h[W_NUM_SLOTS])
+        self.locks = locks
+        self.name = name
+        self.stopped = stopped
+        self.fence, self.full_fence = fences.ordering(ordering)
+        self.pid = os.getpid() if pid is None else pid
+        self.start_ns = own_start_ns() if pid is None else 0  # shown beside the pid in the readers' table
+        self.clock, self.timer = clock, timer
+        self.writing: Write | None = None  # the write this process has open
+        self.listeners: list[Callable[[int], None]] = []  # called with each version this process commits
+        self.retries = 0  # optimistic copies that failed validation
+        self.pinned_reads = 0  # reads that needed the pinned fallback
+        self.copy_ns = 0  # how long this reader's last copy took

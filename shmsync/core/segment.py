@@ -28,6 +28,7 @@ namespace), which are all that liveness rests on: pids in the header are only di
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
 import fcntl
 import mmap
@@ -149,10 +150,7 @@ def open_file(path: str, flags: int) -> tuple[int, os.stat_result]:
         fd = os.open(path, flags | _OPEN_FLAGS)
     except FileNotFoundError:
         name = os.path.basename(path).removeprefix(PREFIX)
-        raise StoreNotFoundError(
-            f"no store named {name!r} on this host ({path} does not exist); was it unlinked, or created on "
-            "another host or with another SHMSYNC_DIR?"
-        ) from None
+        raise StoreNotFoundError(f"no store named {name!r} on this host ({path} does not exist)") from None
     except OSError as e:
         try:
             st = os.lstat(path)
@@ -191,6 +189,20 @@ def open_mapped(path: str) -> tuple[int, os.stat_result]:
         os.close(fd)
         raise
     return fd, st
+
+
+def not_found_hint(name: str) -> str:
+    """What to add to "no store named NAME": the close names in the store folder, the stores
+    there, and where to look."""
+    names = list_names()
+    close = difflib.get_close_matches(name, names, n=3)
+    if close:
+        return f": did you mean {', '.join(map(repr, close))}? (`shmsync ls` lists the stores on this host)"
+    elsewhere = "or it was unlinked, or made on another host or with another SHMSYNC_DIR"
+    if names:
+        shown = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+        return f": the stores on this host are {shown} (`shmsync ls`); {elsewhere}"
+    return f": there is no store on this host; if the trainer has not created it yet, attach once it has, {elsewhere}"
 
 
 def list_unlinked() -> list[tuple[str, str]]:
