@@ -27,7 +27,7 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/python examples/train_cartpole.py
 
-test: test-main test-legs docs
+test: lint test-main test-legs docs
 
 test-main: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests shmsync workers

@@ -29,6 +29,11 @@ class WeightMismatchError(ValueError):
     """
 
 
+class NotLoadedError(ShmSyncError):
+    """A module whose weights a :class:`~shmsync.WeightReader` loads was run before its first load
+    (its parameters are still on the meta device): call ``poll()`` or ``wait()`` first."""
+
+
 class WriterBusyError(ShmSyncError):
     """Another live process is already publishing into this store."""
 

@@ -14,7 +14,7 @@ from shmsync import read_only
 from shmsync.core.copies import copy_all
 from shmsync.core.header import ROW_DEVICE, ROW_WAITING, ROW_ZERO_COPY, W_VERSION
 from shmsync.core.mapping import StoreMemory
-from shmsync.errors import ReloadTimeoutError, ShmSyncError, WeightMismatchError, WriterGoneError
+from shmsync.errors import NotLoadedError, ReloadTimeoutError, ShmSyncError, WeightMismatchError, WriterGoneError
 from shmsync.sources import is_destinations, module_weights, parts
 from shmsync.store import WeightStore
 
@@ -110,9 +110,13 @@ class WeightReader:
         # A row in the readers' table (`shmsync ls`, store.readers()); -1: the table is full, unlisted.
         self._row = self._protocol.claim_row(worker=worker, flags=self._flags)
         self._finalizer = weakref.finalize(self, _leave, memory, self._row, self._viewing)
-        # Check the module against the store now (clear error at construction time).
+        # Check the module against the store now (clear error at construction time); a module on
+        # the meta device holds no weights until the first load: until then, calling it says so.
+        self._unloaded_guards: list = []
         if not any(_is_meta(m) for _, m in self._parts):
             self._bind()
+        else:
+            self._unloaded_guards = [m.register_forward_pre_hook(_not_loaded_yet(self)) for _, m in self._parts]
 
     @property
     def version(self) -> int:
@@ -184,6 +188,9 @@ class WeightReader:
             version = protocol.read(self._copy, timeout=self.timeout)
         changed = version != self._version
         self._version = version
+        for guard in self._unloaded_guards:
+            guard.remove()  # loaded: the module may run
+        self._unloaded_guards = []
         self.reloads += 1
         if self._finalizer.alive:
             protocol.update_row(self._row, version, self.reloads)
@@ -232,18 +239,7 @@ class WeightReader:
     def _bind(self) -> None:
         """Materialize meta weights, move to ``device``, match the module against the store."""
         memory = self._memory
-        layout = memory.layout
-        targets, indices = [], []
-        for prefix, module in self._parts:
-            if _is_meta(module):
-                module.to_empty(device=self.device or torch.device("cpu"))
-            elif self.device is not None:
-                module.to(self.device)
-            where = f"module given to WeightReader for store {self.store.name!r}" + (
-                f", destination {prefix[0]!r}" if prefix else ""
-            )
-            targets += layout.match(module_weights(module), where, prefix=prefix)
-            indices += layout.subset(prefix)
+        targets, indices = self._match_parts()
         self._on_cpu = not any(t.is_cuda for t in targets)
         if self.zero_copy and not self._on_cpu:
             raise ValueError(
@@ -257,15 +253,36 @@ class WeightReader:
         # Per slot, the views this reader copies from, so a reload is one batched copy.
         self._sources = [[views[i] for i in indices] for views in memory.slots]
         if self.zero_copy:
-            # Parameters get pointed at the slot, buffers are copied: per slot, parameter
-            # views first, then buffer views.
-            order = sorted(range(len(targets)), key=lambda i: not isinstance(targets[i], nn.Parameter))
-            params = [i for i in order if isinstance(targets[i], nn.Parameter)]
-            self._params = [targets[i] for i in params]
-            self._param_names = [".".join(layout.entries[indices[i]].key) for i in params]
-            self._buffers = [targets[i] for i in order[len(params) :]]
-            self._views = [[views[indices[i]] for i in order] for views in memory.readonly_slots()]
-            self.store.add_dependent(self)
+            self._bind_views(targets, indices)
+
+    def _match_parts(self) -> tuple[list[torch.Tensor], list[int]]:
+        """Each part's weights (materialized from ``meta``, moved to ``device``) matched against
+        the layout: the tensors to load, and their entries' indices."""
+        layout = self._memory.layout
+        targets, indices = [], []
+        for prefix, module in self._parts:
+            if _is_meta(module):
+                module.to_empty(device=self.device or torch.device("cpu"))
+            elif self.device is not None:
+                module.to(self.device)
+            where = f"module given to WeightReader for store {self.store.name!r}" + (
+                f", destination {prefix[0]!r}" if prefix else ""
+            )
+            targets += layout.match(module_weights(module), where, prefix=prefix)
+            indices += layout.subset(prefix)
+        return targets, indices
+
+    def _bind_views(self, targets: list[torch.Tensor], indices: list[int]) -> None:
+        """Zero-copy: parameters get pointed at the slot, buffers are copied. Per slot, the
+        read-only views of the parameters first, then of the buffers."""
+        layout, memory = self._memory.layout, self._memory
+        order = sorted(range(len(targets)), key=lambda i: not isinstance(targets[i], nn.Parameter))
+        params = [i for i in order if isinstance(targets[i], nn.Parameter)]
+        self._params = [targets[i] for i in params]
+        self._param_names = [".".join(layout.entries[indices[i]].key) for i in params]
+        self._buffers = [targets[i] for i in order[len(params) :]]
+        self._views = [[views[indices[i]] for i in order] for views in memory.readonly_slots()]
+        self.store.add_dependent(self)
 
     def _copy(self, slot: int) -> None:
         copy_all(self._targets, self._sources[slot], self._on_cpu)
@@ -289,6 +306,16 @@ class WeightReader:
 
     def __repr__(self) -> str:
         return f"WeightReader(store={self.store.name!r}, version={self._version}, reloads={self.reloads})"
+
+
+def _not_loaded_yet(reader: WeightReader):
+    def hook(module, args):
+        raise NotLoadedError(
+            f"this module's weights come from store {reader.store.name!r} and are not loaded yet (they are on the "
+            "meta device): call reader.poll() or reader.wait(0) before running it"
+        )
+
+    return hook
 
 
 def _make_private(params: list[torch.Tensor]) -> None:

@@ -114,6 +114,19 @@ def report_to_wire(entries: Iterable[HostRows]) -> dict[str, Any]:
     return {"hosts": [[e.host, e.node, e.store, round(e.age_s, 3), [row_to_wire(r) for r in e.rows]] for e in entries]}
 
 
+def _host_entry(entry: Any) -> HostRows:
+    """One host's entry of a report, every field checked."""
+    if not isinstance(entry, list) or len(entry) != 5 or not isinstance(entry[4], list):
+        raise ValueError(f"a report's host entry is {str(entry)[:60]}, not [host, node, store, age_s, rows]")
+    host = _text(entry[0], MAX_NAME, "a report's host")
+    node = entry[1]
+    if not (isinstance(node, str) and len(node) == 16 and all(c in "0123456789abcdef" for c in node)):
+        raise ValueError(f"a report's node is {ascii(node)[:40]}, not 16 hex digits")
+    store = _text(entry[2], MAX_NAME, "a report's store")
+    age = _seconds(entry[3], "a report's age_s") or 0.0
+    return HostRows(host, node, store, age, tuple(row_from_wire(f, host, store, age) for f in entry[4]))
+
+
 def report_from_wire(doc: Any) -> list[HostRows]:
     """A report a peer sent, every field checked (ValueError names the first bad one)."""
     hosts = doc.get("hosts") if isinstance(doc, dict) and set(doc) == {"hosts"} else None
@@ -121,18 +134,11 @@ def report_from_wire(doc: Any) -> list[HostRows]:
         raise ValueError(f"a report is {str(doc)[:60]}, not {{'hosts': [at most {MAX_REPORT_HOSTS} hosts]}}")
     out, total = [], 0
     for entry in hosts:
-        if not isinstance(entry, list) or len(entry) != 5 or not isinstance(entry[4], list):
-            raise ValueError(f"a report's host entry is {str(entry)[:60]}, not [host, node, store, age_s, rows]")
-        host = _text(entry[0], MAX_NAME, "a report's host")
-        node = entry[1]
-        if not (isinstance(node, str) and len(node) == 16 and all(c in "0123456789abcdef" for c in node)):
-            raise ValueError(f"a report's node is {ascii(node)[:40]}, not 16 hex digits")
-        store = _text(entry[2], MAX_NAME, "a report's store")
-        age = _seconds(entry[3], "a report's age_s") or 0.0
-        total += len(entry[4])
+        if isinstance(entry, list) and len(entry) == 5 and isinstance(entry[4], list):
+            total += len(entry[4])
         if total > MAX_REPORT_ROWS:
             raise ValueError(f"a report holds more than {MAX_REPORT_ROWS} rows")
-        out.append(HostRows(host, node, store, age, tuple(row_from_wire(f, host, store, age) for f in entry[4])))
+        out.append(_host_entry(entry))
     return out
 
 

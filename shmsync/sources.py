@@ -33,26 +33,31 @@ def as_tensordict(source: Any, what: str = "source") -> tuple[TensorDictBase, tu
         dotted = any("." in k for k in source.keys() if isinstance(k, str))  # flat: top-level keys
         return (source.unflatten_keys(".") if dotted else source), None
     if isinstance(source, Mapping):
-        if not source:
-            raise ValueError(f"{what} is an empty mapping")
-        tensors = [isinstance(v, torch.Tensor) for v in source.values()]
-        if all(tensors):
-            # A plain state_dict: {"0.weight": tensor, ...}.
-            return TensorDict({k: v for k, v in source.items()}).unflatten_keys("."), None
-        if any(tensors):  # a state dict with a stray entry: name that entry, not a valid one
-            key, value = next((k, v) for k, v in source.items() if not isinstance(v, torch.Tensor))
-            raise TypeError(f"{what}: state dict entry {key!r} is a {type(value).__name__}, not a tensor")
-        td = TensorDict()
-        for dest, value in source.items():
-            if not isinstance(dest, str) or not dest:
-                raise ValueError(f"{what}: destination names must be non-empty strings, got {dest!r}")
-            sub, _ = as_tensordict(value, what=f"{what}[{dest!r}]")
-            td.set(dest, sub)
-        return td, tuple(source.keys())
+        return _mapping_as_tensordict(source, what)
     raise TypeError(
         f"{what} must be an nn.Module, a TensorDict, or a mapping destination -> module/TensorDict; "
         f"got {type(source).__name__}"
     )
+
+
+def _mapping_as_tensordict(source: Mapping, what: str) -> tuple[TensorDictBase, tuple[str, ...] | None]:
+    """A state dict (``{"0.weight": tensor}``), or destinations (``{"policy": module, ...}``)."""
+    if not source:
+        raise ValueError(f"{what} is an empty mapping")
+    tensors = [isinstance(v, torch.Tensor) for v in source.values()]
+    if all(tensors):
+        # A plain state_dict: {"0.weight": tensor, ...}.
+        return TensorDict({k: v for k, v in source.items()}).unflatten_keys("."), None
+    if any(tensors):  # a state dict with a stray entry: name that entry, not a valid one
+        key, value = next((k, v) for k, v in source.items() if not isinstance(v, torch.Tensor))
+        raise TypeError(f"{what}: state dict entry {key!r} is a {type(value).__name__}, not a tensor")
+    td = TensorDict()
+    for dest, value in source.items():
+        if not isinstance(dest, str) or not dest:
+            raise ValueError(f"{what}: destination names must be non-empty strings, got {dest!r}")
+        sub, _ = as_tensordict(value, what=f"{what}[{dest!r}]")
+        td.set(dest, sub)
+    return td, tuple(source.keys())
 
 
 def is_destinations(source: Any) -> bool:
@@ -157,18 +162,8 @@ class SourceMatcher:
         same shapes and dtypes, the full check is skipped."""
         owned = _owned_tensors(module)
         cached = self._plans.get((id(module), prefix))
-        if cached is not None:
-            ref, before, order, entries = cached
-            if (
-                ref() is module
-                and len(owned) == len(before)
-                and all(a is b for a, b in zip(owned, before))
-                and all(
-                    owned[i].shape == e.shape and owned[i].dtype == e.dtype and not owned[i].is_meta
-                    for i, e in zip(order, entries)
-                )
-            ):
-                return [owned[i] for i in order]
+        if cached is not None and _still_holds(module, owned, cached):
+            return [owned[i] for i in cached[2]]
         tensors = self.layout.match(module_weights(module), what, prefix=prefix)
         position = {id(t): i for i, t in enumerate(owned)}
         if len(position) == len(owned) and all(id(t) in position for t in tensors):
@@ -176,6 +171,21 @@ class SourceMatcher:
             order = [position[id(t)] for t in tensors]
             self._plans[(id(module), prefix)] = (weakref.ref(module), owned, order, entries)
         return tensors
+
+
+def _still_holds(module: nn.Module, owned: list[torch.Tensor], plan: tuple) -> bool:
+    """Whether ``module`` holds the very tensors ``plan`` checked, in the same places, with the
+    same shapes and dtypes, none on the meta device."""
+    ref, before, order, entries = plan
+    return (
+        ref() is module
+        and len(owned) == len(before)
+        and all(a is b for a, b in zip(owned, before))
+        and all(
+            owned[i].shape == e.shape and owned[i].dtype == e.dtype and not owned[i].is_meta
+            for i, e in zip(order, entries)
+        )
+    )
 
 
 def _owned_tensors(module: nn.Module) -> list[torch.Tensor]:

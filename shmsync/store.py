@@ -35,7 +35,7 @@ from shmsync.core.header import (
 )
 from shmsync.core.layout import Layout
 from shmsync.core.mapping import StoreMemory, new_segment, read_layout
-from shmsync.core.segment import CREATOR_LOCK, WRITER_LOCK, Segment, not_found_hint
+from shmsync.core.segment import Segment, not_found_hint
 from shmsync.errors import ShmSyncError, StoreNotFoundError
 from shmsync.sources import SourceMatcher, as_tensordict
 from shmsync.store_writer import StoreWriter
@@ -47,6 +47,19 @@ class Snapshot(NamedTuple):
 
     version: int
     weights: TensorDict
+
+
+_INFO = {
+    "version": W_VERSION,
+    "creator_pid": W_CREATOR_PID,
+    "creator_start_ns": W_CREATOR_START,
+    "creator_ppid": W_CREATOR_PPID,
+    "writer_pid": W_WRITER_PID,
+    "publish_count": W_PUBLISH_COUNT,
+    "last_publish_ns": W_PUBLISH_NS,
+    "create_ns": W_CREATE_NS,
+    "payload_bytes": W_PAYLOAD_BYTES,
+}
 
 
 class WeightStore(StoreWriter):
@@ -227,19 +240,8 @@ class WeightStore(StoreWriter):
     def info(self) -> dict[str, int]:
         """Header facts: version, creator and writer pids, publish count and times (ns)."""
         h = self.memory.header
-        return {
-            "version": h[W_VERSION],
-            "creator_pid": h[W_CREATOR_PID],
-            "creator_start_ns": h[W_CREATOR_START],
-            "creator_ppid": h[W_CREATOR_PPID],
-            "writer_pid": h[W_WRITER_PID],
-            "publish_count": h[W_PUBLISH_COUNT],
-            "last_publish_ns": h[W_PUBLISH_NS],
-            "create_ns": h[W_CREATE_NS],
-            "payload_bytes": h[W_PAYLOAD_BYTES],
-            "shm_bytes": self.memory.segment.size,
-            "num_slots": self.memory.num_slots,
-        }
+        facts = {name: h[word] for name, word in _INFO.items()}
+        return {**facts, "shm_bytes": self.memory.segment.size, "num_slots": self.memory.num_slots}
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"version={self.version}"
@@ -309,23 +311,6 @@ class WeightStore(StoreWriter):
             self.name, mapped.header, mapped.protocol.locks.rows_alive, latest, processes=processes, memory=memory
         )
         return assemble(self.name, latest, live, gone, self)
-
-    def publisher_alive(self) -> bool:
-        """Whether a live process can still publish: some process holds the writer role, or the
-        creator still has the store open. False once the trainer is gone for good. Told by the
-        kernel's locks, whatever PID namespace the trainer runs in.
-
-        Examples:
-            >>> import torch
-            >>> from shmsync import WeightStore
-            >>> with WeightStore.create(torch.nn.Linear(4, 2)) as store:
-            ...     store.publisher_alive()
-            True
-        """
-        if self.closed:
-            return False
-        segment = self.memory.segment
-        return segment.held_anywhere(WRITER_LOCK) or segment.held_anywhere(CREATOR_LOCK)
 
     # -- lifetime -------------------------------------------------------------------------------
     def _check_open(self) -> None:

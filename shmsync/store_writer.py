@@ -14,7 +14,7 @@ import torch
 
 from shmsync.core.copies import copy_all
 from shmsync.core.header import W_VERSION, W_WRITER_PID
-from shmsync.core.segment import WRITER_LOCK
+from shmsync.core.segment import CREATOR_LOCK, WRITER_LOCK
 from shmsync.errors import WriterBusyError
 
 
@@ -172,6 +172,23 @@ class StoreWriter:
             protocol.abort(write)
             raise
         return protocol.commit(write, version)
+
+    def publisher_alive(self) -> bool:
+        """Whether a live process can still publish: some process holds the writer role, or the
+        creator still has the store open. False once the trainer is gone for good. Told by the
+        kernel's locks, whatever PID namespace the trainer runs in.
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightStore
+            >>> with WeightStore.create(torch.nn.Linear(4, 2)) as store:
+            ...     store.publisher_alive()
+            True
+        """
+        if self.memory.closed:
+            return False
+        segment = self.memory.segment
+        return segment.held_anywhere(WRITER_LOCK) or segment.held_anywhere(CREATOR_LOCK)
 
 
 __all__ = ["StoreWriter"]

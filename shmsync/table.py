@@ -190,28 +190,30 @@ class ReaderTable:
     def summary(self) -> str:
         """One line: how many readers on how many hosts, how many are behind, the worst one."""
         hosts = {r.host for r in self.rows}
+        head = f"{self.store}: version {self.latest}, {_count(len(self.rows), 'reader')}"
+        head += f" on {_count(len(hosts), 'host')}" if self.rows else ""
+        return "; ".join([head, *self._troubles()])
+
+    def _troubles(self) -> list[str]:
+        """What the summary line says beyond the counts: who is behind, stopped, gone, silent."""
         behind = [r for r in self.rows if r.behind]
-        head = f"{self.store}: version {self.latest}, {len(self.rows)} reader{'s' * (len(self.rows) != 1)}"
-        head += f" on {len(hosts)} host{'s' * (len(hosts) != 1)}" if self.rows else ""
-        parts = [head]
-        if behind:
-            worst = behind[0]
-            versions = f"{worst.behind} version{'s' * (worst.behind != 1)}"
-            parts.append(f"{len(behind)} behind (worst: {versions}, {worst.label})")
         unloaded = sum(r.behind is None for r in self.rows)
+        stopped = sum(r.stopped for r in self.rows)
+        silent = [h.host for h in self.hosts if h.state != "reporting"]
+        parts = []
+        if behind:
+            parts.append(f"{len(behind)} behind (worst: {_count(behind[0].behind, 'version')}, {behind[0].label})")
         if unloaded:
             parts.append(f"{unloaded} not loaded yet")
         if self.rows and not behind and not unloaded:
             parts.append("all at the newest version")
-        stopped = sum(r.stopped for r in self.rows)
         if stopped:
             parts.append(f"{stopped} stopped")
         if self.gone:
             parts.append(f"{len(self.gone)} gone")
-        silent = [h.host for h in self.hosts if h.state != "reporting"]
         if silent:
             parts.append(f"no report from {', '.join(silent)}")
-        return "; ".join(parts)
+        return parts
 
     def as_dict(self) -> dict[str, Any]:
         """The table as plain JSON types (``shmsync ls NAME --json``)."""
@@ -230,6 +232,10 @@ class ReaderTable:
 
     def __str__(self) -> str:
         return self.format()
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'s' * (n != 1)}"
 
 
 def _order(row: ReaderRow) -> tuple:
@@ -272,30 +278,9 @@ def local_rows(
     living = alive([row for row, _ in rows])
     live, gone = [], []
     for row, w in rows:
-        version, stamp, flags = w[R_VERSION], w[R_RELOAD_NS], w[R_FLAGS]
         is_alive = row in living
-        state, uss = "", None
-        if processes or not is_alive:
-            state = process_state(w[R_PID], w[R_START_NS]) if processes else "gone"
-            if not is_alive and state not in ("zombie", "gone"):
-                state = "gone"  # its lock is free: that pid is another process now
-            uss = process_uss(w[R_PID]) if memory and is_alive and state not in ("unknown", "gone") else None
-        loaded = version >= 0
-        entry = ReaderRow(
-            store,
-            HOST,
-            w[R_WORKER] - 1 if 0 < w[R_WORKER] <= MAX_WORKER else None,
-            w[R_PID],
-            version,
-            (latest - version if latest > version else 0) if loaded else None,
-            ((now - stamp) / 1e9 if now > stamp else 0.0) if stamp > 0 and loaded else None,
-            w[R_RELOADS] if w[R_RELOADS] > 0 else 0,
-            mode_of(flags, w[R_LEASE], version),
-            bool(flags & ROW_WAITING),
-            state,
-            uss,
-        )
-        (live if is_alive else gone).append(entry)
+        state, uss = _process_facts(w, is_alive, processes, memory) if processes or not is_alive else ("", None)
+        (live if is_alive else gone).append(_row(store, w, latest, now, state, uss))
     return live, gone
 
 
@@ -314,6 +299,36 @@ def rebase(rows: Sequence[ReaderRow], latest: int, age_s: float, **changes: Any)
             )
         )
     return out
+
+
+def _process_facts(w: list[int], is_alive: bool, processes: bool, memory: bool) -> tuple[str, int | None]:
+    """(state, private memory) of a row's process: ``gone`` when its lock is free (its pid may
+    be another process's now), and the memory of a live one only with ``memory``."""
+    state = process_state(w[R_PID], w[R_START_NS]) if processes else "gone"
+    if not is_alive:
+        return (state if state in ("zombie", "gone") else "gone"), None
+    uss = process_uss(w[R_PID]) if memory and state not in ("unknown", "gone") else None
+    return state, uss
+
+
+def _row(store: str, w: list[int], latest: int, now: int, state: str, uss: int | None) -> ReaderRow:
+    """A row of this host's table from its header words ``w``."""
+    version, stamp, flags = w[R_VERSION], w[R_RELOAD_NS], w[R_FLAGS]
+    loaded = version >= 0
+    return ReaderRow(
+        store,
+        HOST,
+        w[R_WORKER] - 1 if 0 < w[R_WORKER] <= MAX_WORKER else None,
+        w[R_PID],
+        version,
+        (latest - version if latest > version else 0) if loaded else None,
+        ((now - stamp) / 1e9 if now > stamp else 0.0) if stamp > 0 and loaded else None,
+        w[R_RELOADS] if w[R_RELOADS] > 0 else 0,
+        mode_of(flags, w[R_LEASE], version),
+        bool(flags & ROW_WAITING),
+        state,
+        uss,
+    )
 
 
 # -- readers on other hosts -------------------------------------------------------------------------
@@ -369,18 +384,20 @@ def merge(tables: Sequence[ReaderTable]) -> ReaderTable:
     all, rows worst first, each row behind its own store's newest version."""
     if len(tables) == 1:
         return tables[0]
-    latest = max((t.latest for t in tables), default=-1)
-    names = ", ".join(dict.fromkeys(t.store for t in tables if t.rows or t.gone or t.hosts)) or (
-        tables[0].store if tables else ""
-    )
     return ReaderTable(
-        names,
-        latest,
-        sort_rows(r for t in tables for r in t.rows),  # each behind its own store's newest
+        _names(tables),
+        max((t.latest for t in tables), default=-1),
+        sort_rows(r for t in tables for r in t.rows),
         [r for t in tables for r in t.gone],
         [h for t in tables for h in t.hosts],
         max((t.taken_ns for t in tables), default=time.time_ns()),
     )
+
+
+def _names(tables: Sequence[ReaderTable]) -> str:
+    """The stores of several tables that have anything to show, as one name."""
+    named = [t.store for t in tables if t.rows or t.gone or t.hosts]
+    return ", ".join(dict.fromkeys(named)) or (tables[0].store if tables else "")
 
 
 def format_rows(table: ReaderTable, limit: int | None = 50) -> str:
@@ -388,33 +405,34 @@ def format_rows(table: ReaderTable, limit: int | None = 50) -> str:
     head = ["HOST", "WORKER", "PID", "VERSION", "BEHIND", "LAST RELOAD", "RELOADS", "MODE", "STATE", "USS"]
     rows = [*table.rows, *table.gone]
     shown = rows if limit is None else rows[:limit]
-    lines = [head]
-    for r in shown:
-        state = r.state or "-"
-        if r.waiting and r.state not in ("gone", "lost"):
-            state += " (waiting)"
-        if r.report_age_s is not None:
-            state += f", report {_age(r.report_age_s)} old"
-        lines.append(
-            [
-                r.host,
-                "-" if r.worker is None else str(r.worker),
-                str(r.pid),
-                str(r.version),
-                "-" if r.behind is None else str(r.behind),
-                "never" if r.since_reload_s is None else f"{_age(r.since_reload_s)} ago",
-                str(r.reloads),
-                r.mode,
-                state,
-                "-" if r.uss is None else _bytes(r.uss),
-            ]
-        )
+    lines = [head, *(_cells(r) for r in shown)]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     text = [table.summary()]
     text += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
     if len(shown) < len(rows):
         text.append(f"... and {len(rows) - len(shown)} more (no further behind than the last shown)")
     return "\n".join(text)
+
+
+def _cells(r: ReaderRow) -> list[str]:
+    """A row of the text table."""
+    state = r.state or "-"
+    if r.waiting and r.state not in ("gone", "lost"):
+        state += " (waiting)"
+    if r.report_age_s is not None:
+        state += f", report {_age(r.report_age_s)} old"
+    return [
+        r.host,
+        "-" if r.worker is None else str(r.worker),
+        str(r.pid),
+        str(r.version),
+        "-" if r.behind is None else str(r.behind),
+        "never" if r.since_reload_s is None else f"{_age(r.since_reload_s)} ago",
+        str(r.reloads),
+        r.mode,
+        state,
+        "-" if r.uss is None else _bytes(r.uss),
+    ]
 
 
 def _age(s: float) -> str:

@@ -118,6 +118,20 @@ def test_the_check_sees_an_upward_import(tmp_path):
     assert _imports(module, "shmsync.core.x", known) == {"shmsync.torchrl.compat", "shmsync.store"}
 
 
+MAX_CLASS_LINES = 300
+
+
+def test_no_class_is_over_300_lines():
+    """A class reads in one sitting (its docstring included); functions stay under complexity 15
+    (ruff's C901, in ``make lint``)."""
+    long = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert long == []
+
+
 def test_store_and_reader_import_without_torchrl():
     code = (
         "import sys; from shmsync import WeightStore, WeightReader; "

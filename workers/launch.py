@@ -20,7 +20,7 @@ import os
 import queue as queue_module
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -191,17 +191,11 @@ class WorkerPool:
         """
         deadline = time.monotonic() + timeout
         # A worker still starting has no SIGTERM handler yet: a SIGTERM would kill it mid-import.
-        while time.monotonic() < deadline and any(
-            p.is_alive() and i not in self._started and i not in self._failed for i, p in enumerate(self.procs)
-        ):
-            self._drain()
-            time.sleep(0.02)
+        self._drain_while(deadline, lambda i, p: i not in self._started and i not in self._failed)
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
-        while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
-            self._drain()
-            time.sleep(0.02)
+        self._drain_while(deadline, lambda i, p: True)
         for p in self.procs:
             if p.is_alive():
                 p.kill()
@@ -211,6 +205,13 @@ class WorkerPool:
             self.relay.terminate()  # after the workers: they read its store to the end
             self.relay.join(5)
         return {i: p.exitcode for i, p in enumerate(self.procs)}
+
+    def _drain_while(self, deadline: float, waiting_for: Callable[[int, Any], bool]) -> None:
+        """Keep the queue moving until no live worker is one ``waiting_for(index, process)`` names,
+        or ``deadline`` (``time.monotonic()``)."""
+        while time.monotonic() < deadline and any(p.is_alive() and waiting_for(i, p) for i, p in enumerate(self.procs)):
+            self._drain()
+            time.sleep(0.02)
 
     def _drain(self) -> None:
         # Workers flush their queue before exiting: keep it moving so they can.

@@ -71,33 +71,43 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 def _parallel_copy(dst: list[torch.Tensor], src: list[torch.Tensor], n: int) -> None:
     """Cut the pairs into ``n`` pieces of about equal bytes (splitting large contiguous
     tensors) and copy one piece per thread, this one included."""
-    pieces: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(n)]
-    share = -(-_nbytes(dst) // n)
-    piece, room = 0, share
+    pieces = _Pieces(n, -(-_nbytes(dst) // n))
     for d, s in zip(dst, src):
         if d.is_contiguous() and s.is_contiguous() and d.dtype == s.dtype and d.shape == s.shape:
-            d, s = d.view(-1), s.view(-1)
-            size = d.element_size()
-            start = 0
-            while start < d.numel():
-                take = min(d.numel() - start, max(1, room // size)) if piece < n - 1 else d.numel() - start
-                pieces[piece][0].append(d[start : start + take])
-                pieces[piece][1].append(s[start : start + take])
-                start += take
-                room -= take * size
-                if room <= 0 and piece < n - 1:
-                    piece, room = piece + 1, share
+            pieces.add_split(d.view(-1), s.view(-1))
         else:  # broadcast or strided: copied whole, by whichever piece is being filled
-            pieces[piece][0].append(d)
-            pieces[piece][1].append(s)
-            room -= d.numel() * d.element_size()
-            if room <= 0 and piece < n - 1:
-                piece, room = piece + 1, share
-    pieces = [p for p in pieces if p[0]]
-    futures = [_executor().submit(_copy_piece, *p) for p in pieces[1:]]
-    _copy_piece(*pieces[0])
+            pieces.add(d, s)
+    filled = [p for p in pieces.lists if p[0]]
+    futures = [_executor().submit(_copy_piece, *p) for p in filled[1:]]
+    _copy_piece(*filled[0])
     for f in futures:
         f.result()
+
+
+class _Pieces:
+    """``n`` lists of (destinations, sources), filled in turn up to ``share`` bytes each (the last
+    takes the rest)."""
+
+    def __init__(self, n: int, share: int) -> None:
+        self.n, self.share = n, share
+        self.lists: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(n)]
+        self.piece, self.room = 0, share
+
+    def add(self, d: torch.Tensor, s: torch.Tensor) -> None:
+        self.lists[self.piece][0].append(d)
+        self.lists[self.piece][1].append(s)
+        self.room -= d.numel() * d.element_size()
+        if self.room <= 0 and self.piece < self.n - 1:
+            self.piece, self.room = self.piece + 1, self.share
+
+    def add_split(self, d: torch.Tensor, s: torch.Tensor) -> None:
+        """A flat pair, cut where a piece is full."""
+        size, start = d.element_size(), 0
+        while start < d.numel():
+            rest = d.numel() - start
+            take = rest if self.piece == self.n - 1 else min(rest, max(1, self.room // size))
+            self.add(d[start : start + take], s[start : start + take])
+            start += take
 
 
 def _copy_piece(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

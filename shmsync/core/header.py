@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 from shmsync.errors import ShmSyncError, StoreCorruptError, StoreNotFoundError
 
@@ -135,6 +136,13 @@ def check_words(h, file_size: int, name: str) -> tuple[int, int]:
     n = h[W_NUM_SLOTS]
     if not 2 <= n <= MAX_SLOTS:
         raise bad("num_slots", n, f"it must be between 2 and {MAX_SLOTS}")
+    lo, ln = _check_sizes(h, n, file_size, bad)
+    _check_slots(h, n, bad)
+    return lo, ln
+
+
+def _check_sizes(h, n: int, file_size: int, bad: Callable) -> tuple[int, int]:
+    """The words that place the layout and the slots: where each starts, how long, how many."""
     lo, ln = h[W_LAYOUT_OFFSET], h[W_LAYOUT_BYTES]
     if lo != HEADER_BYTES:
         raise bad("layout_offset", lo, f"the layout starts right after the header, at {HEADER_BYTES}")
@@ -154,6 +162,11 @@ def check_words(h, file_size: int, name: str) -> tuple[int, int]:
             stride,
             f"{n} slots of it from offset {data} make {data + stride * n} bytes, the file has {file_size}",
         )
+    return lo, ln
+
+
+def _check_slots(h, n: int, bad: Callable) -> None:
+    """The words that index slots or count readers: versions, latest, leases, the pin, the rows."""
     version, latest = h[W_VERSION], h[W_LATEST]
     if version < -1:
         raise bad("version", version, "versions are -1 (none yet) or more")
@@ -171,7 +184,6 @@ def check_words(h, file_size: int, name: str) -> tuple[int, int]:
     for row, lease in enumerate(reader_column(h, R_LEASE)):
         if not -n <= lease <= n:
             raise bad(f"reader row {row} lease", lease, f"a slot + 1, negative while being decided, -{n} to {n}")
-    return lo, ln
 
 
 def slot_index(value: int, num_slots: int, field: str, name: str) -> int:

@@ -109,44 +109,48 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    command = {"new-secret": _new_secret, "ls": _ls, "gc": _gc}[args.command]
+    return command(args, parser)
 
-    if args.command == "new-secret":
-        try:
-            write_secret_file(args.path)
-        except OSError as e:
-            print(f"shmsync: cannot write a secret to {ascii(args.path)}: {e.strerror or e}", file=sys.stderr)
-            return 1
-        print(f"wrote a new relay secret to {args.path} (mode 0600); point SHMSYNC_RELAY_SECRET_FILE at it")
+
+def _new_secret(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        write_secret_file(args.path)
+    except OSError as e:
+        print(f"shmsync: cannot write a secret to {ascii(args.path)}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    print(f"wrote a new relay secret to {args.path} (mode 0600); point SHMSYNC_RELAY_SECRET_FILE at it")
+    return 0
+
+
+def _ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.watch is not None and not args.watch > 0:
+        parser.error(f"--watch takes a number of seconds > 0, got {args.watch}")
+    if args.limit < 1:
+        parser.error(f"--limit takes a number >= 1, got {args.limit}")
+    height = shutil.get_terminal_size().lines if args.watch is not None else None
+    if args.name is None:
+        render = _store_list(args.json)
+    else:
+        render = _reader_table(args.name, args.json, None if args.all else args.limit)
+    try:
+        first = render(height)
+    except ValueError as e:  # an invalid name
+        print(f"shmsync: {e}", file=sys.stderr)
+        return 2
+    except StoreNotFoundError as e:
+        print(f"shmsync: {e}", file=sys.stderr)
+        return NOT_FOUND
+    except ShmSyncError as e:
+        print(f"shmsync: {e}", file=sys.stderr)
+        return BAD_STORE
+    if args.watch is None:
+        print(first)
         return 0
+    return _watch(render, first, args.watch)
 
-    if args.command == "ls":
-        if args.watch is not None and not args.watch > 0:
-            parser.error(f"--watch takes a number of seconds > 0, got {args.watch}")
-        if args.limit < 1:
-            parser.error(f"--limit takes a number >= 1, got {args.limit}")
-        limit = None if args.all else args.limit
-        height = shutil.get_terminal_size().lines if args.watch is not None else None
-        if args.name is not None:
-            try:
-                render = _reader_table(args.name, args.json, limit)
-                first = render(height)
-            except ValueError as e:  # an invalid name
-                print(f"shmsync: {e}", file=sys.stderr)
-                return 2
-            except StoreNotFoundError as e:
-                print(f"shmsync: {e}", file=sys.stderr)
-                return NOT_FOUND
-            except ShmSyncError as e:
-                print(f"shmsync: {e}", file=sys.stderr)
-                return BAD_STORE
-        else:
-            render = _store_list(args.json)
-            first = render(height)
-        if args.watch is None:
-            print(first)
-            return 0
-        return _watch(render, first, args.watch)
 
+def _gc(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     stores, skipped = scan()
     _report_skipped(skipped)
     removed = collect_garbage(dry_run=args.dry_run, orphaned=args.orphaned, names=args.names or None, stores=stores)
@@ -154,13 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         doc = {"dry_run": args.dry_run, "removed": [s.as_dict() for s in removed], "removed_files": files}
         print(json.dumps(doc, indent=2))
-    else:
-        verb = "would remove" if args.dry_run else "removed"
-        for s in removed:
-            print(f"{verb} {s.name} ({human_bytes(s.shm_bytes)}, {_state(s)})")
-        for file in files:
-            print(f"{verb} {file} (beside a store that is gone)")
-        print(f"{verb} {len(removed)} store(s)")
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for s in removed:
+        print(f"{verb} {s.name} ({human_bytes(s.shm_bytes)}, {_state(s)})")
+    for file in files:
+        print(f"{verb} {file} (beside a store that is gone)")
+    print(f"{verb} {len(removed)} store(s)")
     return 0
 
 

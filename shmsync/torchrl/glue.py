@@ -73,6 +73,12 @@ class CollectorGlue:
         return _GLUES.get(collector)
 
     @classmethod
+    def group_with(cls, collector: Any, key: str) -> SenderGroup | None:
+        """The group ``collector`` already made for ``key`` (with its other shmsync keys), if any."""
+        glue = _GLUES.get(collector)
+        return next((g for g in glue.groups if key in g.keys), None) if glue is not None else None
+
+    @classmethod
     def for_collector(
         cls, collector: Any, versions: Callable[[], VersionSource], leg: RemoteLeg | None = None
     ) -> CollectorGlue:
@@ -107,12 +113,7 @@ class CollectorGlue:
         if not groups:
             return
         try:
-            version = self.versions.decide(given)
-            parts = [(g, {k: w for k, w in weights.items() if k in g.keys}) for g in groups]
-            if len(parts) > 1:  # several groups: all are checked before any is written
-                check_all([(s, src) for g, w in parts for s, src in g.prepare(w, worker_ids)], version)
-            for g, w in parts:
-                g.publish(w, worker_ids, version)
+            self._publish_in(groups, weights, worker_ids, self.versions.decide(given))
         except BaseException as error:
             if self.leg is None:
                 raise
@@ -121,6 +122,14 @@ class CollectorGlue:
         self.sync_tracker()
         if self.leg is not None:
             self.leg.applied(max(g.version for g in groups))
+
+    @staticmethod
+    def _publish_in(groups: list[SenderGroup], weights: dict[str, Any], worker_ids: Any, version: int | None) -> None:
+        parts = [(g, {k: w for k, w in weights.items() if k in g.keys}) for g in groups]
+        if len(parts) > 1:  # several groups: all are checked before any is written
+            check_all([pair for g, w in parts for pair in g.prepare(w, worker_ids)], version)
+        for g, w in parts:
+            g.publish(w, worker_ids, version)
 
     def sync_tracker(self) -> None:
         """Make ``track_policy_version``'s tracker report the version last published."""

@@ -19,13 +19,16 @@ store lives exactly as long as the processes mapping it, whatever kills them.
 
 from __future__ import annotations
 
+import copy
 import secrets
 from collections.abc import Callable
 from typing import Any
 
 from tensordict import TensorDictBase
 from torch import nn
+from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 
+from shmsync.errors import ShmSyncError
 from shmsync.frames import tag_all, tag_next, tag_versions
 from shmsync.reader import WeightReader
 from shmsync.store import WeightStore
@@ -116,7 +119,8 @@ class Receiver:
         model._shmsync_hooks = self.token  # a plain attribute: deep copies of the module keep it
         # state_dict() of the worker's policy shows the newest published weights.
         model.register_state_dict_pre_hook(_state_dict_pre_hook(self))
-        model.register_forward_pre_hook(_step_poll_hook(self, self.scheme.poll_every_steps))
+        # First among the pre-hooks: it loads what the reader's not-loaded guard would refuse to run.
+        model.register_forward_pre_hook(_step_poll_hook(self, self.scheme.poll_every_steps), prepend=True)
         if self.scheme.version_key is not None:
             tag_versions(model, lambda: self.version, self.scheme.version_key)
 
@@ -126,6 +130,108 @@ class Receiver:
             rollout.discard(self)
         self.collector = None
         self.store.close()
+
+
+class WorkerSide:
+    """The worker's side of :class:`~shmsync.ShmWeightSyncScheme` (a part of it, not used alone):
+    TorchRL sets the scheme up in each worker (``init_on_receiver``, then ``connect``), and its
+    :class:`Receiver` loads each version into the worker's model."""
+
+    _store_names: list[str]
+    _expected_readers: int | None
+    _receiver: Receiver | None
+
+    def _init_on_receiver_impl(
+        self, model_id: str, context: Any = None, model: Any = None, worker_idx: int | None = None, **kwargs: Any
+    ) -> None:
+        if not self._store_names:
+            raise RuntimeError("this ShmWeightSyncScheme was never initialized on a sender (no store to attach to)")
+        if len(self._store_names) > 1 and worker_idx is None:
+            raise RuntimeError("per_worker_weights: the receiver needs its worker_idx to pick its store")
+        self.model_id = model_id
+        self.worker_idx = worker_idx
+        if model is not None:
+            self.model = model
+        name = self._store_names[worker_idx if len(self._store_names) > 1 else 0]
+        self._receiver = Receiver(self, name, self._expected_readers)
+        if context is not None:
+            self.context = context
+
+    @property
+    def context(self) -> Any | None:
+        """The collector: the main one on the sender side, the worker's own on the receiver side."""
+        return WeightSyncScheme.context.fget(self)
+
+    @context.setter
+    def context(self, context: Any) -> None:
+        WeightSyncScheme.context.fset(self, context)
+        # TorchRL hands the worker's collector over after building it: poll before its rollouts.
+        receiver = getattr(self, "_receiver", None)
+        if receiver is not None and context is not None:
+            receiver.bind(context)
+
+    @property
+    def model(self) -> Any | None:
+        """The module this scheme loads into (worker side) or was built from (sender side)."""
+        if getattr(self, "_receiver", None) is None and self._store_names and not self.initialized_on_sender:
+            # A worker's copy of the scheme that TorchRL never set up (init_on_receiver): it would
+            # run its first weights forever.
+            raise compat.changed(compat.WORKERS_SET_UP, "TorchRL uses the scheme in a worker it never set it up in")
+        return WeightSyncScheme.model.fget(self)
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        WeightSyncScheme.model.fset(self, model)
+
+    def _setup_connection_and_weights_on_receiver_impl(self, *, worker_idx: int | None = None) -> None:
+        if self._receiver.collector is None and self.context is None:
+            self._receiver.bind(find_worker_collector())  # torchrl 0.11 and 0.12 hand none over
+        self._receiver.poll()  # first load (the policy may still be on the meta device)
+
+    def receive(self, timeout: float | None = None) -> None:
+        """Load the newest version if it changed (cheap otherwise). Weights never travel by message."""
+        if self._receiver is not None:
+            self._receiver.poll()
+        return None
+
+    def poll(self) -> bool:
+        """Worker side: reload if a new version was published. True if reloaded."""
+        return self._receiver.poll() if self._receiver is not None else False
+
+    # -- sent to the workers (pickled, by spawn) ------------------------------------------------
+    def _state(self) -> dict:
+        state = super().__getstate__()
+        state["source"] = None  # the trainer's module stays with the trainer
+        state["_group"] = None
+        state["_receiver"] = None
+        settings = state.get("alarm_settings")
+        if settings is not None and callable(settings["on_stale"]):
+            # A function of the trainer's (say, a lambda) need not travel: a node's alarm warns.
+            state["alarm_settings"] = {**settings, "on_stale": "warn"}
+        return state
+
+    def __getstate__(self) -> dict:
+        if not self._store_names and self._leg is None and not self.initialized_on_receiver:
+            raise ShmSyncError(
+                "a ShmWeightSyncScheme that no collector initialized is being sent to another process: it is in the "
+                "collector_kwargs of one of TorchRL's remote collectors (DistributedSyncCollector, "
+                "DistributedCollector, RayCollector), which carry no trainer version to their nodes. Use "
+                "shmsync.torchrl.distributed.DistributedSyncCollector, "
+                "shmsync.torchrl.distributed.DistributedCollector or shmsync.torchrl.distributed.RayCollector: "
+                "the same classes, with each push numbered by the trainer"
+            )
+        return self._state()
+
+    def __copy__(self) -> Any:
+        clone = type(self).__new__(type(self))
+        clone.__setstate__(self._state())
+        return clone
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        clone.__setstate__(copy.deepcopy(self._state(), memo))
+        return clone
 
 
 class PollingRollout:

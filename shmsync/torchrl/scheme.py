@@ -16,27 +16,26 @@ leaves the host: nothing can leak it, whatever kills the processes.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torch import nn
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 
 from shmsync.alarm import STALE_AFTER, ReaderAlarm, StaleEvent, check_settings
-from shmsync.errors import ShmSyncError
 from shmsync.store import WeightStore
 from shmsync.table import ReaderTable, assemble, merge
 from shmsync.torchrl import compat
 from shmsync.torchrl.glue import CollectorGlue
 from shmsync.torchrl.legs import make_leg
+from shmsync.torchrl.models import models_without_collector
 from shmsync.torchrl.push_numbers import VersionSource
-from shmsync.torchrl.receiver import Receiver, find_worker_collector
-from shmsync.torchrl.stores import SenderGroup
+from shmsync.torchrl.receiver import Receiver, WorkerSide
+from shmsync.torchrl.stores import SenderGroup, group_for
 
 
-class ShmWeightSyncScheme(WeightSyncScheme):
+class ShmWeightSyncScheme(WorkerSide, WeightSyncScheme):
     """Weight sync for ``MultiSyncCollector`` / ``MultiAsyncCollector`` through shared memory.
 
     Workers never see half-written weights (each reload is one complete version), the
@@ -171,8 +170,8 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             self._group = self._join(context)
         else:
             self.model_id = model_id if model_id is not None else "policy"
-            models, workers = self._models_without_collector(
-                model, weights, params_map, devices, device_map_fn, num_workers
+            models, workers, self.per_worker_weights = models_without_collector(
+                self.per_worker_weights, model, weights, params_map, devices, device_map_fn, num_workers
             )
             self._group = SenderGroup(
                 [{self.model_id: m} for m in models], num_slots=self.num_slots, num_workers=workers, devices=devices
@@ -181,49 +180,12 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         self._expected_readers = self._group.expected_readers()
         self._group.start_alarm(self.alarm_settings)
 
-    def _models_without_collector(self, model, weights, params_map, devices, device_map_fn, num_workers):
-        """``init_on_sender`` before any collector exists: the initial weights of each store, and
-        the number of workers when it is known."""
-        if params_map is not None:
-            if any(v is not None for v in (model, weights, devices, device_map_fn, num_workers)):
-                raise ValueError("init_on_sender(params_map=...) takes no model, weights, devices or num_workers")
-        else:
-            if (model is None) == (weights is None):
-                raise ValueError(
-                    "ShmWeightSyncScheme.init_on_sender() needs the collector (context=, model_id=), "
-                    "model= or weights= (with devices= or num_workers= for the worker count), "
-                    "or params_map={worker: weights}"
-                )
-            if model is not None and not isinstance(model, nn.Module):
-                raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-            source = model if model is not None else weights
-            if device_map_fn is not None:
-                if num_workers is None:
-                    raise ValueError("init_on_sender(device_map_fn=...) needs num_workers")
-                td = TensorDict.from_module(model) if model is not None else weights
-                params_map = {i: device_map_fn(i, td) for i in range(num_workers)}
-            else:
-                n = len(devices) if devices is not None else num_workers
-                if not self.per_worker_weights:
-                    return [source], n
-                if n is None:
-                    raise ValueError("per_worker_weights: pass devices= or num_workers= to init_on_sender()")
-                return [source] * n, n
-        if not isinstance(params_map, dict) or sorted(params_map) != list(range(len(params_map))):
-            raise ValueError(f"params_map must map worker indices 0..n-1 to weights, got keys {list(params_map)}")
-        values = [params_map[i] for i in range(len(params_map))]
-        if not self.per_worker_weights and all(v is values[0] for v in values):
-            return values[:1], len(values)
-        self.per_worker_weights = True
-        return values, len(values)
-
     def _join(self, collector: Any) -> SenderGroup:
         """The group of ``collector`` that holds this key; made for all its shmsync keys at once."""
-        glue = CollectorGlue.of(collector)
-        for group in glue.groups if glue is not None else ():
-            if self.model_id in group.keys:
-                self._served = True
-                return group
+        served = CollectorGlue.group_with(collector, self.model_id)
+        if served is not None:
+            self._served = True
+            return served
         if not hasattr(collector, "num_workers"):
             raise TypeError(
                 f"ShmWeightSyncScheme syncs the worker processes of a multi-process collector "
@@ -237,19 +199,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             if isinstance(s, ShmWeightSyncScheme) and s._group is None
         }
         schemes[self.model_id] = self
-        workers = collector.num_workers
-        per_key = {key: _models_of(collector, key, scheme, workers) for key, scheme in schemes.items()}
-        per_worker = any(s.per_worker_weights for s in schemes.values()) or any(len(m) > 1 for m in per_key.values())
-        for scheme in schemes.values():
-            scheme.per_worker_weights = per_worker
-        stores = workers if per_worker else 1
-        models = [{key: m[w] if len(m) > 1 else m[0] for key, m in per_key.items()} for w in range(stores)]
-        group = SenderGroup(
-            models,
-            num_slots=self.num_slots,
-            num_workers=workers,
-            devices=getattr(collector, "policy_device", None),
-        )
+        group = group_for(collector, schemes, self.num_slots)
         try:
             self._serve(collector, group)
         except BaseException:
@@ -363,99 +313,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
     def create_transport(self, **kwargs: Any):
         raise NotImplementedError("ShmWeightSyncScheme moves weights through a WeightStore, not a transport")
 
-    # -- receiver -------------------------------------------------------------------------------
-    def _init_on_receiver_impl(
-        self, model_id: str, context: Any = None, model: Any = None, worker_idx: int | None = None, **kwargs: Any
-    ) -> None:
-        if not self._store_names:
-            raise RuntimeError("this ShmWeightSyncScheme was never initialized on a sender (no store to attach to)")
-        if len(self._store_names) > 1 and worker_idx is None:
-            raise RuntimeError("per_worker_weights: the receiver needs its worker_idx to pick its store")
-        self.model_id = model_id
-        self.worker_idx = worker_idx
-        if model is not None:
-            self.model = model
-        name = self._store_names[worker_idx if len(self._store_names) > 1 else 0]
-        self._receiver = Receiver(self, name, self._expected_readers)
-        if context is not None:
-            self.context = context
-
-    @property
-    def context(self) -> Any | None:
-        """The collector: the main one on the sender side, the worker's own on the receiver side."""
-        return WeightSyncScheme.context.fget(self)
-
-    @context.setter
-    def context(self, context: Any) -> None:
-        WeightSyncScheme.context.fset(self, context)
-        # TorchRL hands the worker's collector over after building it: poll before its rollouts.
-        receiver = getattr(self, "_receiver", None)
-        if receiver is not None and context is not None:
-            receiver.bind(context)
-
-    @property
-    def model(self) -> Any | None:
-        """The module this scheme loads into (worker side) or was built from (sender side)."""
-        if getattr(self, "_receiver", None) is None and self._store_names and not self.initialized_on_sender:
-            # A worker's copy of the scheme that TorchRL never set up (init_on_receiver): it would
-            # run its first weights forever.
-            raise compat.changed(compat.WORKERS_SET_UP, "TorchRL uses the scheme in a worker it never set it up in")
-        return WeightSyncScheme.model.fget(self)
-
-    @model.setter
-    def model(self, model: Any) -> None:
-        WeightSyncScheme.model.fset(self, model)
-
-    def _setup_connection_and_weights_on_receiver_impl(self, *, worker_idx: int | None = None) -> None:
-        if self._receiver.collector is None and self.context is None:
-            self._receiver.bind(find_worker_collector())  # torchrl 0.11 and 0.12 hand none over
-        self._receiver.poll()  # first load (the policy may still be on the meta device)
-
-    def receive(self, timeout: float | None = None) -> None:
-        """Load the newest version if it changed (cheap otherwise). Weights never travel by message."""
-        if self._receiver is not None:
-            self._receiver.poll()
-        return None
-
-    def poll(self) -> bool:
-        """Worker side: reload if a new version was published. True if reloaded."""
-        return self._receiver.poll() if self._receiver is not None else False
-
     # -- lifetime -------------------------------------------------------------------------------
-    def _state(self) -> dict:
-        state = super().__getstate__()
-        state["source"] = None  # the trainer's module stays with the trainer
-        state["_group"] = None
-        state["_receiver"] = None
-        settings = state.get("alarm_settings")
-        if settings is not None and callable(settings["on_stale"]):
-            # A function of the trainer's (say, a lambda) need not travel: a node's alarm warns.
-            state["alarm_settings"] = {**settings, "on_stale": "warn"}
-        return state
-
-    def __getstate__(self) -> dict:
-        if not self._store_names and self._leg is None and not self.initialized_on_receiver:
-            raise ShmSyncError(
-                "a ShmWeightSyncScheme that no collector initialized is being sent to another process: it is in the "
-                "collector_kwargs of one of TorchRL's remote collectors (DistributedSyncCollector, "
-                "DistributedCollector, RayCollector), which carry no trainer version to their nodes. Use "
-                "shmsync.torchrl.distributed.DistributedSyncCollector, "
-                "shmsync.torchrl.distributed.DistributedCollector or shmsync.torchrl.distributed.RayCollector: "
-                "the same classes, with each push numbered by the trainer"
-            )
-        return self._state()
-
-    def __copy__(self) -> ShmWeightSyncScheme:
-        clone = type(self).__new__(type(self))
-        clone.__setstate__(self._state())
-        return clone
-
-    def __deepcopy__(self, memo: dict) -> ShmWeightSyncScheme:
-        clone = type(self).__new__(type(self))
-        memo[id(self)] = clone
-        clone.__setstate__(copy.deepcopy(self._state(), memo))
-        return clone
-
     def shutdown(self) -> None:
         super().shutdown()
         receiver, self._receiver = getattr(self, "_receiver", None), None
@@ -464,34 +322,6 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         group, self._group = getattr(self, "_group", None), None
         if group is not None:
             group.close()
-
-
-def _models_of(collector: Any, key: str, scheme: ShmWeightSyncScheme, workers: int) -> list[Any]:
-    """The trainer-side model for ``key``: one, or one per worker for distinct policy factories."""
-    if scheme.source is not None:
-        return [scheme.source]
-    try:
-        model = collector.get_model(key)
-        problem = None if isinstance(model, nn.Module) else f"it is a {type(model).__name__}, not a module"
-    except (AttributeError, KeyError, IndexError, ValueError) as e:
-        model, problem = None, str(e)
-    if problem is None:
-        return [model]
-    factories = list(getattr(collector, "policy_factory", None) or [])
-    if key == "policy" and any(factories):
-        if any(f is None for f in factories):
-            raise ValueError("weight sync key 'policy': some workers have a policy_factory and some do not")
-        distinct = [factories[0]] if all(f is factories[0] for f in factories) else factories
-        models = [f() for f in distinct[:workers]]
-        bad = [type(m).__name__ for m in models if not isinstance(m, nn.Module)]
-        if bad:
-            raise ValueError(f"weight sync key 'policy': the policy_factory made a {bad[0]}, which has no weights")
-        return models
-    raise ValueError(
-        f"weight sync key {key!r} does not resolve to a module on the collector in the main process ({problem}); "
-        f"pass ShmWeightSyncScheme(source=the trainer's module for {key!r}), or call "
-        f"scheme.init_on_sender(model=..., devices=..., model_id={key!r}) before building the collector"
-    )
 
 
 def claim_remote_legs(collector_kwargs: Any, kind: str, collector_name: str) -> list[ShmWeightSyncScheme]:

@@ -20,6 +20,7 @@ from shmsync.alarm import ReaderAlarm
 from shmsync.store import WeightStore
 from shmsync.table import ReaderTable, merge
 from shmsync.torchrl import compat
+from shmsync.torchrl.models import models_of, per_store
 
 ATTACH_PATIENCE = 5.0  # seconds the first check waits for workers still attaching
 
@@ -193,6 +194,22 @@ class SenderGroup:
         for store in self.stores:
             if not store.closed:
                 store.close()
+
+
+def group_for(collector: Any, schemes: dict[str, Any], num_slots: int) -> SenderGroup:
+    """The group of stores for a collector's shmsync ``schemes`` (key -> scheme): one store, or one
+    per worker when any key has per-worker weights (then every scheme says so)."""
+    workers = collector.num_workers
+    per_key = {key: models_of(collector, key, scheme.source, workers) for key, scheme in schemes.items()}
+    per_worker = any(s.per_worker_weights for s in schemes.values()) or any(len(m) > 1 for m in per_key.values())
+    for scheme in schemes.values():
+        scheme.per_worker_weights = per_worker
+    return SenderGroup(
+        per_store(per_key, workers if per_worker else 1),
+        num_slots=num_slots,
+        num_workers=workers,
+        devices=getattr(collector, "policy_device", None),
+    )
 
 
 def check_all(prepared: list[tuple[WeightStore, Any]], version: int | None = None) -> None:
