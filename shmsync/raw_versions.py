@@ -50,7 +50,7 @@ def create_from_bytes(
     check_version(version)
     validate_name(name)
     layout, destinations = Layout.from_json(layout_description, "the layout to make a store from")
-    store = WeightStore._make(
+    store = WeightStore._create_empty(
         layout,
         destinations,
         lambda _name, size, track: Segment.create_incoming(size, track=track),

@@ -144,7 +144,7 @@ class WeightStore(StoreWriter):
         layout = Layout.from_tensordict(td)
         tensors = layout.match(td, "weights given to WeightStore.create()")
         name = f"{os.getpid()}-{secrets.token_hex(6)}" if name is None else name
-        store = cls._make(layout, destinations, Segment.create, name, num_slots, unlink_at_exit)
+        store = cls._create_empty(layout, destinations, Segment.create, name, num_slots, unlink_at_exit)
         # The creator keeps the writer role: no other process can lock the trainer out by
         # publishing first. It publishes from elsewhere after release_writer() here.
         try:
@@ -156,7 +156,7 @@ class WeightStore(StoreWriter):
         return store
 
     @classmethod
-    def _make(
+    def _create_empty(
         cls, layout: Layout, destinations: Any, make_segment: Callable, name: str, num_slots: int, unlink_at_exit: bool
     ) -> WeightStore:
         """A new store with no version yet, this process its creator and writer."""

@@ -148,6 +148,10 @@ def test_alarm_settings_out_of_range_are_refused(kwargs, match):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_frozen_async_worker_is_named_within_t_and_again_when_it_recovers(caplog):
+    """The trainer keeps publishing while a worker is stopped. It does not iterate meanwhile:
+    TorchRL's queue would wait forever for a batch the stopped worker is in the middle of
+    handing over (its tensors' descriptors come from the worker itself) - which is when an
+    operator most needs the alarm, and it still fires, on its own thread."""
     from torchrl.collectors import MultiAsyncCollector
 
     stale_after = 2.0
@@ -158,7 +162,8 @@ def test_a_frozen_async_worker_is_named_within_t_and_again_when_it_recovers(capl
     )
     try:
         it = iter(collector)
-        next(it)
+        for _ in range(3):
+            next(it)
         workers = {row.worker: row.pid for row in scheme.readers()}
         assert sorted(workers) == [0, 1, 2], f"every worker is in the table: {scheme.readers()}"
         victim = workers[1]
@@ -169,11 +174,9 @@ def test_a_frozen_async_worker_is_named_within_t_and_again_when_it_recovers(capl
                 ages = []
                 while f"(pid {victim} on" not in caplog.text:
                     assert time.monotonic() - stopped_at < stale_after + 2.0 + 1.0, "the frozen worker was not named"
-                    batch = next(it)
-                    lag = scheme.version - batch["policy_version"]
-                    assert int(lag.min()) <= 2, "a running worker's frames fell behind"
                     collector.update_policy_weights_()
                     ages.append(next(r for r in scheme.readers() if r.pid == victim).since_reload_s)
+                    time.sleep(0.05)
                 named_after = time.monotonic() - stopped_at
                 assert named_after < stale_after + 2.0, f"named after {named_after:.1f} s"
                 assert "worker 1 (pid" in caplog.text and "its process is stopped" in caplog.text
@@ -183,9 +186,13 @@ def test_a_frozen_async_worker_is_named_within_t_and_again_when_it_recovers(capl
                 os.kill(victim, signal.SIGCONT)
             began = time.monotonic()
             while "recovered" not in caplog.text:
-                assert time.monotonic() - began < 30, "the worker's recovery was not logged"
-                next(it)
+                assert time.monotonic() - began < 60, "the worker's recovery was not logged"
+                next(it)  # batches queued while the trainer only published: older versions
                 collector.update_policy_weights_()
         assert caplog.text.count(f"(pid {victim} on") == 2, caplog.text
+        for _ in range(6):  # once the queue has turned over, every worker runs the newest weights
+            lag = scheme.version - next(it)["policy_version"]
+            collector.update_policy_weights_()
+        assert int(lag.min()) <= 2, "a worker's frames fell behind"
     finally:
         collector.shutdown()

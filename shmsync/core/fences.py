@@ -2,24 +2,36 @@
 
 Two orderings are supported, chosen by the CPU (or forced with ``SHMSYNC_ORDERING``):
 
-``"tso"`` (x86-64, i386): stores become visible in program order and loads are not
-    reordered with other loads, which is all the protocol needs except between a store and
-    a later load (the lease handshake). :func:`ordering` gives a no-op ``fence`` and, as
-    ``full_fence``, ``mfence`` (or, where code cannot be made executable, a lock round trip,
-    whose locked instruction is a full barrier on x86).
-``"weak"`` (aarch64, ppc64le, and any other CPU): both are a real full barrier
-    (``dmb ish`` on aarch64, ``sync`` on POWER, ``mfence`` on x86-64), run from a few bytes
-    of machine code made executable once per process; if that is not allowed, the
-    ``membarrier(2)`` system call, which is a full barrier on every CPU of the host (slower,
-    about a microsecond to a millisecond). Without either, no store can be opened.
+``"tso"`` (x86-64, i386): stores become visible in program order and loads are not reordered
+    with other loads, which is all the protocol needs except between a store and a later load
+    (the lease handshake). :func:`ordering` gives a no-op ``fence`` and, as ``full_fence``, a
+    sequentially consistent fence (``mfence``).
+``"weak"`` (aarch64, ppc64le, any other CPU): both are that full fence (``dmb ish`` on aarch64,
+    ``sync`` on POWER), as the exhaustive checker's weak model assumes.
 
-``SHMSYNC_ORDERING=weak`` forces the second path on x86-64, so both run in the test suite.
+The full fence comes from a vetted source, the first of these found:
+
+1. ``shmsync.core._atomics``, a few lines of C built with the package:
+   ``atomic_thread_fence(memory_order_seq_cst)`` from the compiler's C11 atomics;
+2. GCC's ``libatomic`` (``atomic_thread_fence``), through ctypes;
+3. the ``membarrier(2)`` system call, a full barrier on every CPU of the host (slower: about a
+   microsecond to a millisecond);
+4. on a TSO CPU only, a lock round trip (its locked instruction is a full barrier on x86).
+
+No executable memory is written at run time, so systems that forbid it (SELinux ``execmem``,
+Linux's memory-deny-write-execute) run shmsync as any other. :func:`source` names the one in use;
+``SHMSYNC_ORDERING=weak`` forces the weak path on x86-64, so both run in the test suite.
+
+Header words are read and written as aligned 8-byte words through a ``memoryview``: on x86-64 and
+aarch64 an aligned 8-byte access is a single, single-copy-atomic instruction, and the memoryview's
+is as cheap as a load can be from Python (``benchmarks/fences_bench.py`` sets it against the C
+atomic load, ``load_word``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import mmap
+import ctypes.util
 import os
 import platform
 import threading
@@ -30,19 +42,12 @@ Fence = Callable[[], None]
 _MACHINE = platform.machine().lower()
 _TSO = _MACHINE in ("x86_64", "amd64", "i386", "i686")
 
-# A full barrier followed by a return, per CPU.
-_CODE = {
-    "x86_64": b"\x0f\xae\xf0\xc3",  # mfence; ret
-    "amd64": b"\x0f\xae\xf0\xc3",
-    "aarch64": (0xD5033BBF).to_bytes(4, "little") + (0xD65F03C0).to_bytes(4, "little"),  # dmb ish; ret
-    "arm64": (0xD5033BBF).to_bytes(4, "little") + (0xD65F03C0).to_bytes(4, "little"),
-    "ppc64le": (0x7C0004AC).to_bytes(4, "little") + (0x4E800020).to_bytes(4, "little"),  # sync; blr
-}
 _SYS_MEMBARRIER = {"x86_64": 324, "aarch64": 283, "arm64": 283, "ppc64le": 365, "riscv64": 283}
 _MEMBARRIER_CMD_GLOBAL = 1
+_SEQ_CST = 5  # memory_order_seq_cst, as GCC numbers it
 
 _LOCK = threading.Lock()
-_weak_fence: Fence | None = None
+_full: tuple[Fence, str] | None = None
 
 
 def _noop() -> None:
@@ -54,29 +59,26 @@ def _lock_round_trip() -> None:
         pass
 
 
-def _machine_code_fence() -> tuple[Fence, object] | None:
-    """A callable running the full-barrier instruction, and the mapping to keep alive."""
-    code = _CODE.get(_MACHINE)
-    if code is None:
-        return None
+def _extension_fence() -> Fence | None:
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        page.write(code)
-        address = ctypes.addressof(ctypes.c_char.from_buffer(page))
-        if libc.mprotect(address, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_EXEC) != 0:
-            return None  # W^X policies may forbid it
-        if not _TSO:
-            try:  # instruction and data caches are not coherent on every CPU
-                clear = ctypes.CDLL("libgcc_s.so.1").__clear_cache
-                clear.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-                clear(address, address + len(code))
-            except (OSError, AttributeError):
-                pass  # the kernel syncs the caches when a page turns executable (arm64)
-        return ctypes.CFUNCTYPE(None)(address), page
-    except (OSError, ValueError, AttributeError):
+        from shmsync.core import _atomics
+    except ImportError:  # built without a compiler: the next source
         return None
+    return _atomics.full_fence
+
+
+def _libatomic_fence() -> Fence | None:
+    name = ctypes.util.find_library("atomic") or "libatomic.so.1"
+    try:
+        fn = ctypes.CDLL(name).atomic_thread_fence
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], None
+
+    def fence() -> None:
+        fn(_SEQ_CST)
+
+    return fence
 
 
 def _membarrier_fence() -> Fence | None:
@@ -96,24 +98,38 @@ def _membarrier_fence() -> Fence | None:
     return fence
 
 
-def _weak() -> Fence:
-    """The real full fence of this machine, built on first use."""
-    global _weak_fence
-    if _weak_fence is None:
-        built = _machine_code_fence()
-        if built is not None:
-            fn, page = built
-            _weak_fence = fn
-            _weak_fence._page = page  # type: ignore[attr-defined]  # the code must stay mapped
+def _full_fence() -> tuple[Fence, str]:
+    """This machine's full fence and where it comes from, found on first use."""
+    global _full
+    if _full is None:
+        for name, find in (
+            ("extension", _extension_fence),
+            ("libatomic", _libatomic_fence),
+            ("membarrier", _membarrier_fence),
+        ):
+            fence = find()
+            if fence is not None:
+                _full = (fence, name)
+                break
         else:
-            fence = _membarrier_fence()
-            if fence is None:
+            if not _TSO:
                 raise RuntimeError(
-                    f"shmsync cannot order memory on this {platform.machine()} CPU: neither a barrier instruction "
-                    "nor the membarrier system call is available here"
+                    f"shmsync cannot order memory on this {platform.machine()} CPU: its compiled fence, libatomic "
+                    "and the membarrier system call are all missing (reinstall shmsync with a C compiler)"
                 )
-            _weak_fence = fence
-    return _weak_fence
+            _full = (_lock_round_trip, "lock")
+    return _full
+
+
+def source() -> str:
+    """Where this process's full fence comes from: ``"extension"``, ``"libatomic"``,
+    ``"membarrier"`` or ``"lock"`` (see the module's docstring).
+
+    Examples:
+        >>> source() in ("extension", "libatomic", "membarrier", "lock")
+        True
+    """
+    return _full_fence()[1]
 
 
 def default_ordering() -> str:
@@ -140,12 +156,7 @@ def ordering(kind: str | None = None) -> tuple[Fence, Fence]:
         (None, None)
     """
     kind = default_ordering() if kind is None else kind
-    if kind == "tso":
-        try:
-            return _noop, _weak()
-        except RuntimeError:
-            return _noop, _lock_round_trip
-    if kind == "weak":
-        fence = _weak()
-        return fence, fence
-    raise ValueError(f"ordering must be 'tso' or 'weak', got {kind!r}")
+    if kind not in ("tso", "weak"):
+        raise ValueError(f"ordering must be 'tso' or 'weak', got {kind!r}")
+    full, _ = _full_fence()
+    return (_noop if kind == "tso" else full), full
