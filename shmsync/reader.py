@@ -22,10 +22,10 @@ from shmsync.store import WeightStore
 class WeightReader:
     """Loads the newest complete version of a store into a module, only when it changed.
 
-    :meth:`poll` costs well under a microsecond when nothing was published (about 70 ns
-    here: one read of a shared word; no copy, no syscall, no lock). When the version
-    changed it copies the newest complete version into the module's parameters and
-    buffers, in place, on the module's device. Between calls the module always holds exactly one version; during
+    :meth:`poll` costs one read of a shared word when nothing was published: no copy, no
+    syscall, no lock (the docs' Performance page has the figure). When the version changed
+    it copies the newest complete version into the module's parameters and buffers, in
+    place, on the module's device. Between calls the module always holds exactly one version; during
     :meth:`poll` it is being written, like during ``load_state_dict``, so no other
     thread should run it at that moment.
 

@@ -288,10 +288,9 @@ class WeightStore(StoreWriter):
         Reading it sends no message and never waits for a reader (about a microsecond a reader).
 
         Args:
-            processes: also look up each local reader's process state and private memory (USS),
-                about 0.5 ms a reader.
-            memory: look up the private memory (default: as ``processes``); the state alone
-                takes about 0.05 ms a reader.
+            processes: also look up each local reader's process state and private memory (USS);
+                the docs' Performance page has what each costs.
+            memory: look up the private memory (default: as ``processes``).
 
         Returns:
             A :class:`~shmsync.table.ReaderTable`: ``len()`` and iteration go over the live readers.

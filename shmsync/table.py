@@ -269,9 +269,9 @@ def local_rows(
 ) -> tuple[list[ReaderRow], list[ReaderRow]]:
     """The live and the gone readers in header words ``h`` (a memoryview, or words read with
     ``pread``), ``alive(rows)`` telling which rows' readers still hold their lock. With
-    ``processes``, each row's process state is looked up (about 0.05 ms a reader; the rest costs
-    a few microseconds), and with ``memory`` (default: as ``processes``) its private memory
-    (about 0.5 ms)."""
+    ``processes``, each row's process state is looked up (one read of ``/proc/PID/stat``), and
+    with ``memory`` (default: as ``processes``) its private memory; the docs' Performance page
+    has what each costs."""
     now = time.time_ns() if now_ns is None else now_ns
     memory = processes if memory is None else memory
     rows = [(row, w) for row, w in reader_rows(h) if not w[R_FLAGS] & ROW_LINK]  # a relay's link: no reader

@@ -1,9 +1,17 @@
-"""Pytest fixtures for multi-process suites that use shmsync (loaded automatically as a plugin).
+"""Pytest fixtures for multi-process suites that use shmsync (loaded automatically as a plugin),
+and fault injection: what a crashed, stuck or hostile process does to a store, on purpose.
 
 * ``store_factory``: makes stores with unique names and removes them after the test,
   however it ends.
 * ``shm_leak_check``: fails a test that leaves behind a store created by its own process
   or by one of its children, or a live child process.
+* :func:`write_header_word`, :func:`read_header_word`, :func:`header_bytes`: a header as another
+  process of this user (another PID namespace, a bug) could leave it.
+* :func:`stop_mid_publish`: a writer that dies in the middle of a copy.
+* :func:`read_with`: a reader whose copy runs ``copy(slot, views)`` (slow, stuck, stopped),
+  optimistic or pinned.
+* :func:`hold_table_lock`: a reader stopped while it changes the reader table.
+* :func:`slot_views`, :func:`ordering_of`, :func:`page_locked`: what a store's mapping holds.
 
 Examples:
     A test of a user's project::
@@ -21,6 +29,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -130,3 +139,79 @@ def _cmd(p: psutil.Process) -> str:
         return " ".join(p.cmdline())[:120]
     except psutil.Error:
         return "?"
+
+
+# -- fault injection ------------------------------------------------------------------------------
+def read_header_word(store: Any, word: int) -> int:
+    """Header word ``word`` (a ``shmsync.core.header.W_*`` index) of ``store`` as mapped here."""
+    return int(store.memory.header[word])
+
+
+def write_header_word(store: Any, word: int, value: int) -> None:
+    """Write header word ``word`` of ``store``, as a process of this user (a bug, another PID
+    namespace) could: everything that reads it must cope."""
+    store.memory.header[word] = value
+
+
+def header_bytes(store: Any) -> bytes:
+    """A copy of ``store``'s whole header, to compare before and after."""
+    from .core.header import HEADER_BYTES
+
+    return bytes(store.memory.segment.buf[:HEADER_BYTES])
+
+
+def stop_mid_publish(store: Any, fill: float = -1.0) -> int:
+    """Start a publish into ``store`` and stop halfway through its copy (half the tensors of the
+    slot filled with ``fill``, the slot marked being written), as a writer killed there leaves
+    it; returns the slot. The write stays open in this process: kill it next."""
+    write = store.memory.protocol.begin_write()
+    views = store.memory.slots[write.slot]
+    for view in views[: len(views) // 2]:
+        view.fill_(fill)
+    return write.slot
+
+
+def read_with(
+    store: Any,
+    copy: Callable[[int, list[Any]], None],
+    *,
+    pinned: bool = False,
+    timeout: float = 60.0,
+    steal_after: float = 0.25,
+) -> int:
+    """Load ``store``'s newest complete version through ``copy(slot, views)`` (``views``: that
+    slot's tensors, in layout order), by the protocol a reader follows (``pinned``: at once by
+    its bounded fallback, as a reader slower than the writer does; ``steal_after``: seconds before
+    it looks whether the reader holding the token is stopped); returns the version."""
+    memory = store.memory
+
+    def run(slot: int) -> None:
+        copy(slot, memory.slots[slot])
+
+    if pinned:
+        return memory.protocol.read_pinned(run, time.monotonic() + timeout, steal_after=steal_after)
+    return memory.protocol.read(run, timeout=timeout)
+
+
+@contextlib.contextmanager
+def hold_table_lock(store: Any) -> Iterator[None]:
+    """Hold ``store``'s reader-table lock (through this mapping), as a reader stopped in the middle
+    of a lease would."""
+    with store.memory.protocol.locks.table(None):
+        yield
+
+
+def slot_views(store: Any, readonly: bool = False) -> list[list[Any]]:
+    """Per slot, a view of every tensor of ``store`` (``readonly``: the read-only mapping's)."""
+    return store.memory.readonly_slots() if readonly else store.memory.slots
+
+
+def ordering_of(store: Any) -> str:
+    """``"tso"`` or ``"weak"``: the memory ordering ``store``'s protocol runs with here."""
+    protocol = store.memory.protocol
+    return "weak" if protocol.fence is protocol.full_fence else "tso"
+
+
+def page_locked(store: Any) -> bool:
+    """Whether ``store``'s slots are page-locked (``cudaHostRegister``) in this process."""
+    return store.memory.pinned

@@ -17,6 +17,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from shmsync import WeightReader, WeightStore, WriterBusyError
+from shmsync.testing import read_with, stop_mid_publish
 
 
 # -- waiting, descriptors, commands ----------------------------------------------------------
@@ -263,25 +264,21 @@ def writer_killed_mid_copy(store_name: str, sizes, publishes: int, conn) -> None
     for _ in range(publishes):
         set_all(weights, store.version + 1)
         store.publish(weights)
-    protocol = store.memory.protocol
-    write = protocol.begin_write()  # what publish() does, stopped in the middle
-    views = store.memory.slots[write.slot]
-    for view in views[: len(views) // 2]:
-        view.fill_(-1.0)
-    conn.send(("mid-copy", store.version, write.slot))
+    slot = stop_mid_publish(store)  # what publish() does, stopped in the middle
+    conn.send(("mid-copy", store.version, slot))
     time.sleep(3600)
 
 
 def stuck_reader(store: WeightStore, how: str, conn) -> None:
     """Enter a pinned reload and stop in the middle of the copy (the parent then kills or stops us)."""
 
-    def copy(slot):
+    def copy(slot, views):
         conn.send(("in-copy", os.getpid()))
         if how == "sigstop":
             os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(3600)
 
-    store.memory.protocol.read_pinned(copy, time.monotonic() + 3600)
+    read_with(store, copy, pinned=True, timeout=3600)
 
 
 def slow_reader(store: WeightStore, sizes, loads: int, delay: float, conn) -> None:
@@ -297,12 +294,12 @@ def slow_reader(store: WeightStore, sizes, loads: int, delay: float, conn) -> No
     start = time.monotonic()
     while done < loads:
 
-        def copy(slot):
-            for t, v in zip(targets, store.memory.slots[slot]):
+        def copy(slot, views):
+            for t, v in zip(targets, views):
                 t.copy_(v)
                 time.sleep(delay)
 
-        version = store.memory.protocol.read(copy, timeout=60)
+        version = read_with(store, copy)
         done += 1
         if mixed_values(module) != {float(version)}:
             bad += 1

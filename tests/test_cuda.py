@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from shmsync import WeightReader
+from shmsync.testing import page_locked
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -24,7 +25,7 @@ def test_publish_from_cuda_is_visible_after_flush(store_factory):
         for p in trainer.parameters():
             p.fill_(3.0)
     v = store.publish(trainer)
-    assert store.memory.pinned, "the slots were not page-locked"
+    assert page_locked(store), "the slots were not page-locked"
     assert store.flush(timeout=30) == v == 1
     snap = store.snapshot()
     assert snap.version == 1 and all((t == 3.0).all() for t in snap.weights.values())
@@ -71,7 +72,7 @@ def test_close_unregisters(store_factory):
     store = WeightStore.create(_net("cuda"))
     store.publish(_net("cuda"))
     store.close()
-    assert not store.memory.pinned
+    assert not page_locked(store)
 
 
 def test_a_cpu_publish_follows_a_cuda_publish_in_flight(store_factory):

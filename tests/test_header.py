@@ -29,6 +29,7 @@ from shmsync.core.header import (
     row_base,
 )
 from shmsync.errors import ShmSyncError, StoreCorruptError
+from shmsync.testing import write_header_word
 
 from helpers import open_fds
 
@@ -164,10 +165,10 @@ def test_a_header_word_that_turns_bad_later_is_refused_where_it_is_used(store_fa
     store = store_factory(torch.nn.Linear(4, 2))
     reader = WeightReader(WeightStore.attach(store.name), torch.nn.Linear(4, 2))
     assert reader.poll()
-    store.memory.header[W_LATEST] = 99  # a process of this user wrote it after the reader attached
+    write_header_word(store, W_LATEST, 99)  # a process of this user wrote it after the reader attached
     with pytest.raises(StoreCorruptError, match=r"latest is 99, not a slot index \(0 to 2\)"):
         reader.reload()
-    store.memory.header[W_LATEST] = 0
+    write_header_word(store, W_LATEST, 0)
     assert store.publish(torch.nn.Linear(4, 2)) == 1 and reader.poll() and reader.version == 1
 
 

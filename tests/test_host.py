@@ -23,6 +23,7 @@ from shmsync.core.header import (
     W_WRITER_PID,
     row_base,
 )
+from shmsync.testing import read_header_word, read_with, write_header_word
 from shmsync.tools import host
 
 from helpers import blob_weights, canary, cli, create_and_hang, create_in_dir_and_hang, hold_store
@@ -59,8 +60,8 @@ def test_a_trainer_in_another_pid_namespace_keeps_its_store(store_dir, start, ct
         reader = start(hold_store, store_dir, "policy", False)
         reader.expect("holding")
         # What a header written in another PID namespace looks like from here: pids of nobody.
-        h = store.memory.header
-        h[W_CREATOR_PID], h[W_CREATOR_START], h[W_WRITER_PID] = _dead_pid(ctx), 0, _dead_pid(ctx)
+        for word, value in ((W_CREATOR_PID, _dead_pid(ctx)), (W_CREATOR_START, 0), (W_WRITER_PID, _dead_pid(ctx))):
+            write_header_word(store, word, value)
         assert WeightStore.attach("policy").publisher_alive()
         status = host.status("policy")
         assert status.held and status.creator_alive and status.writer_held and not host.is_orphaned(status)
@@ -79,7 +80,7 @@ def test_a_dead_store_is_collected_whatever_pid_its_header_names(store_dir, star
     os.kill(child.pid, signal.SIGKILL)
     child.proc.join(10)
     store = WeightStore.attach("dead")
-    store.memory.header[W_CREATOR_PID] = 1  # init: alive forever, by pid
+    write_header_word(store, W_CREATOR_PID, 1)  # init: alive forever, by pid
     store.close()
     assert _gc(store_dir, "--dry-run") == ["dead"]
     assert _gc(store_dir) == ["dead"] and not os.listdir(store_dir)
@@ -91,11 +92,10 @@ def test_a_reader_in_another_pid_namespace_keeps_its_lease(store_dir, start, ctx
         viewer = start(hold_store, store_dir, "policy", True)
         viewing, version = viewer.expect("holding")
         assert viewing and version == 0
-        h = store.memory.header
-        (row,) = [r for r in range(MAX_READERS) if h[row_base(r)]]
-        leased = h[row_base(row) + R_LEASE] - 1
-        h[row_base(row)] = _dead_pid(ctx)  # its pid, as this namespace sees it: nobody
-        before = h[W_SEQ + leased]
+        (row,) = [r for r in range(MAX_READERS) if read_header_word(store, row_base(r))]
+        leased = read_header_word(store, row_base(row) + R_LEASE) - 1
+        write_header_word(store, row_base(row), _dead_pid(ctx))  # its pid, as this namespace sees it: nobody
+        before = read_header_word(store, W_SEQ + leased)
         # Two more zero-copy readers on two newer slots: the third distinct leased slot is one
         # too many, so the table is recounted, which must keep the live reader's lease.
         store.publish(torch.nn.Linear(64, 64))
@@ -106,8 +106,8 @@ def test_a_reader_in_another_pid_namespace_keeps_its_lease(store_dir, start, ctx
         assert third.poll() and not third.viewing, "the recount dropped a live reader's lease"
         for _ in range(20):
             store.publish(torch.nn.Linear(64, 64))
-        assert h[W_SEQ + leased] == before, "the writer rewrote the slot a live reader views"
-        assert h[W_LEASES + leased] >= 1
+        assert read_header_word(store, W_SEQ + leased) == before, "the writer rewrote the slot a live reader views"
+        assert read_header_word(store, W_LEASES + leased) >= 1
         assert sorted(r.zero_copy for r in store.readers()) == [False, True, True]
     finally:
         store.close()
@@ -120,9 +120,8 @@ def test_pids_in_a_header_are_never_signalled(store_dir, start):
     try:
         reader = WeightReader(WeightStore.attach("policy"), torch.nn.Linear(64, 64))
         reader.poll()
-        h = store.memory.header
-        h[W_CREATOR_PID] = h[W_WRITER_PID] = h[W_TOKEN_PID] = pid
-        h[row_base(1)] = pid  # a row nobody holds, naming the canary
+        for word in (W_CREATOR_PID, W_WRITER_PID, W_TOKEN_PID, row_base(1)):  # row 1: nobody holds it
+            write_header_word(store, word, pid)
         env = {**os.environ, "SHMSYNC_DIR": store_dir}
         cli("ls", env=env)
         cli("ls", "--json", env=env)
@@ -130,7 +129,7 @@ def test_pids_in_a_header_are_never_signalled(store_dir, start):
         _gc(store_dir, "--orphaned")
         store.readers()
         store.publish(torch.nn.Linear(64, 64))
-        reader.store.memory.protocol.read_pinned(lambda slot: None, time.monotonic() + 5, steal_after=0.0)
+        read_with(reader.store, lambda slot, views: None, pinned=True, timeout=5, steal_after=0.0)
         assert reader.poll() and store.publisher_alive()
     finally:
         store.close()

@@ -22,6 +22,7 @@ from shmsync.remote_rows import (
     write_report_file,
 )
 from shmsync.table import HostReport, ReaderRow, ReaderTable
+from shmsync.testing import header_bytes
 
 from helpers import wait_for
 
@@ -84,10 +85,10 @@ def test_reading_the_table_writes_nothing_and_takes_no_lock(store_factory):
     store = store_factory(torch.nn.Linear(8, 4))
     reader = WeightReader(store, torch.nn.Linear(8, 4), worker=7)
     reader.poll()
-    before = bytes(store.memory.segment.buf[: 72 * 1024])
+    before = header_bytes(store)
     for _ in range(10):
         assert [r.worker for r in store.readers(processes=True)] == [7]
-    assert bytes(store.memory.segment.buf[: 72 * 1024]) == before
+    assert header_bytes(store) == before
 
 
 def test_a_table_of_a_thousand_readers_stays_readable(store_factory):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from shmsync import WeightReader, WeightStore
-from shmsync.core import segment
+from shmsync.testing import hold_table_lock, slot_views
 
 from helpers import (
     STRESS_SIZES,
@@ -30,7 +30,7 @@ def _publish(store, value, sizes=SMALL):
 
 def _inside(tensor, store):
     """Whether ``tensor`` lies in the store's read-only mapping."""
-    views = [v for slot in store.memory.readonly_slots() for v in slot]
+    views = [v for slot in slot_views(store, readonly=True) for v in slot]
     lo = min(v.data_ptr() for v in views)
     hi = max(v.data_ptr() + v.nbytes for v in views)
     return lo <= tensor.data_ptr() < hi
@@ -83,8 +83,8 @@ def test_a_viewing_reader_that_cannot_lease_copies_into_private_memory(store_fac
     _publish(store, 1.0)
     other = WeightStore.attach(store.name)  # another open file description: its lock conflicts
     try:
-        assert other.memory.segment.lock(segment.TABLE_LOCK, exclusive=True, wait=False)
-        assert reader.poll() and not reader.viewing
+        with hold_table_lock(other):
+            assert reader.poll() and not reader.viewing
     finally:
         other.close()
     assert not any(_inside(p, store) for p in module.parameters())
@@ -211,7 +211,7 @@ def test_a_thread_stuck_in_one_stores_table_lock_stalls_no_other_store(store_fac
     holding, release = threading.Event(), threading.Event()
 
     def hold_a():
-        with a.memory.protocol.locks.table(None):
+        with hold_table_lock(a):
             holding.set()
             release.wait(30)
 

@@ -68,7 +68,7 @@ ROW_LINK = 8  # a relay's link sending versions to another host (leases to send 
 def header_view(buf) -> memoryview:
     """The header words of a mapping as a memoryview of int64.
 
-    Indexing it yields plain Python ints, which makes a version check a single ~40 ns
+    Indexing it yields plain Python ints, which makes a version check a single
     load; call ``release()`` on it before unmapping.
     """
     return memoryview(buf)[:HEADER_BYTES].cast("q")

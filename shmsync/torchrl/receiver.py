@@ -3,7 +3,7 @@
 Two mechanisms load new versions, each enough on its own, so that no single TorchRL call path
 carries the guarantee:
 
-- the policy's own **forward pre-hook** checks the version (~0.1 us when nothing changed) and
+- the policy's own **forward pre-hook** checks the version (one load of a shared word when nothing changed) and
   reloads when it changed: whatever path TorchRL takes to run the policy, its next call finds
   the newest version. With ``poll_every_steps=N`` it checks every N-th call inside a rollout
   shmsync saw begin, and at every call outside one (a rollout TorchRL started another way);

@@ -50,7 +50,7 @@ class ShmWeightSyncScheme(WorkerSide, WeightSyncScheme):
 
     Args:
         poll_every_steps: check for new weights at every this many-th policy call (and before
-            each rollout). Default: at every call (a version check costs about 0.1 us).
+            each rollout). Default: at every call (a version check: see the Performance page).
         version_key: the key under which every collected frame records the version of the
             weights that produced it (also written under ``("next", version_key)``); None
             to write nothing.
