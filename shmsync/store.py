@@ -285,7 +285,7 @@ class WeightStore(StoreWriter):
         """The readers' table: every reader attached in a live process, worst lagging first, and
         the readers on other hosts that relays report to this process (see :mod:`shmsync.table`).
 
-        Reading it sends no message and never waits for a reader (about a microsecond a reader).
+        Reading it sends no message and never waits for a reader.
 
         Args:
             processes: also look up each local reader's process state and private memory (USS);

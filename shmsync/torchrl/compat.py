@@ -361,6 +361,19 @@ def tracker_of(collector: Any) -> Any:
     return tracker
 
 
+def version_setter(collector: Any) -> Callable[[int], None] | None:
+    """What makes ``collector``'s ``track_policy_version`` tracker report a version (checked now),
+    or None if it tracks none."""
+    tracker = tracker_of(collector)
+    if tracker is None:
+        return None
+
+    def report(version: int) -> None:
+        tracker.version = version
+
+    return report
+
+
 def set_policy_version(collector: Any, version: int, *, built: bool = True) -> None:
     """Make ``track_policy_version``'s tracker of ``collector`` (if it tracks) report ``version``.
     ``built=False``: the collector may still be in its constructor (a worker's first load), and

@@ -59,9 +59,11 @@ class CollectorGlue:
         self.versions = versions
         self.leg = leg
         self.groups: list[SenderGroup] = []
+        self.keys: set[str] = set()  # the collector's shmsync keys
+        self.unchecked: list[SenderGroup] = []  # groups whose workers are still to be seen attached
         self.version_keys: list[str] = []
         self.num_workers = getattr(collector, "num_workers", None)
-        compat.tracker_of(collector)  # checked now, before any worker starts
+        self.report_version = compat.version_setter(collector)  # checked now, before any worker starts
         compat.wrap_on_instance(collector, "update_policy_weights_", lambda f: _bind(self.update, f))
         compat.wrap_on_instance(collector, "shutdown", lambda f: _bind(self.shutdown, f))
         compat.wrap_on_instance(collector, "load_state_dict", lambda f: _bind(self.load_state_dict, f))
@@ -98,6 +100,8 @@ class CollectorGlue:
             return
         group.check_attached = True  # the first batch or update checks that every worker attached
         self.groups.append(group)
+        self.keys.update(group.keys)
+        self.unchecked.append(group)
         if version_key is not None and version_key not in self.version_keys:
             self.version_keys.append(version_key)
 
@@ -109,50 +113,54 @@ class CollectorGlue:
         """Publish ``weights`` (key -> weights, or None for the key's model) as one version, whatever
         groups the keys live in (checked all before any is written); then tell the tracker, and the
         trainer if this collector is a remote leg."""
-        groups = [g for g in self.live_groups() if any(k in g.keys for k in weights)]
+        if self.unchecked and self.leg is None:  # a remote leg applies pushes while still being built
+            self._check_attached()
+        groups = [g for g in self.groups if not g.closed and any(k in g.keys for k in weights)]
         if not groups:
             return
         try:
-            self._publish_in(groups, weights, worker_ids, self.versions.decide(given))
+            version = self.versions.decide(given)
+            if len(groups) == 1:
+                groups[0].publish(weights, worker_ids, version)
+            else:
+                self._publish_in(groups, weights, worker_ids, version)
         except BaseException as error:
             if self.leg is None:
                 raise
             self.leg.failed(error)
             return
-        self.sync_tracker()
+        newest = max(g.version for g in groups)
+        if self.report_version is not None:
+            self.report_version(newest)
         if self.leg is not None:
-            self.leg.applied(max(g.version for g in groups))
+            self.leg.applied(newest)
 
     @staticmethod
     def _publish_in(groups: list[SenderGroup], weights: dict[str, Any], worker_ids: Any, version: int | None) -> None:
         parts = [(g, {k: w for k, w in weights.items() if k in g.keys}) for g in groups]
-        if len(parts) > 1:  # several groups: all are checked before any is written
-            check_all([pair for g, w in parts for pair in g.prepare(w, worker_ids)], version)
+        # Several groups: all are checked before any is written.
+        check_all([pair for g, w in parts for pair in g.prepare(w, worker_ids)], version)
         for g, w in parts:
             g.publish(w, worker_ids, version)
 
+    def _check_attached(self) -> None:
+        """Once per group: every worker's reader attached (TorchRL set the scheme up in each)."""
+        while self.unchecked:
+            self.unchecked.pop().check_workers_attached()
+
     def sync_tracker(self) -> None:
         """Make ``track_policy_version``'s tracker report the version last published."""
-        collector = self.collector
         groups = self.live_groups()
-        if collector is not None and groups:
-            compat.set_policy_version(collector, max(g.version for g in groups))
+        if self.report_version is not None and groups:
+            self.report_version(max(g.version for g in groups))
 
     # -- the wrappers -----------------------------------------------------------------------------
     def update(self, original: Callable, *args: Any, version: int | None = None, **kwargs: Any) -> Any:
         """``update_policy_weights_``: the shmsync keys it names, one version; the rest, TorchRL's."""
-        groups = self.live_groups()
-        if self.leg is None:  # a remote leg applies pushes while its collector is still being built
-            for g in groups:
-                g.check_workers_attached()
-        ours = {k for g in groups for k in g.keys}
         weights, worker_ids = compat.update_request(args, kwargs)
-        rest = {k: w for k, w in weights.items() if k not in ours}
-        if rest:  # TorchRL's own schemes, by TorchRL
-            result = original(weights_dict=rest, worker_ids=worker_ids)
-        else:
-            result = None
-        self.publish({k: w for k, w in weights.items() if k in ours}, worker_ids, given=version)
+        rest = {k: w for k, w in weights.items() if k not in self.keys}
+        result = original(weights_dict=rest, worker_ids=worker_ids) if rest else None
+        self.publish({k: w for k, w in weights.items() if k in self.keys}, worker_ids, given=version)
         return result
 
     def shutdown(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -170,8 +178,7 @@ class CollectorGlue:
         return result
 
     def iterator(self, original: Callable, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        for g in self.live_groups():
-            g.check_workers_attached()  # before the first batch: a worker left out would run its first weights
+        self._check_attached()  # before the first batch: a worker left out would run its first weights
         for batch in original(*args, **kwargs):
             if self.version_keys and isinstance(batch, TensorDictBase):
                 for key in self.version_keys:
