@@ -61,7 +61,9 @@ def publish_and_reload_without_executable_memory(conn) -> None:
                 viewing.module.weight, policy.weight
             )
             loaded.append((copying.version, viewing.version, viewing.viewing, same))
-        conn.send(("done", refused, fences.source(), loaded))
+        copying.close(), viewing.close()
+    # Sent once the store is closed and unlinked: the test then waits for a clean exit.
+    conn.send(("done", refused, fences.source(), loaded))
 
 
 @pytest.mark.timeout(120)
@@ -73,6 +75,8 @@ def test_publish_and_reload_under_memory_deny_write_execute(start):
     if outcome[0] == "skip":
         pytest.skip(outcome[1])
     _, refused, source, loaded = outcome
+    child.proc.join(30)
+    assert child.proc.exitcode == 0, child.proc.exitcode
     assert refused, "memory-deny-write-execute is on, yet an executable page was made"
     assert source in ("extension", "libatomic"), f"the fence fell back to {source!r}"
     assert loaded == [(1, 1, True, True), (2, 2, True, True), (3, 3, True, True)]
