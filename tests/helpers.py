@@ -465,6 +465,50 @@ def flood(port: int, n: int, conn) -> None:
                     time.sleep(0.01)
 
 
+def trickle(port: int, n: int, conn) -> None:
+    """A slowloris that trickles: ``n`` connections, each sending one byte of a hello at once and
+    another every 0.3 s (so none is ever silent, none ever finishes), a new one every 10 ms, and
+    each the server cuts replaced. Reports ("flooding",) once ``n`` are open; runs until killed."""
+    import heapq
+    import resource
+    import socket
+
+    from shmsync.relay import wire
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 2 * n + 64)), hard))
+    due = []  # (when, sequence, socket, bytes sent)
+
+    def connect(now):
+        try:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.send(wire.MAGIC[:1])
+        except OSError:
+            return
+        sock.setblocking(False)
+        heapq.heappush(due, (now + 0.3, id(sock), sock, 1))
+
+    now = time.monotonic()
+    for _ in range(n):
+        connect(now)
+    conn.send(("flooding",))
+    next_new = time.monotonic()
+    while True:
+        now = time.monotonic()
+        if now >= next_new:
+            connect(now)
+            next_new = now + 0.01
+        while due and due[0][0] <= now:
+            _, key, sock, sent = heapq.heappop(due)
+            try:
+                sock.send(wire.MAGIC[sent : sent + 1] or b"\0")
+                heapq.heappush(due, (now + 0.3, key, sock, sent + 1))
+            except OSError:  # cut: another takes its place
+                sock.close()
+                connect(now)
+        time.sleep(max(0.0, min(next_new, due[0][0] if due else next_new) - time.monotonic()))
+
+
 def join_and_stall(port: int, secret: str, n: int, conn) -> None:
     """``n`` relays that join the trainer at ``port``, answer HAVE -1, then never read a byte."""
     from shmsync.relay import wire

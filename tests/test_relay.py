@@ -246,13 +246,13 @@ def _stranger(port, secret=b"not the relay secret, but thirty-two bytes long", s
     return got
 
 
-def test_a_stranger_gets_a_nonce_and_nothing_else_and_the_trainer_keeps_its_pace(store_factory, start, host):
+def test_a_stranger_gets_a_nonce_and_a_refusal_only_and_the_trainer_keeps_its_pace(store_factory, start, host):
     weights = blob_weights(SIZES, 1.0)
     store = store_factory(weights)
     with RelaySender(store, "127.0.0.1", 0, secret=SECRET) as sender:
         calm = _slowest_publish(store, weights)
         got = _stranger(sender.port)
-        assert len(got) == wire.SERVER_HELLO, "a peer without the secret was sent more than the nonce"
+        assert got[wire.SERVER_HELLO :] == bytes([wire.REFUSED]), "a peer without the secret was sent more"
         wait_for(lambda: sender.refused == 1, what="the stranger to be refused")
         # A real relay still links, and the trainer publishes as before.
         relay = start_relay(start, host, sender.port)
@@ -275,16 +275,50 @@ def test_a_relay_joins_within_5_s_while_1000_connections_stall_mid_handshake_or_
         flood = start(helpers.flood, sender.port, 1000)
         flood.expect("flooding", timeout=60)  # 1000 open, half silent, half cut off mid-hello; a loop reconnects
         wait_for(lambda: sender.refused >= 1000, timeout=30, what="the flood's connections to be cut")
+        relay = start_relay(start, host, sender.port)  # its process up, about to join
         began = time.monotonic()
-        relay = start_relay(start, host, sender.port)
         wait_for(lambda: 1 in sender.relays, timeout=30, what="a real relay to get past the flood")
         joined = time.monotonic() - began
         assert joined < 5.0, f"the relay took {joined:.1f} s to join through the flood"
-        assert threading.active_count() <= threads_before + 4, "threads grew with the connections"
+        assert threading.active_count() <= threads_before + 8, "threads grew with the connections"
         assert _slowest_publish(store, weights) < 0.25
         flood.proc.kill()
         began = time.monotonic()
     assert time.monotonic() - began < 3.0, "close() took too long"
+    relay.expect("done")
+
+
+@pytest.fixture
+def few_descriptors():
+    """This process may open 1,024 descriptors while the test runs: a server started now takes a
+    quarter of them, 256, as its handshakes under way, which a flood can fill."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 1024), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.timeout(120)
+def test_a_relay_joins_within_5_s_while_a_flood_trickles_bytes_on_every_handshake_place(
+    store_factory, start, host, few_descriptors
+):
+    """Every handshake place is taken by a connection that sends a byte now and then and never
+    finishes, and a new one comes every 10 ms: the relay's own handshake must not be the one cut."""
+    weights = blob_weights(SIZES, 1.0)
+    store = store_factory(weights)
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET) as sender:
+        flood = start(helpers.trickle, sender.port, 300)
+        flood.expect("flooding", timeout=60)
+        wait_for(lambda: sender.refused >= 50, timeout=30, what="the places to fill and handshakes to be cut")
+        relay = start_relay(start, host, sender.port)  # its process up, about to join
+        began = time.monotonic()
+        wait_for(lambda: 1 in sender.relays, timeout=30, what="a real relay to get past the flood")
+        joined = time.monotonic() - began
+        assert joined < 5.0, f"the relay took {joined:.1f} s to join through the flood"
+        wait_for(lambda: sender.relays.get(1) == store.version, what="the relay to take the version")
+        flood.proc.kill()
     relay.expect("done")
 
 
@@ -724,6 +758,51 @@ def test_a_relay_found_in_its_own_tree_path_gives_up_in_bounded_time(one_host):
     assert type(error).__name__ == "TrainerGoneError" and "cycle" in str(error), _chain(error)
     assert time.monotonic() - began < 6, f"it took {time.monotonic() - began:.1f} s to give up"
     assert os.listdir(one_host) == []
+
+
+def test_nobody_joins_under_the_trainers_node_id_or_twice_under_one_and_relays_are_never_pointed_back(
+    store_factory, start, host
+):
+    """A holder of the secret learns the trainer's node id from the tree's settings, joins under
+    it announcing the trainer's own address (which would answer the address check as that id),
+    and joins twice under one id: each is refused, and a real relay still joins and is never
+    pointed back at the trainer."""
+    store = store_factory(blob_weights(SIZES, 1.0))
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET, fanout=1) as sender:
+        first, node = _joining(sender.port, serve=list(("127.0.0.1", _free_port())))
+        trainer = _admitted(first, -1)["path"][-1]
+        wait_for(lambda: len(sender.relays) == 1, what="the first link to be admitted")
+        for claimed in (trainer, node):
+            link, _ = _joining(sender.port, serve=["127.0.0.1", sender.port], node=claimed)
+            assert link.sock.recv(1) == b"", f"a link joined under the taken id {claimed}"
+            link.close()
+        wait_for(lambda: sender.refused == 2, what="both to be refused")
+        assert len(sender.relays) == 1 and ("127.0.0.1", sender.port) not in sender.serving.values()
+        relay = start_relay(start, host, sender.port)
+        wait_for(lambda: len(sender.relays) == 2, timeout=30, what="the real relay to be admitted")
+        wait_for(lambda: sender.relays.get(2) == store.version, what="it to take the version")
+        first.close()
+    relay.expect("done")
+
+
+def test_a_relay_pointed_round_a_circle_asks_the_trainer_and_is_taken_on_directly(one_host):
+    layout, nbytes = _description()
+    joins = []
+
+    def script(link, attempt):
+        joins.append(fake.joined)
+        if not fake.joined.get("direct"):
+            link.send_json(b"REDI", {"to": ["127.0.0.1", fake.port]})  # back to the trainer: a circle
+            return
+        _admit(link, layout)
+        _version(link, 1, nbytes, [b"\x01" * nbytes])
+        link.send(b"STOP")
+
+    fake = FakeTrainer(script)
+    error, snap = _relay_against(fake, one_host, timeout=10)
+    assert error is None, _chain(error)
+    assert [bool(j.get("direct")) for j in joins] == [False, True]
+    assert snap.version == 1
 
 
 @pytest.mark.parametrize("have", [5, 1 << 62])

@@ -3,6 +3,7 @@ frame after is encrypted and authenticated under keys of that connection alone, 
 path reads or alters one; and no frame a peer sends is read beyond the kind and size the reader
 expects."""
 
+import mmap
 import os
 import socket
 import threading
@@ -168,7 +169,24 @@ def test_a_client_without_the_secret_is_refused(client_secret):
         served()
     server.close()  # what the relay server does next
     with pytest.raises(AuthenticationError, match="the two hold different secrets"):
-        asked()  # the client got nothing but the server's nonce
+        asked()  # the client got nothing but the server's nonce and REFUSED
+
+
+def test_a_handshake_cut_before_the_answer_is_worth_retrying_not_a_wrong_secret():
+    """A server shedding a flood cuts a handshake it has not answered: the client must not take
+    that for "the secrets differ" (which ends a relay at once)."""
+    server, client = _pair()
+
+    def cut_after_the_hello(sock):
+        sock.sendall(wire.ServerSide(SECRET).hello())
+        sock.recv(wire.CLIENT_HELLO, socket.MSG_WAITALL)
+        sock.close()
+
+    done = _run(cut_after_the_hello, server)
+    with pytest.raises(EOFError, match="closed|cut") as caught:
+        wire.client_handshake(client, SECRET, 5)
+    assert not isinstance(caught.value, AuthenticationError)
+    done()
 
 
 def test_a_server_without_the_secret_is_refused_by_the_client():
@@ -240,6 +258,32 @@ def test_a_frame_of_an_unexpected_kind_or_size_is_refused_before_its_payload_is_
     client.sock.sendall(wire.FRAME.pack(b"VERS", 8))
     with pytest.raises(ProtocolError, match="VERS message of 8 bytes, 16"):
         server.recv_frame({b"VERS": (16, 16)}, timeout=5)
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+@pytest.mark.parametrize("into", [False, True])
+def test_a_claimed_size_is_never_allocated_ahead_of_its_bytes(encrypt, into):
+    """A frame header claiming 64 MiB, then 1 KiB of payload and silence: the receiver holds
+    memory for what arrived, not for what was claimed."""
+    import tracemalloc
+
+    server, client = _links(encrypt)
+    claimed = 64 << 20
+    client.sock.sendall(wire.FRAME.pack(b"LYOT", claimed) + os.urandom(1024))
+    kind, n = server.recv_frame({b"LYOT": claimed}, timeout=5)
+    assert n == claimed
+    slot = mmap.mmap(-1, claimed)  # not traced: what is measured is the link's own
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError, match="in time|sent nothing"):
+            if into:  # into the caller's buffer (a store's slot): only the sealed bytes are held here
+                server.recv_payload_into(memoryview(slot), 0.5)
+            else:
+                server.recv_payload(0.5)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes held for 1 KiB received of a claimed {claimed}"
 
 
 def test_a_frame_that_is_not_json_where_json_is_due_is_refused():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import selectors
 import socket
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,18 +22,26 @@ class Pending:
     began: float
     got: bytearray = field(default_factory=bytearray)
 
+    @property
+    def source(self) -> str:
+        return self.peer.rpartition(":")[0]
+
 
 class Acceptor:
     """Accepts connections and runs every handshake under way on one thread, on non-blocking
     sockets: a connection costs a socket and a few bytes until its peer proved the secret, however
     many there are. A connection that sends nothing for :data:`SILENT_CUTOFF` seconds, or has not
-    finished in ``handshake_timeout``, is cut; at :data:`MAX_PENDING` at once, a new one cuts the
-    oldest that sent nothing (else the oldest), so a flood cannot keep a relay out: a relay's
-    handshake takes one round trip."""
+    finished in ``handshake_timeout`` counted from its accept (bytes trickled in do not extend
+    it), is cut. At :data:`MAX_PENDING` at once, a new one cuts the oldest handshake of the source
+    with the most under way. A relay's handshake takes one round trip from its accept, so a flood
+    must open ``MAX_PENDING`` connections within that round trip to cut it (it then tries again,
+    :func:`shmsync.relay.wire.connect`), whatever its connections send; and a flood from a few
+    sources cuts its own. A relay that proved the secret has left this table: it is never cut here."""
 
     def __init__(self, server: Any) -> None:
         self.server = server
-        self.pending: OrderedDict[int, Pending] = OrderedDict()
+        self.pending: OrderedDict[int, Pending] = OrderedDict()  # oldest accept first
+        self.per_source: Counter[str] = Counter()
         self.selector = selectors.DefaultSelector()
         self.most = max(16, min(MAX_PENDING, descriptors() // 4))
         self.resume_accepting = 0.0  # out of descriptors: accept again from then on
@@ -77,10 +85,15 @@ class Acceptor:
                 sock.close()
                 continue
             if len(self.pending) >= self.most:
-                silent = next((p for p in self.pending.values() if not p.got), None)
-                self._cut(silent or next(iter(self.pending.values())), f"{self.most} handshakes under way")
+                self._cut(self._oldest_of_busiest_source(), f"{self.most} handshakes under way")
             self.pending[sock.fileno()] = pending
+            self.per_source[pending.source] += 1
             self.selector.register(sock, selectors.EVENT_READ)
+
+    def _oldest_of_busiest_source(self) -> Pending:
+        """The handshake to cut for a new one: the oldest of the source with the most under way."""
+        source, _ = self.per_source.most_common(1)[0]
+        return next(p for p in self.pending.values() if p.source == source)
 
     def _read(self, pending: Pending | None) -> None:
         if pending is None:
@@ -102,7 +115,7 @@ class Acceptor:
         try:
             reply, keys = pending.side.answer(bytes(pending.got))
         except AuthenticationError as e:
-            if isinstance(getattr(e, "reply", None), bytes):
+            if isinstance(e, wire.Refused):
                 send_now(pending.sock, e.reply)
             pending.sock.close()
             self.server.refuse(f"refused {pending.peer}: {e}")
@@ -121,7 +134,10 @@ class Acceptor:
                 self._cut(pending, f"silent for {min(SILENT_CUTOFF, server.handshake_timeout):.1f} s")
 
     def _forget(self, pending: Pending) -> None:
-        self.pending.pop(pending.sock.fileno(), None)
+        if self.pending.pop(pending.sock.fileno(), None) is not None:
+            self.per_source[pending.source] -= 1
+            if not self.per_source[pending.source]:
+                del self.per_source[pending.source]
         try:
             self.selector.unregister(pending.sock)
         except (KeyError, ValueError):

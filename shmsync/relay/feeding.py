@@ -131,8 +131,10 @@ class Feeder:
                 raise EOFError("closing")
             raise TimeoutError(f"it took no bytes for {server.timeout:.0f} s")
         child.stalled_since = None
-        if child.in_version:
-            child.in_version = not self._sent(child.link.send_or_keep(CNCL))
+        if child.completes >= 0:  # the kept frame was the version's last: it went whole
+            child.sent, child.completes = child.completes, -1
+        if child.in_version:  # the version stopped midway: the relay drops what it has of it
+            self._cancel()
 
     def _available(self, fwd: Forwarding | None, offset: int, n: int) -> int:
         """How far the version is there to send: ``n``, what has arrived of one still arriving,
@@ -158,14 +160,23 @@ class Feeder:
         while offset < n:
             available = self._available(fwd, offset, n)
             if available < 0:
-                child.in_version = not self._sent(link.send_or_keep(CNCL))
+                self._cancel()
                 return
             end = min(available, offset + self.server.bucket_bytes)
+            # Its last frame ends the version, sent now or flushed after a stall: never CNCL after it.
+            child.in_version = end < n
             if not self._sent(link.send_or_keep(DATA, view[offset:end])):
+                child.completes = -1 if end < n else version
                 return
             offset = end
         child.in_version = False
         child.sent = version
+
+    def _cancel(self) -> None:
+        """Tell the relay the version under way is given up: CNCL ends it, sent now or flushed
+        after a stall (so it is never sent twice)."""
+        self.child.in_version = False
+        self._sent(self.child.link.send_or_keep(CNCL))
 
     def _say_goodbye(self) -> None:
         link = self.child.link

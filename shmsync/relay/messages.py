@@ -72,6 +72,7 @@ class Child:
     verified: bool = False  # a relay at `serve` proved the secret and this node id
     verifying: bool = True  # that check is under way
     in_version: bool = False  # a VERS went out, the version's end (its last DATA, or CNCL) not yet
+    completes: int = -1  # the version a frame kept on the link ends (its last DATA), once flushed
     stalled_since: float | None = None  # when the relay last took no bytes for STALL_SECONDS
     thread: threading.Thread | None = field(default=None, repr=False)
 
@@ -96,14 +97,19 @@ class Throttled:
         log.warning("%s", message)
 
 
-def check_join(doc: Any, peer: str) -> tuple[str, tuple[str, int] | None]:
-    if not isinstance(doc, dict) or set(doc) != {"node", "serve"}:
+def check_join(doc: Any, peer: str) -> tuple[str, tuple[str, int] | None, bool]:
+    """A JOIN's node id, serving address (None: a leaf) and whether it asks to be taken on here
+    whatever the fan-out (``direct``, after being pointed round a circle), checked."""
+    if not isinstance(doc, dict) or not {"node", "serve"} <= set(doc) <= {"node", "serve", "direct"}:
         raise ProtocolError(f"{peer} joined with {str(doc)[:100]}, not {{'node': ..., 'serve': ...}}")
+    direct = doc.get("direct", False)
+    if not isinstance(direct, bool):
+        raise ProtocolError(f"{peer} joined with direct={str(direct)[:40]}, not true or false")
     node = doc["node"]
     if not (isinstance(node, str) and len(node) == 16 and all(c in "0123456789abcdef" for c in node)):
         raise ProtocolError(f"{peer} joined with node id {str(node)[:40]!r}, not 16 hex digits")
     serve = None if doc["serve"] is None else wire.address(doc["serve"], f"{peer}'s serving address")
-    return node, serve
+    return node, serve, direct
 
 
 def describe_difference(ours: bytes, theirs: bytes) -> str:

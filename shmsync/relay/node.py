@@ -3,6 +3,7 @@ it is pointed) and publishes each version it receives into this host's store."""
 
 from __future__ import annotations
 
+import random
 import secrets
 import time
 from typing import Any
@@ -175,14 +176,14 @@ class Relay:
     def _attach(self) -> wire.Link:
         """An admitted link to a node of the tree: the trainer, or where it points."""
         deadline = time.monotonic() + self.timeout
-        target, hops = self.root, 0
+        target, seen, direct, failures = self.root, {self.root}, False, 0
         while True:
-            link = self._connect(target, deadline)
+            link = self._connect(target, deadline, failures)
             if link is None:  # the relay it was pointed at is gone, or did not answer: ask again
-                target, hops = self.root, 0
+                target, seen, failures = self.root, {self.root}, failures + 1
                 continue
             try:
-                admitted, redirect = self._join(link)
+                admitted, redirect = self._join(link, direct and target == self.root)
             except WeightMismatchError:
                 link.close()
                 raise
@@ -198,20 +199,29 @@ class Relay:
                 self.attachments += 1
                 return link
             link.close()
-            if redirect is not None:
-                hops += 1
-                if hops > MAX_HOPS:
-                    raise ProtocolError(f"pointed from relay to relay {MAX_HOPS} times without being admitted")
+            if redirect is not None and redirect not in seen and len(seen) <= MAX_HOPS:
+                seen.add(redirect)
                 target = redirect
+                continue
+            if redirect is not None:
+                # Pointed back where it was, or on and on: a relay holding the secret announced
+                # an address that leads round a circle. The trainer takes it on itself.
+                if direct and target == self.root:
+                    raise ProtocolError("the trainer pointed elsewhere a relay that asked to be taken on directly")
+                log.warning("relay %r: pointed round a circle (%s:%s again); asking the trainer directly",
+                            self.name, *redirect)  # fmt: skip
+                target, seen, direct = self.root, {self.root}, True
                 continue
             self._give_up_after(deadline, why)
             log.warning("relay %r: attaching through %s:%s failed (%s); trying the trainer", self.name, *target, why)
-            time.sleep(0.05)
-            target, hops = self.root, 0
+            failures += 1
+            _back_off(failures)
+            target, seen = self.root, {self.root}
 
-    def _connect(self, target: tuple[str, int], deadline: float) -> wire.Link | None:
-        """A link to ``target`` that passed the handshake; None (having waited a little) if it
-        cannot be had now, and then the trainer is asked again.
+    def _connect(self, target: tuple[str, int], deadline: float, failures: int = 0) -> wire.Link | None:
+        """A link to ``target`` that passed the handshake; None (having backed off after
+        ``failures`` failed tries) if it cannot be had now, and then the trainer is asked again:
+        a server shedding a flood cuts handshakes before it answers them.
 
         Raises:
             TrainerGoneError: nobody listens at the trainer's address, or the deadline passed.
@@ -229,15 +239,17 @@ class Relay:
             raise
         except (RelayError, OSError) as e:
             self._give_up_after(deadline, e)
-            time.sleep(0.2)
+            _back_off(failures + 1)
         return None
 
-    def _join(self, link: wire.Link) -> tuple[bool, tuple[str, int] | None]:
-        """Ask to join at ``link``'s end: ``(True, None)`` once admitted, ``(False, address)`` if
-        pointed elsewhere, ``(False, None)`` if admitting would make a cycle."""
+    def _join(self, link: wire.Link, direct: bool = False) -> tuple[bool, tuple[str, int] | None]:
+        """Ask to join at ``link``'s end (``direct``: whatever its fan-out): ``(True, None)`` once
+        admitted, ``(False, address)`` if pointed elsewhere, ``(False, None)`` if admitting would
+        make a cycle."""
         if self.server is None and self.listen is not None:
             self.server = self._make_server(link)
-        link.send_json(JOIN, {"node": self.node, "serve": self.serving and list(self.serving)})
+        doc = {"node": self.node, "serve": self.serving and list(self.serving)}
+        link.send_json(JOIN, {**doc, "direct": True} if direct else doc)
         kind, _ = link.recv_frame({REDI: wire.MAX_JSON_BYTES, LYOT: MAX_LAYOUT_BYTES}, self.handshake_timeout)
         if kind == REDI:
             doc = link.recv_payload_json(kind, self.handshake_timeout)
@@ -315,6 +327,12 @@ class Relay:
             self.server.close(BYE)
         if self.store is not None:
             self.store.close()
+
+
+def _back_off(failures: int) -> None:
+    """Wait before trying again: doubling from 50 ms to 1 s, jittered so relays cut together
+    do not come back together."""
+    time.sleep(min(1.0, 0.05 * 2 ** min(failures - 1, 5)) * random.uniform(0.5, 1.0))
 
 
 def check_conf(conf: Any, peer: str) -> tuple[int, list[str], int]:

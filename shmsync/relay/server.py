@@ -85,7 +85,7 @@ class Server:
         self._throttled = Throttled()
         self._joining = threading.BoundedSemaphore(MAX_JOINING)
         self._next_id, self._turn = 1, 0
-        self._admitting: dict[int, tuple[str, int] | None] = {}  # seated, joining: where they serve
+        self._admitting: dict[int, str] = {}  # seated, still joining: their node ids
         self.final = STOP
         self._warned_overflow = False
         self.book = ReportBook()  # what the relays below report of their hosts' readers
@@ -138,8 +138,8 @@ class Server:
             if kind == PROB:  # a server checking that this address is this node's
                 link.send_json(NODE, {"node": self.node})
                 return
-            node, serve = check_join(doc, peer)
-            target = self._seat_or_redirect(id(sock), serve)
+            node, serve, direct = check_join(doc, peer)
+            target = self._seat_or_redirect(id(sock), node, direct)
             if target is not None:
                 link.send_json(REDI, {"to": list(target)})
                 return
@@ -165,20 +165,35 @@ class Server:
                 link.close()
             self._joining.release()
 
-    def _seat_or_redirect(self, seat: int, serve: tuple[str, int] | None) -> tuple[str, int] | None:
-        """Where to point a relay that joins now, or None once a place here is kept for it."""
+    def _seat_or_redirect(self, seat: int, node: str, direct: bool) -> tuple[str, int] | None:
+        """Where to point a relay that joins now, or None once a place here is kept for it (always,
+        if it asks to be taken on ``direct``: it was pointed around in a circle).
+
+        Raises:
+            ProtocolError: ``node`` is this node's id or an id above it in the tree, or a relay
+                linked here holds it: one peer cannot join twice, or pose as the trainer.
+        """
         with self.changed:
+            self._check_node_id(node)
             # A relay admitted just before may still be having its address checked: wait for
             # that (a round trip) rather than take this one on as an overflow.
             deadline = time.monotonic() + self.handshake_timeout
             while self._checks_pending() and time.monotonic() < deadline and not self.stopping.is_set():
                 self.changed.wait(0.05)
-            target = self._redirect_target()
+            target = None if direct else self._redirect_target()
             if target is None and len(self.children) + len(self._admitting) >= MAX_LINKS:
                 raise ProtocolError(f"{MAX_LINKS} relays are linked here already")
             if target is None:
-                self._admitting[seat] = serve
+                self._check_node_id(node)  # again: the wait above let the lock go
+                self._admitting[seat] = node
             return target
+
+    def _check_node_id(self, node: str) -> None:
+        """With ``changed`` held: refuse a node id that is taken here or above."""
+        if node == self.node or node in self.path:
+            raise ProtocolError(f"joined under the node id {node} of this node or one above it in the tree")
+        if node in self._admitting.values() or any(c.node == node for c in self.children.values()):
+            raise ProtocolError(f"joined under the node id {node} of a relay linked here")
 
     def _take_on(self, link: wire.Link, node: str, serve: tuple[str, int] | None, peer: str) -> Child | None:
         """Send the layout and the tree's settings, take the relay's answer: the child to feed, or
@@ -266,7 +281,11 @@ class Server:
             try:
                 link.send(PROB)
                 _, doc = link.recv_json({NODE: wire.MAX_JSON_BYTES}, self.handshake_timeout)
-                verified = doc == {"node": child.node}
+                # Never an address that answers as this node or one above it: relays pointed
+                # there would be pointed back up, round a circle.
+                with self.changed:
+                    above = {self.node, *self.path}
+                verified = doc == {"node": child.node} and child.node not in above
             finally:
                 link.close()
         except (OSError, EOFError, RelayError, AuthenticationError) as e:

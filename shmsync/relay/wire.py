@@ -7,11 +7,14 @@ transcript, with a fresh nonce of its own; the secret itself never crosses the w
     server -> client   MAGIC, Ns (32 random bytes)
     client -> server   MAGIC, Nc (32 random bytes), mode (1 byte), HMAC(secret, "client" | T)
     server -> client   status (1 byte), HMAC(secret, "server" | T | status)
+                       or REFUSED (1 byte), then it hangs up
 
 where ``T = MAGIC | Ns | Nc | mode``, ``mode`` is 1 for encrypted frames and 0 for plain ones
-(both ends must want the same: status 1 says they do not), and a server hangs up on a wrong
-proof having sent nothing but its nonce. A stranger who answers at an address and passes a
-real handshake through learns two nonces and two MACs, nothing it can use.
+(both ends must want the same: status 1 says they do not). A server answers a wrong proof with
+the one byte REFUSED and hangs up, having sent nothing else but its nonce, so a client tells
+"the secrets differ" (give up) from "cut before the answer" (a server shedding a flood, or the
+network: try again). A stranger who answers at an address and passes a real handshake through
+learns two nonces and two MACs, nothing it can use.
 
 **Keys.** HKDF-SHA256 of the secret, salted with ``Ns | Nc`` (fresh on both sides, so every
 connection has keys of its own), gives one AES-256-GCM key per direction.
@@ -56,7 +59,8 @@ from shmsync.core.secret_file import (  # noqa: F401 (re-exported: the relay's c
 )
 from shmsync.errors import AuthenticationError, ProtocolError, RelayError
 
-MAGIC = b"SHMSYNC-RELAY/3\n"
+PROTOCOL = 4
+MAGIC = b"SHMSYNC-RELAY/%d\n" % PROTOCOL
 NONCE_BYTES = 32
 MAC_BYTES = 32
 TAG_BYTES = 16
@@ -65,7 +69,7 @@ CLIENT_HELLO = len(MAGIC) + NONCE_BYTES + 1 + MAC_BYTES
 SERVER_ANSWER = 1 + MAC_BYTES
 FRAME = struct.Struct(">4sQ")
 MAX_JSON_BYTES = 64 << 10
-ACCEPTED, OTHER_MODE = 0, 1
+ACCEPTED, OTHER_MODE, REFUSED = 0, 1, 2
 KEY_INFO = b"shmsync relay 2 keys"
 
 
@@ -139,12 +143,12 @@ class ServerSide:
                 tells it so, then hang up).
         """
         if len(client_hello) != CLIENT_HELLO or client_hello[: len(MAGIC)] != MAGIC:
-            raise AuthenticationError("the peer does not speak the shmsync relay protocol (version 2)")
+            raise AuthenticationError(f"the peer does not speak the shmsync relay protocol (version {PROTOCOL})")
         theirs = client_hello[len(MAGIC) : len(MAGIC) + NONCE_BYTES]
         mode, proof = client_hello[len(MAGIC) + NONCE_BYTES : -MAC_BYTES], client_hello[-MAC_BYTES:]
         transcript = MAGIC + self.nonce + theirs + mode
         if not hmac.compare_digest(proof, _mac(self.secret, b"client", transcript)):
-            raise AuthenticationError("the peer does not hold the relay secret")
+            raise Refused("the peer does not hold the relay secret", bytes([REFUSED]))
         status = bytes([ACCEPTED if mode == bytes([self.encrypt]) else OTHER_MODE])
         reply = status + _mac(self.secret, b"server", transcript, status)
         if status[0] != ACCEPTED:
@@ -155,20 +159,27 @@ class ServerSide:
         return reply, Keys(s2c, c2s)
 
 
-class _OtherMode(AuthenticationError):
+class Refused(AuthenticationError):
+    """A handshake the server refuses; ``reply`` is what it sends before it hangs up."""
+
+    def __init__(self, message: str, reply: bytes) -> None:
+        super().__init__(message)
+        self.reply = reply
+
+
+class _OtherMode(Refused):
     def __init__(self, reply: bytes, encrypt: bool) -> None:
         want = "encrypted" if encrypt else "plain"
         super().__init__(f"the peer holds the secret but wants {'plain' if encrypt else 'encrypted'} frames, "
-                         f"this side {want} ones (encrypt= must be the same on both ends)")  # fmt: skip
-        self.reply = reply
+                         f"this side {want} ones (encrypt= must be the same on both ends)", reply)  # fmt: skip
 
 
 def server_handshake(sock: socket.socket, secret: bytes, timeout: float, *, encrypt: bool = True) -> Keys | None:
     """Run the server's side of the handshake on a blocking socket; the connection's keys.
 
     Raises:
-        AuthenticationError: the peer did not prove the secret (it was sent nothing but a nonce),
-            or wants the other mode.
+        AuthenticationError: the peer did not prove the secret (it was sent nothing but a nonce
+            and REFUSED), or wants the other mode.
         ProtocolError, EOFError, OSError: it broke off or took longer than ``timeout`` seconds.
     """
     deadline = time.monotonic() + timeout
@@ -177,7 +188,7 @@ def server_handshake(sock: socket.socket, secret: bytes, timeout: float, *, encr
     sock.sendall(side.hello())
     try:
         reply, keys = side.answer(_recv_exactly(sock, CLIENT_HELLO, deadline, "handshake"))
-    except _OtherMode as e:
+    except Refused as e:
         sock.sendall(e.reply)
         raise
     sock.sendall(reply)
@@ -188,23 +199,26 @@ def client_handshake(sock: socket.socket, secret: bytes, timeout: float, *, encr
     """Run the client's side of the handshake on a connected socket; the connection's keys.
 
     Raises:
-        AuthenticationError: the server did not prove the secret (it may be a stranger's; nothing
-            was accepted from it), or wants the other mode.
-        ProtocolError, EOFError, OSError: it broke off or took longer than ``timeout`` seconds.
+        AuthenticationError: the server refused this side's proof (the secrets differ), did not
+            prove the secret (it may be a stranger's; nothing was accepted from it), or wants the
+            other mode.
+        ProtocolError, EOFError, OSError: it broke off (a server shedding a flood cuts before it
+            answers) or took longer than ``timeout`` seconds: worth trying again.
     """
     deadline = time.monotonic() + timeout
     got = _recv_exactly(sock, SERVER_HELLO, deadline, "handshake")
     if got[: len(MAGIC)] != MAGIC:
-        raise AuthenticationError("the server does not speak the shmsync relay protocol (version 2)")
+        raise AuthenticationError(f"the server does not speak the shmsync relay protocol (version {PROTOCOL})")
     theirs, ours, mode = got[len(MAGIC) :], secrets.token_bytes(NONCE_BYTES), bytes([encrypt])
     transcript = MAGIC + theirs + ours + mode
     sock.sendall(MAGIC + ours + mode + _mac(secret, b"client", transcript))
     try:
-        answer = _recv_exactly(sock, SERVER_ANSWER, deadline, "handshake")
-    except (EOFError, ConnectionResetError):
-        # A server hangs up right here when this side's proof fails: the secrets differ.
-        raise AuthenticationError("the server refused this side's proof: the two hold different secrets") from None
-    status, proof = answer[:1], answer[1:]
+        status = _recv_exactly(sock, 1, deadline, "handshake")
+    except ConnectionResetError as e:
+        raise EOFError(f"handshake: the server cut the connection before it answered ({e})") from None
+    if status[0] == REFUSED:
+        raise AuthenticationError("the server refused this side's proof: the two hold different secrets")
+    proof = _recv_exactly(sock, MAC_BYTES, deadline, "handshake")
     if not hmac.compare_digest(proof, _mac(secret, b"server", transcript, status)):
         raise AuthenticationError("the server does not hold the relay secret")
     if status[0] != ACCEPTED:
@@ -234,6 +248,32 @@ def _recv_exactly(sock: socket.socket, n: int, deadline: float, what: str) -> by
             raise EOFError(f"{what}: the peer closed the connection")
         got += k
     return bytes(buf)
+
+
+GROW_FROM = 64 << 10  # a receive buffer's first size; it then at most doubles what arrived
+
+
+def _recv_growing(
+    recv_into: Callable[[memoryview, float | None], int],
+    buf: bytearray,
+    total: int,
+    deadline: float | None,
+    peer: str,
+) -> bytearray:
+    """Receive ``total`` bytes into the front of ``buf`` (returned, grown as needed). It grows with
+    the bytes that arrive, to at most twice them (or :data:`GROW_FROM`): a peer that claims a
+    large frame and sends little costs little."""
+    got = 0
+    while got < total:
+        want = min(total, max(GROW_FROM, 2 * got))
+        if len(buf) < want:
+            buf.extend(bytes(want - len(buf)))
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise ProtocolError(f"{peer} sent {got} of {total} bytes in time")
+        with memoryview(buf)[got:want] as view:
+            got += recv_into(view, left)
+    return buf
 
 
 def tune(sock: socket.socket) -> None:
@@ -387,11 +427,21 @@ class Link:
         return kind, length
 
     def recv_payload(self, timeout: float | None = None) -> bytes:
-        """The payload of the frame just read, checked."""
-        n = self._frame[1] if self._frame is not None else 0
-        buf = bytearray(n)
-        self.recv_payload_into(memoryview(buf), timeout)
-        return bytes(buf)
+        """The payload of the frame just read, checked. The buffer grows with the bytes that
+        arrive: a length a peer claims is never allocated ahead of its bytes."""
+        if self._frame is None:
+            return b""
+        kind, n = self._frame
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.keys is None:
+            payload = _recv_growing(self._recv_into, bytearray(), n, deadline, self.peer)
+            self._frame = None
+            return bytes(payload)
+        self._in = _recv_growing(self._recv_into, self._in, n + TAG_BYTES, deadline, self.peer)
+        self._frame = None
+        out = bytearray(n)  # the whole frame arrived: now its size is real
+        self._open(kind, n, memoryview(out))
+        return bytes(out)
 
     def recv_payload_into(self, view: memoryview, timeout: float | None = None) -> None:
         """Receive the payload of the frame just read into ``view`` (of its length exactly), all
@@ -411,20 +461,23 @@ class Link:
             self._recv_raw_into(view, deadline)
             self._frame = None
             return
-        if len(self._in) < n + TAG_BYTES:
-            self._in = bytearray(n + TAG_BYTES)
-        sealed = memoryview(self._in)[: n + TAG_BYTES]
-        self._recv_raw_into(sealed, deadline)
+        self._in = _recv_growing(self._recv_into, self._in, n + TAG_BYTES, deadline, self.peer)
         self._frame = None
-        try:
-            self.keys.recv.decrypt_into(self.keys.next_recv_nonce(), sealed, FRAME.pack(kind, n), view)
-        except Exception as e:  # cryptography's InvalidTag
-            if type(e).__name__ != "InvalidTag":
-                raise
-            raise AuthenticationError(
-                f"a {kind.decode(errors='replace')} frame from {self.peer} failed its check: it was altered, "
-                "replayed or cut on the way (or the peer is not who proved the secret)"
-            ) from None
+        self._open(kind, n, view)
+
+    def _open(self, kind: bytes, n: int, view: memoryview) -> None:
+        """Check and decrypt the sealed payload just received (the first ``n + TAG_BYTES`` bytes
+        of the receive buffer) into ``view``."""
+        with memoryview(self._in)[: n + TAG_BYTES] as sealed:
+            try:
+                self.keys.recv.decrypt_into(self.keys.next_recv_nonce(), sealed, FRAME.pack(kind, n), view)
+            except Exception as e:  # cryptography's InvalidTag
+                if type(e).__name__ != "InvalidTag":
+                    raise
+                raise AuthenticationError(
+                    f"a {kind.decode(errors='replace')} frame from {self.peer} failed its check: it was altered, "
+                    "replayed or cut on the way (or the peer is not who proved the secret)"
+                ) from None
 
     def recv_json(self, allowed: dict[bytes, int], timeout: float | None = None) -> tuple[bytes, Any]:
         """The next frame, whose payload is a JSON document of at most ``allowed[kind]`` bytes."""
