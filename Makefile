@@ -11,7 +11,7 @@ PYTEST_ARGS ?= -n 2
 # Older TorchRL minors the tests marked `torchrl` (TorchRL's call paths) also run under.
 TORCHRL_LEGS ?= 0.13 0.12 0.11
 
-.PHONY: install demo test test-main test-fast test-protocol test-legs docs lint bench bench-quick soak clean
+.PHONY: install demo test test-main test-fast test-busy test-protocol test-legs docs lint bench bench-quick soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ test-main: install
 # The core: protocol, store, reader, files, CLI, relay wire (no collectors, no clusters).
 test-fast: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not slow and not torchrl and not distributed and not cuda" tests shmsync
+
+# The suite beside two CPU-bound processes, as on a busy machine: it must hold as on a quiet one.
+test-busy: install
+	@set -e; sh -c 'while :; do :; done' & one=$$!; sh -c 'while :; do :; done' & two=$$!; \
+	trap "kill $$one $$two" EXIT; \
+	$(BIN)/python -m pytest $(PYTEST_ARGS) tests shmsync workers
 
 # Every interleaving of the slot protocol's small configurations, and the checker itself.
 test-protocol: install

@@ -210,9 +210,8 @@ def test_no_starvation_under_back_to_back_publishing(store_factory, start, besid
     version, *_ = w.expect("done")
     assert done == 8 and bad == 0
     assert pinned >= 1, "the slow reader never needed the fallback: the test did not exercise it"
-    # The first load fails its two optimistic copies (the reader does not know its copy time
-    # yet); after that, knowing it is slower than the writer, each load is one pinned copy.
-    assert retries <= 3, f"{retries} failed copies for {done} loads"
+    # How many optimistic copies fail before the reader asks for the pin is the heuristic's
+    # cost, not a guarantee: benchmarks/sync_bench.py measures it (failed copies per load).
     assert version > 8
 
 
