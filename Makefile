@@ -10,8 +10,9 @@ PYTEST_ARGS ?= -n 2
 
 # Older TorchRL minors the tests marked `torchrl` (TorchRL's call paths) also run under.
 TORCHRL_LEGS ?= 0.13 0.12 0.11
+LEGS_MARK ?= torchrl and not full
 
-.PHONY: install demo test test-main test-fast test-busy test-protocol test-legs docs lint bench bench-quick soak clean
+.PHONY: install demo test test-full test-main test-fast test-busy test-protocol test-legs docs lint bench bench-quick soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +28,18 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/python examples/train_cartpole.py
 
+# CI's command. The `full` tier (tests/conftest.py: heavier variants of paths this also runs)
+# waits for test-full.
 test: lint test-main test-legs docs
 
 test-main: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not full" tests shmsync workers
+
+# Everything: every interleaving configuration, every TorchRL change played on every minor, every
+# stress run and doc block.
+test-full: lint install $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed) docs
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests shmsync workers
+	$(MAKE) test-legs LEGS_MARK=torchrl
 
 # The core: protocol, store, reader, files, CLI, relay wire (no collectors, no clusters).
 test-fast: install
@@ -40,7 +49,7 @@ test-fast: install
 test-busy: install
 	@set -e; sh -c 'while :; do :; done' & one=$$!; sh -c 'while :; do :; done' & two=$$!; \
 	trap "kill $$one $$two" EXIT; \
-	$(BIN)/python -m pytest $(PYTEST_ARGS) tests shmsync workers
+	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not full" tests shmsync workers
 
 # Every interleaving of the slot protocol's small configurations, and the checker itself.
 test-protocol: install
@@ -61,7 +70,7 @@ test-protocol: install
 test-legs: $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed)
 	set -e; for v in $(TORCHRL_LEGS); do \
 		echo "== torchrl $$v: $$(.venv-torchrl-$$v/bin/python -c 'import torchrl, tensordict; print(torchrl.__version__, tensordict.__version__)')"; \
-		.venv-torchrl-$$v/bin/python -m pytest $(PYTEST_ARGS) -m torchrl tests; \
+		.venv-torchrl-$$v/bin/python -m pytest $(PYTEST_ARGS) -m "$(LEGS_MARK)" tests; \
 	done
 
 docs: install

@@ -26,9 +26,10 @@ def test_quickstart():
     assert "trainer: step 40, published version 8" in out
     for worker in (0, 1):
         assert f"worker {worker}: loaded version 8" in out
-        # Workers reload while training runs: they see versions published along the way.
-        seen = {int(line.rsplit(" ", 1)[1]) for line in out.splitlines() if line.startswith(f"worker {worker}: loaded")}
-        assert len(seen & set(range(1, 8))) >= 3, f"worker {worker} saw only {sorted(seen)}"
+        # Each load is of a newer version, ending at the last published. How many of the versions
+        # along the way a worker catches depends on the scheduler, not on shmsync.
+        seen = [int(line.rsplit(" ", 1)[1]) for line in out.splitlines() if line.startswith(f"worker {worker}: loaded")]
+        assert seen == sorted(set(seen)) and seen[-1] == 8, f"worker {worker} loaded {seen}"
 
 
 @pytest.mark.timeout(300)

@@ -166,13 +166,8 @@ class Server:
             self._joining.release()
 
     def _seat_or_redirect(self, seat: int, node: str, direct: bool) -> tuple[str, int] | None:
-        """Where to point a relay that joins now, or None once a place here is kept for it (always,
-        if it asks to be taken on ``direct``: it was pointed around in a circle).
-
-        Raises:
-            ProtocolError: ``node`` is this node's id or an id above it in the tree, or a relay
-                linked here holds it: one peer cannot join twice, or pose as the trainer.
-        """
+        """Where to point a relay that joins now, or None once a place here is kept for it (always
+        if ``direct``: it was pointed round a circle). ProtocolError if ``node`` is taken here or above."""
         with self.changed:
             self._check_node_id(node)
             # A relay admitted just before may still be having its address checked: wait for
@@ -189,7 +184,7 @@ class Server:
             return target
 
     def _check_node_id(self, node: str) -> None:
-        """With ``changed`` held: refuse a node id that is taken here or above."""
+        """With ``changed`` held: refuse a node id taken here or above (no peer joins twice, or as the trainer)."""
         if node == self.node or node in self.path:
             raise ProtocolError(f"joined under the node id {node} of this node or one above it in the tree")
         if node in self._admitting.values() or any(c.node == node for c in self.children.values()):
