@@ -1,6 +1,7 @@
 """The examples run end to end with tiny budgets."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,8 @@ def test_quickstart():
         assert f"worker {worker}: loaded version 8" in out
         # Each load is of a newer version, ending at the last published. How many of the versions
         # along the way a worker catches depends on the scheduler, not on shmsync.
-        seen = [int(line.rsplit(" ", 1)[1]) for line in out.splitlines() if line.startswith(f"worker {worker}: loaded")]
+        # (Found anywhere in the output: the processes' lines may interleave mid-line.)
+        seen = [int(v) for v in re.findall(rf"worker {worker}: loaded version (\d+)", out)]
         assert seen == sorted(set(seen)) and seen[-1] == 8, f"worker {worker} loaded {seen}"
 
 

@@ -68,7 +68,12 @@ def test_each_reader_has_a_row_with_its_worker_version_lag_mode_and_state(store_
 
     os.kill(children[1].pid, signal.SIGSTOP)
     try:
-        assert {r.worker: r.state for r in store.readers(processes=True)}[1] == "stopped"
+        # The kernel stops the process once the signal is delivered, not at kill() itself.
+        wait_for(
+            lambda: {r.worker: r.state for r in store.readers(processes=True)}[1] == "stopped",
+            timeout=10,
+            what="the stopped reader's row to say so",
+        )
     finally:
         os.kill(children[1].pid, signal.SIGCONT)
 
