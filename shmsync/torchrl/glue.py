@@ -98,10 +98,9 @@ class CollectorGlue:
         """Serve ``group`` (its stores hold this collector's keys)."""
         if group in self.groups:
             return
-        group.check_attached = True  # the first batch or update checks that every worker attached
         self.groups.append(group)
         self.keys.update(group.keys)
-        self.unchecked.append(group)
+        self.unchecked.append(group)  # the first batch or update checks that every worker attached
         if version_key is not None and version_key not in self.version_keys:
             self.version_keys.append(version_key)
 

@@ -58,7 +58,6 @@ class SenderGroup:
         except BaseException:
             self.close()
             raise
-        self.check_attached = False  # set when a collector serves these stores: its workers attach
         self.alarm: ReaderAlarm | None = None
 
     def readers(self, processes: bool = False, memory: bool | None = None) -> ReaderTable:
@@ -115,13 +114,12 @@ class SenderGroup:
                 store.publish(store.snapshot().weights, version=int(wanted))
 
     def check_workers_attached(self) -> None:
-        """Once, for a collector's stores: every worker's reader attached (waiting a little for
-        late ones), else raise. Once the collector is built, TorchRL has set the scheme up in
-        every worker it started."""
+        """For a collector's stores (its glue calls this once): every worker's reader attached
+        (waiting a little for late ones), else raise. Once the collector is built, TorchRL has
+        set the scheme up in every worker it started."""
         expected = self.expected_readers()
-        if not self.check_attached or expected is None:
+        if expected is None:
             return
-        self.check_attached = False
         deadline = time.monotonic() + ATTACH_PATIENCE
         while True:
             attached = [len(store.readers()) for store in self.stores]
