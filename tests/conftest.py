@@ -71,6 +71,48 @@ PLAYED_IN_CI = {
 }  # fmt: skip
 
 
+# What the older TorchRL minors run in `make test` (marker `minors`): the tests whose outcome
+# depends on TorchRL's release, because they go through the boundary's entries or TorchRL's own
+# call paths (the hook, the scheme's conformance, the collector names, registration, each way of
+# running a collector, what importing changes). The other `torchrl` tests drive shmsync's own
+# fallbacks, which do not change with the minor: they run under 0.14, and all under every minor in
+# `make test-full`. A value lists the forms that run (None: all of them).
+ON_OLDER_MINORS = {  # module: None (all its torchrl tests), or {function: None (all forms) or forms}
+    "test_hooks.py": None,
+    "test_distributed.py": None,
+    "test_registration.py": {"test_from_backend_builds_the_scheme_whichever_is_imported_first": None},
+    "test_scheme.py": {"test_the_older_collector_names_tag_frames_with_published_versions": None},
+    "test_torchrl_conformance.py": {
+        "test_init_on_sender_without_anything_to_build_from_raises": None,
+        "test_policy_factory_that_makes_no_module_raises": None,
+        "test_track_policy_version_reports_the_loaded_version": None,
+        "test_every_worker_holds_the_trainers_weights_after_an_update_in_every_form": None,
+        "test_a_single_process_collector_says_the_scheme_has_nothing_to_do": None,
+    },
+    "test_torchrl_compat.py": {
+        "test_an_entry_found_otherwise_names_itself_the_torchrl_and_the_versions_that_work": None,
+        "test_every_entry_is_checked_somewhere_and_in_the_docs_catalogue": None,
+        "test_importing_shmsync_changes_no_torchrl_attribute": ["every shmsync module and the pytest plugin"],
+    },
+    "test_ray.py": {
+        "test_every_frame_carries_the_trainers_version_and_no_store_is_left": None,
+        "test_torchrls_own_ray_collector_with_a_shmsync_local_leg_is_refused_at_once": None,
+    },
+}
+
+
+def _on_older_minors(function: str, param: str) -> bool:
+    module, _, name = function.removeprefix("tests/").partition("::")
+    if module not in ON_OLDER_MINORS:
+        return False
+    functions = ON_OLDER_MINORS[module]
+    if functions is None:
+        return True
+    if name not in functions:
+        return False
+    return functions[name] is None or param in functions[name]
+
+
 def pytest_collection_modifyitems(config, items):
     from shmsync.torchrl import compat
 
@@ -78,6 +120,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         function, _, param = item.nodeid.partition("[")
         param = param[:-1]
+        if item.get_closest_marker("torchrl") and _on_older_minors(function, param):
+            item.add_marker(pytest.mark.minors)
         chosen = FULL_ONLY.get(function, False)
         if function.endswith("::test_a_torchrl_that_changed_ends_loaded_or_with_the_entry_named"):
             chosen = None if not (newest and param in PLAYED_IN_CI) else False
