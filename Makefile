@@ -2,8 +2,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU build of torch; TORCH picks another build, TORCH_PIP_ARGS passes pip more arguments
-# for it (an --index-url for a CUDA build).
+# torch from pip's configured index (the one release the tests run on). Which build that is
+# depends on the index: PyPI's Linux wheel is the CUDA one; for the CPU build pass
+# TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
 TORCH ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?= -n 2
@@ -26,7 +27,14 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 install: $(VENV)/.installed
 
-demo: install
+# The demo needs only shmsync and the examples' extra (CartPole), not the test tools.
+$(VENV)/.demo-installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[examples]"
+	touch $@
+
+demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/train_cartpole.py
 
 # CI's command. The `full` tier (tests/conftest.py: heavier variants of paths this also runs)
