@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from shmsync.core import segment
+from shmsync.errors import StoreNotFoundError
 from shmsync.workers.launch import launch
 from shmsync.workers.policies import make_env, mlp_policy
 
@@ -62,7 +63,6 @@ def test_workers_reload_lazily_and_tag_frames(store_factory, env, zero_copy):
 @pytest.mark.parametrize(
     "problem, config, error, message",
     [
-        ("missing store", {"store": "no-such-store"}, "StoreNotFoundError", "no-such-store"),
         ("unknown env", {"env": "NoSuchEnv-v9"}, None, "NoSuchEnv"),
         ("mismatched policy", {"env": "Pendulum-v1"}, "WeightMismatchError", "do not have the store's keys"),
         ("unimportable policy", {"policy": "no_such_module:make"}, "ModuleNotFoundError", "no_such_module"),
@@ -80,6 +80,30 @@ def test_a_worker_that_cannot_start_fails_the_pool_fast(store_factory, problem, 
     assert message in str(info.value), f"{problem}: {info.value}"
     assert any("in the worker process" in note for note in getattr(info.value, "__notes__", [])), problem
     assert took < 60, f"{problem}: the pool took {took:.0f}s to say so"
+
+
+def test_a_missing_store_is_named_before_any_worker_starts():
+    start = time.monotonic()
+    with pytest.raises(StoreNotFoundError, match="no store named 'no-such-store'.*trainer has not created it yet"):
+        launch("no-such-store", 2)
+    assert time.monotonic() - start < 5, "the pool started its workers before it looked"
+
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["--store", "no-such-store"], 3, "launch: StoreNotFoundError: no store named 'no-such-store'"),
+        (["--env", "Pendulum-v1"], 4, "launch: WeightMismatchError: "),
+    ],
+    ids=["missing store", "mismatched policy"],
+)
+def test_the_launch_command_fails_in_one_line_with_its_exit_code(store_factory, args, code, message):
+    store = store_factory(mlp_policy(make_env("CartPole-v1")))
+    cmd = [sys.executable, "-m", "shmsync.workers.launch", "--store", store.name, "--batches", "1", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
 
 
 @pytest.mark.parametrize("queued", [False, True], ids=["running", "with-batches-queued"])

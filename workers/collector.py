@@ -58,7 +58,9 @@ def run_worker(worker_id: int, config: WorkerConfig, queue: Any, parent_pid: int
         _collect(worker_id, config, queue, stopping)
     except BaseException as e:
         queue.put(("error", worker_id, _portable(e)))
-        raise
+        # Reported, with its traceback, to the pool, which raises it: not printed a second time
+        # here (the exit code is what an uncaught error would give).
+        raise SystemExit(130 if isinstance(e, KeyboardInterrupt) else 1) from None
 
 
 def _collect(worker_id: int, config: WorkerConfig, queue: Any, stopping: threading.Event) -> None:

@@ -19,12 +19,16 @@ import argparse
 import os
 import queue as queue_module
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
 import torch.multiprocessing as mp
+
+from shmsync import WeightStore
+from shmsync.errors import ShmSyncError, StoreNotFoundError, WeightMismatchError
 
 from .collector import WorkerConfig, run_worker
 from .relay import relay_exit_reason, start_relay
@@ -65,6 +69,10 @@ class WorkerPool:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if devices is not None and len(devices) != num_workers:
             raise ValueError(f"got {len(devices)} devices for {num_workers} workers")
+        if relay is None:
+            # A missing or unreadable store fails here, at once, not in every worker once it
+            # has imported torch and TorchRL.
+            WeightStore.attach(config.store).close()
         ctx = mp.get_context("spawn")
         self.config = config
         self.queue = ctx.Queue(maxsize=2 * num_workers)
@@ -250,6 +258,10 @@ def launch(
 
     Keyword arguments go to :class:`~shmsync.workers.collector.WorkerConfig` (``frames_per_batch``,
     ``policy``, ``destination``, ``seed``, ``zero_copy``...).
+
+    Raises:
+        StoreNotFoundError: no store of that name on this host, checked before any worker starts
+            (with ``relay=`` the relay creates it).
     """
     relay, secret = config.pop("relay", None), config.pop("relay_secret", None)
     return WorkerPool(
@@ -276,26 +288,40 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--relay", default=None, help="ADDRESS:PORT of the trainer's RelaySender (another host)")
     args = parser.parse_args(argv)
-    pool = launch(
-        args.store,
-        args.num_workers,
-        args.env,
-        args.device,
-        frames_per_batch=args.frames_per_batch,
-        policy=args.policy,
-        zero_copy=args.zero_copy,
-        relay=args.relay,
-    )
+    try:
+        pool = launch(
+            args.store,
+            args.num_workers,
+            args.env,
+            args.device,
+            frames_per_batch=args.frames_per_batch,
+            policy=args.policy,
+            zero_copy=args.zero_copy,
+            relay=args.relay,
+        )
+    except (ShmSyncError, WeightMismatchError, ValueError) as e:
+        return _fail(e)
     try:
         for worker_id, batch in pool.batches(args.batches):
             versions = batch["policy_version"].unique().tolist()
             print(f"worker {worker_id}: {batch.numel()} frames, versions {versions}", flush=True)
     except KeyboardInterrupt:
         pass
+    except Exception as e:  # a worker's own error, raised here: one line, not two tracebacks
+        return _fail(e)
     finally:
         codes = pool.stop()
     print(f"workers stopped: exit codes {codes}, reloads {pool.reloads}")
     return 0 if all(c == 0 for c in codes.values()) else 1
+
+
+# The command's exit codes (docs/getting-started.md): 0 the batches asked for were collected, or
+# Ctrl-C; 1 a worker failed (its error in one line); 2 a wrong command line; 3 no such store;
+# 4 the policy does not match the store.
+def _fail(error: BaseException) -> int:
+    code = 3 if isinstance(error, StoreNotFoundError) else 4 if isinstance(error, WeightMismatchError) else 1
+    print(f"launch: {type(error).__name__}: {error}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":
