@@ -22,8 +22,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from shmsync.core.secret_file import read_secret_file, resolve_secret
 from shmsync.errors import (
     AuthenticationError,
     ProtocolError,
@@ -33,7 +34,12 @@ from shmsync.errors import (
     TrainerGoneError,
     WeightMismatchError,
 )
-from shmsync.relay import Relay, read_secret_file
+
+if TYPE_CHECKING:
+    from shmsync.relay import Relay
+
+# shmsync.relay (and torch with it) is imported once the command line checked out: a wrong one
+# is answered at once.
 
 EXIT_ERROR, EXIT_USAGE, EXIT_TRAINER_GONE, EXIT_MISMATCH, EXIT_AUTH, EXIT_PROTOCOL, EXIT_NO_ROOM = 1, 2, 3, 4, 5, 6, 7
 REASONS = {
@@ -58,6 +64,7 @@ def relay_exit_reason(code: int | None) -> str:
 
 def _relay_process(address: str, port: int, store: str, secret: str | bytes | None) -> None:
     from shmsync import exit_with_parent
+    from shmsync.relay import Relay
 
     exit_with_parent()  # the launcher gone, its relay goes too
     raise SystemExit(_run(Relay(address, port, store=store, secret=secret)))
@@ -144,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         listen = (host, int(lport))
     try:
         secret = read_secret_file(args.secret_file) if args.secret_file else None
+        secret = resolve_secret(secret)[0]  # where it comes from, checked before anything is imported
+    except (ValueError, PermissionError, OSError) as e:
+        parser.error(str(e))
+    from shmsync.relay import Relay
+
+    try:
         relay = Relay(
             address, int(port), store=args.store, secret=secret, listen=listen, num_slots=args.num_slots,
             timeout=args.timeout, encrypt=not args.plaintext_inside_tunnel,
