@@ -11,8 +11,6 @@ lifetime.
 
 from __future__ import annotations
 
-import os
-import secrets
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -35,7 +33,7 @@ from shmsync.core.header import (
 )
 from shmsync.core.layout import Layout
 from shmsync.core.mapping import StoreMemory, new_segment, read_layout
-from shmsync.core.segment import Segment, not_found_hint
+from shmsync.core.segment import Segment, default_name, not_found_hint
 from shmsync.errors import ShmSyncError, StoreNotFoundError
 from shmsync.sources import SourceMatcher, as_tensordict
 from shmsync.store_writer import StoreWriter
@@ -143,7 +141,7 @@ class WeightStore(StoreWriter):
         td, destinations = as_tensordict(source, "WeightStore.create() source")
         layout = Layout.from_tensordict(td)
         tensors = layout.match(td, "weights given to WeightStore.create()")
-        name = f"{os.getpid()}-{secrets.token_hex(6)}" if name is None else name
+        name = default_name() if name is None else name
         store = cls._create_empty(layout, destinations, Segment.create, name, num_slots, unlink_at_exit)
         # The creator keeps the writer role: no other process can lock the trainer out by
         # publishing first. It publishes from elsewhere after release_writer() here.

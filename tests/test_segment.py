@@ -2,8 +2,11 @@
 is mapped; every refusal a shmsync error naming what is wrong, with no descriptor left open."""
 
 import os
+import re
 import socket
 import stat
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -141,3 +144,22 @@ def test_a_store_made_under_a_temporary_name_appears_whole_or_not_at_all(store_d
     with pytest.raises(RuntimeError, match="went away"):
         create_from_bytes(source.layout_description, failing, version=1, name="never")
     assert os.listdir(store_dir) == []
+
+
+def test_a_default_store_name_says_which_program_and_process_made_it(tmp_path):
+    script = tmp_path / "train my policy.py"
+    script.write_text(
+        "import os, sys\n"
+        "from shmsync.core.segment import default_name, validate_name\n"
+        "name = default_name('torchrl')\n"
+        "print(name == validate_name(name), name.startswith(f'train-my-policy-torchrl-{os.getpid()}-'))\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["True", "True"], proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-c", "from shmsync.core.segment import default_name; print(default_name())"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert re.fullmatch(r"python-\d+-[0-9a-f]{6}\n", proc.stdout), proc.stdout + proc.stderr

@@ -9,7 +9,6 @@ the caller (:mod:`shmsync.torchrl.push_numbers`).
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from shmsync.alarm import ReaderAlarm
+from shmsync.core.segment import default_name
 from shmsync.store import WeightStore
 from shmsync.table import ReaderTable, merge
 from shmsync.torchrl import compat
@@ -49,12 +49,12 @@ class SenderGroup:
         self.per_worker = len(models) > 1
         self.num_workers = len(models) if self.per_worker else num_workers
         self.devices = list(devices) if devices is not None else None
-        token = secrets.token_hex(6)
+        base = default_name("torchrl")
         self.stores: list[WeightStore] = []
         try:
             for i, m in enumerate(models):
                 suffix = f"-w{i}" if self.per_worker else ""
-                self.stores.append(WeightStore.create(m, name=f"torchrl-{token}{suffix}", num_slots=num_slots))
+                self.stores.append(WeightStore.create(m, name=f"{base}{suffix}", num_slots=num_slots))
         except BaseException:
             self.close()
             raise
