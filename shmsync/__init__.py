@@ -39,6 +39,7 @@ _LAZY = {
     "exit_with_parent": "shmsync.lifetime",
     "ShmSyncError": "shmsync.errors",
     "StoreNotFoundError": "shmsync.errors",
+    "NotLoadedError": "shmsync.errors",
     "WeightMismatchError": "shmsync.errors",
     "WriterBusyError": "shmsync.errors",
     "ReloadTimeoutError": "shmsync.errors",
@@ -49,6 +50,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from shmsync.alarm import ReaderAlarm
     from shmsync.errors import (
+        NotLoadedError,
         ReloadTimeoutError,
         ShmSyncError,
         StaleReaderError,
@@ -82,6 +84,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "LogLag",
+    "NotLoadedError",
     "ReaderAlarm",
     "ReaderRow",
     "ReaderTable",

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from shmsync import WeightMismatchError, WeightReader
+from shmsync import NotLoadedError, WeightMismatchError, WeightReader
 
 from helpers import SMALL, Blob, assert_unchanged, attach_and_follow, blob_weights, set_all, store_state
 
@@ -68,6 +68,8 @@ def test_meta_module_first_load(store_factory):
     with torch.device("meta"):
         worker = nn.Linear(5, 3)
     reader = WeightReader(store, worker)
+    with pytest.raises(NotLoadedError, match=r"not loaded yet .*call reader.poll\(\) or reader.wait\(0\)"):
+        worker(torch.zeros(5))  # used before its first load: named, not a torch device error
     assert reader.poll()
     assert worker.weight.device.type == "cpu"
     torch.testing.assert_close(worker.weight, store.snapshot().weights["weight"])
