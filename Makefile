@@ -50,7 +50,8 @@ test-full: lint install $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installe
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests shmsync workers
 	$(MAKE) test-legs LEGS_MARK=torchrl
 
-# The core: protocol, store, reader, files, CLI, relay wire (no collectors, no clusters).
+# The core's quick tests: protocol, store, reader, files, CLI, relay wire; the multi-process
+# ones (seconds each: every child imports torch) are marked slow. Under a minute.
 test-fast: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not slow and not torchrl and not distributed and not cuda" tests shmsync
 

@@ -37,6 +37,7 @@ def _events(alarm, times):
     return [(e.kind, e.row.worker) for t in times for e in alarm.check(now=t)]
 
 
+@pytest.mark.slow
 def test_a_reader_that_keeps_polling_is_never_named(store_factory, start):
     policy = nn.Linear(8, 4)
     store = store_factory(policy)
@@ -50,6 +51,7 @@ def test_a_reader_that_keeps_polling_is_never_named(store_factory, start):
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_a_waiting_reader_is_named_only_once_its_process_is_stopped(store_factory, start):
     policy = nn.Linear(8, 4)
     store = store_factory(policy)
@@ -74,6 +76,7 @@ def test_a_waiting_reader_is_named_only_once_its_process_is_stopped(store_factor
     assert event.kind == "recovered" and "recovered: loaded version 1" in event.message
 
 
+@pytest.mark.slow
 def test_a_reader_far_behind_is_named_by_max_lag_and_a_dead_one_as_gone(store_factory, start):
     policy = nn.Linear(8, 4)
     store = store_factory(policy)

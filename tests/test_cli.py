@@ -110,6 +110,7 @@ def _hold(store_dir, name, worker, conn):
     time.sleep(3600)
 
 
+@pytest.mark.slow
 def test_ls_name_lists_every_reader_worst_first_in_text_and_json(store_dir, start):
     policy = torch.nn.Linear(4, 2)
     with WeightStore.create(policy, name="policy") as store:
@@ -146,6 +147,7 @@ def test_ls_of_an_unknown_store_names_the_close_ones_in_one_line(store_dir):
     assert proc.returncode == 2 and "invalid store name" in proc.stderr
 
 
+@pytest.mark.slow
 def test_an_unlinked_store_stays_listed_while_a_process_holds_it(store_dir, start):
     policy = torch.nn.Linear(4, 2)
     store = WeightStore.create(policy, name="gone-from-folder")

@@ -30,10 +30,9 @@ def _blocks() -> list[tuple[str, str, str]]:
 
 
 def _marks(code: str) -> list:
-    marks = []
-    if "torchrl" in code:
-        # The pages show the newest torchrl, and each such block builds a collector: slow.
-        marks.append(pytest.mark.slow)
+    # Each block runs in an interpreter of its own (seconds to import torch), and many start
+    # workers: slow.
+    marks = [pytest.mark.slow]
     if re.search(r"\bray\b|Distributed|RelaySender", code):
         marks.append(pytest.mark.distributed)
     return marks

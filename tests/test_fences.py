@@ -67,6 +67,7 @@ def publish_and_reload_without_executable_memory(conn) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_publish_and_reload_under_memory_deny_write_execute(start):
     child = start(publish_and_reload_without_executable_memory)
     if not child.conn.poll(90):

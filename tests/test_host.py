@@ -54,6 +54,7 @@ def _gc(store_dir, *args):
     return [r["name"] for r in json.loads(cli("gc", *args, "--json", env=env).stdout)["removed"]]
 
 
+@pytest.mark.slow
 def test_a_trainer_in_another_pid_namespace_keeps_its_store(store_dir, start, ctx):
     store = WeightStore.create(torch.nn.Linear(64, 64), name="policy")
     try:
@@ -74,6 +75,7 @@ def test_a_trainer_in_another_pid_namespace_keeps_its_store(store_dir, start, ct
         store.close()
 
 
+@pytest.mark.slow
 def test_a_dead_store_is_collected_whatever_pid_its_header_names(store_dir, start):
     child = start(create_in_dir_and_hang, store_dir, "dead")
     child.expect("created")
@@ -86,6 +88,7 @@ def test_a_dead_store_is_collected_whatever_pid_its_header_names(store_dir, star
     assert _gc(store_dir) == ["dead"] and not os.listdir(store_dir)
 
 
+@pytest.mark.slow
 def test_a_reader_in_another_pid_namespace_keeps_its_lease(store_dir, start, ctx):
     store = WeightStore.create(torch.nn.Linear(64, 64), name="policy", num_slots=4)
     try:
@@ -113,6 +116,7 @@ def test_a_reader_in_another_pid_namespace_keeps_its_lease(store_dir, start, ctx
         store.close()
 
 
+@pytest.mark.slow
 def test_pids_in_a_header_are_never_signalled(store_dir, start):
     bird = start(canary)
     (pid,) = bird.expect("ready")
@@ -138,6 +142,7 @@ def test_pids_in_a_header_are_never_signalled(store_dir, start):
     assert received == [] and bird.proc.is_alive()
 
 
+@pytest.mark.slow
 def test_creator_killed_then_gc(start):
     child = start(create_and_hang, {"a": 1000})
     (name,) = child.expect("created")
@@ -155,6 +160,7 @@ def test_creator_killed_then_gc(start):
     assert name not in segment.list_names()
 
 
+@pytest.mark.slow
 def test_gc_keeps_stores_in_use(store_factory, start):
     # A store whose creator died but that a live process still holds is kept.
     child = start(create_and_hang, {"a": 10})

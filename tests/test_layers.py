@@ -132,6 +132,7 @@ def test_no_class_is_over_300_lines():
     assert long == []
 
 
+@pytest.mark.slow
 def test_store_and_reader_import_without_torchrl():
     code = (
         "import sys; from shmsync import WeightStore, WeightReader; "

@@ -12,6 +12,7 @@ from helpers import parent_of_a_watching_child
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.slow
 def test_exit_with_parent(start):
     parent = start(parent_of_a_watching_child, daemon=False)
     (pid,) = parent.expect("watching", timeout=120)  # the handshake: its watch has begun

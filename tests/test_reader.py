@@ -102,6 +102,7 @@ def test_readers_survive_unlink(store_factory):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("by", ["name", "pickle"])
+@pytest.mark.slow
 def test_children_attach_and_see_versions_in_order(store_factory, start, by):
     store = store_factory(blob_weights(SMALL, 0.0))
     arg = store.name if by == "name" else store

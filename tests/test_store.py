@@ -86,6 +86,7 @@ def test_context_manager_unlinks():
         WeightStore.attach(name)
 
 
+@pytest.mark.slow
 def test_the_creator_holds_the_writer_role_from_the_start(store_factory, start):
     store = store_factory(blob_weights(SMALL))  # created, never published
     child = start(writer, store.name, SMALL, 1)
@@ -95,6 +96,7 @@ def test_the_creator_holds_the_writer_role_from_the_start(store_factory, start):
     assert store.publish(blob_weights(SMALL, 1.0)) == 1  # the trainer is not locked out
 
 
+@pytest.mark.slow
 def test_one_writer_at_a_time(store_factory, start):
     store = store_factory(blob_weights(SMALL))
     store.publish(blob_weights(SMALL, 1.0))  # this process now holds the writer role

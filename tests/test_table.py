@@ -41,6 +41,7 @@ def read_as_worker(store: WeightStore, worker: int, zero_copy: bool, waiting: bo
         conn.send(("loaded", reader.version))
 
 
+@pytest.mark.slow
 def test_each_reader_has_a_row_with_its_worker_version_lag_mode_and_state(store_factory, start):
     policy = torch.nn.Linear(8, 4)
     store = store_factory(policy, num_slots=4)

@@ -1,8 +1,11 @@
 """The pytest plugin's fixtures, as a user's suite requests them."""
 
+import pytest
+
 pytest_plugins = ["pytester"]
 
 
+@pytest.mark.slow
 def test_leak_check_works_whatever_the_fixture_order(pytester):
     pytester.makepyfile(
         """

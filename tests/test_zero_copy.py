@@ -115,6 +115,7 @@ def test_close_leaves_the_module_its_weights_in_private_memory(store_factory):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_dead_readers_lease_is_reclaimed(store_factory, start):
     store = store_factory(blob_weights(SMALL, 0.0))
     child = start(lease_and_hang, store, SMALL)
@@ -151,6 +152,7 @@ def test_an_optimizer_step_on_viewing_parameters_raises_before_writing(store_fac
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_writing_through_a_view_faults_instead_of_corrupting(store_factory, start):
     store = store_factory(blob_weights(SMALL, 7.0))
     child = start(write_through_view, store, SMALL)
@@ -202,6 +204,7 @@ def test_a_reader_without_a_row_in_a_full_table_copies_instead_of_leasing(store_
         f.close()
 
 
+@pytest.mark.slow
 def test_a_thread_stuck_in_one_stores_table_lock_stalls_no_other_store(store_factory):
     import threading
     import time
