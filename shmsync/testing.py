@@ -128,10 +128,11 @@ def shm_leak_check() -> Iterator[None]:
     for p in extra:
         p.kill()
     # Stores whose creator died are only found through the creator's parent (us) or pid set.
-    leaked = stores_created_by(tree | {p.pid for p in extra}) - before - _MANAGED
+    pids = tree | {p.pid for p in extra}
+    leaked = stores_created_by(pids) - before - _MANAGED
     if leaked and not collected:
         gc.collect()
-        leaked = stores_created_by(tree | {p.pid for p in extra}) - before - _MANAGED
+        leaked = stores_created_by(pids) - before - _MANAGED
     for name in leaked:
         segment.unlink(name)
     problems = []

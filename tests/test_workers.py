@@ -82,7 +82,8 @@ def test_a_worker_that_cannot_start_fails_the_pool_fast(store_factory, problem, 
     assert took < 60, f"{problem}: the pool took {took:.0f}s to say so"
 
 
-def test_a_missing_store_is_named_before_any_worker_starts():
+def test_a_missing_store_is_named_before_any_worker_starts(tmp_path, monkeypatch):
+    monkeypatch.setattr(segment, "SHM_DIR", str(tmp_path))  # no store at all: the hint says to wait
     start = time.monotonic()
     with pytest.raises(StoreNotFoundError, match="no store named 'no-such-store'.*trainer has not created it yet"):
         launch("no-such-store", 2)

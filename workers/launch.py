@@ -31,7 +31,7 @@ from shmsync import WeightStore
 from shmsync.errors import ShmSyncError, StoreNotFoundError, WeightMismatchError
 
 from .collector import WorkerConfig, run_worker
-from .relay import relay_exit_reason, start_relay
+from .relay import one_line, relay_exit_reason, start_relay
 
 
 class WorkerPool:
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             zero_copy=args.zero_copy,
             relay=args.relay,
         )
-    except (ShmSyncError, WeightMismatchError, ValueError) as e:
+    except (ShmSyncError, ValueError) as e:  # WeightMismatchError is a ValueError
         return _fail(e)
     try:
         for worker_id, batch in pool.batches(args.batches):
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
 # 4 the policy does not match the store.
 def _fail(error: BaseException) -> int:
     code = 3 if isinstance(error, StoreNotFoundError) else 4 if isinstance(error, WeightMismatchError) else 1
-    print(f"launch: {type(error).__name__}: {error}", file=sys.stderr)
+    print(f"launch: {type(error).__name__}: {one_line(error)}", file=sys.stderr)
     return code
 
 

@@ -186,7 +186,7 @@ def _run(relay: Relay) -> int:
         code = next((code for kinds, code in _ENDINGS if isinstance(e, kinds)), None)
         if code is None:
             raise  # SystemExit and the like
-        print(f"relay: {type(e).__name__}: {_one_line(e)}; exiting ({REASONS[code]})", file=sys.stderr)
+        print(f"relay: {type(e).__name__}: {one_line(e)}; exiting ({REASONS[code]})", file=sys.stderr)
         return code
     finally:
         relay.close()
@@ -194,7 +194,7 @@ def _run(relay: Relay) -> int:
     return 0
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
     return " ".join(str(error).split())[:1000]
 
 

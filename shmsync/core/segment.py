@@ -84,12 +84,11 @@ def default_name(*parts: str) -> str:
     """A new store name that says whose it is: ``PROGRAM-[PARTS-]PID-RANDOM``, where PROGRAM is
     the running script's name (``train_cartpole``; ``python`` for ``-c`` or a REPL), e.g.
     ``train_cartpole-policy-4242-3f9a1c``."""
-    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    argv0 = sys.argv[0] if sys.argv else ""
+    script = "" if argv0 in ("-c", "-") else os.path.basename(argv0)  # -c, stdin and the REPL: python
     if script == "__main__.py":  # python -m PACKAGE: the package's name
-        script = os.path.basename(os.path.dirname(sys.argv[0]))
+        script = os.path.basename(os.path.dirname(argv0))
     program = re.sub(r"[^A-Za-z0-9_.-]+", "-", script.removesuffix(".py")).strip(".-")[:40] or "python"
-    if program == "c":  # sys.argv[0] of python -c
-        program = "python"
     return "-".join((program, *parts, str(os.getpid()), secrets.token_hex(3)))
 
 
