@@ -19,20 +19,18 @@ LEGS_MARK ?= minors and not full
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test,dev,docs,ray,relay]"
-	touch $@
-
-install: $(VENV)/.installed
-
-# The demo needs only shmsync and the examples' extra (CartPole), not the test tools.
+# The demo needs only torch, shmsync and the examples' extra (CartPole); the tests add the rest.
 $(VENV)/.demo-installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[examples]"
 	touch $@
+
+$(VENV)/.installed: $(VENV)/.demo-installed
+	$(BIN)/python -m pip install -q -e ".[test,dev,docs,ray,relay]"
+	touch $@
+
+install: $(VENV)/.installed
 
 demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/train_cartpole.py
