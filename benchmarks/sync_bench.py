@@ -285,7 +285,7 @@ def bench_reader(sizes: dict[str, int], quick: bool) -> dict:
         policy = make_policy(nbytes)
         store = WeightStore.create(policy)
         worker = make_policy(nbytes)
-        reader = WeightReader(store, worker)
+        reader = WeightReader(store, worker, zero_copy=False)
         # The floor copies the same tensors out of the same slot, one plain copy_ each.
         copy_floor = rotating_copy([weights(worker)], slot_views(store, worker)[0])
         viewer = WeightReader(store, make_policy(nbytes), zero_copy=True)
@@ -300,7 +300,7 @@ def bench_reader(sizes: dict[str, int], quick: bool) -> dict:
 
 
 # -- 3. trainer side with 2 workers: update_policy_weights_() per scheme -------------------------
-ZERO_COPY = "shmsync zero-copy"
+PRIVATE = "shmsync private copy"  # zero_copy=False: each worker copies into weights of its own
 ONE_THREAD = "shmsync 1 thread"  # every copy on one core (SHMSYNC_COPY_THREADS=1), trainer and workers
 
 
@@ -316,7 +316,7 @@ def make_scheme(kind: str):
     if kind.startswith("shmsync"):
         from shmsync import ShmWeightSyncScheme
 
-        return ShmWeightSyncScheme(zero_copy=kind == ZERO_COPY)
+        return ShmWeightSyncScheme(zero_copy=False if kind == PRIVATE else None)
     from torchrl.weight_update import MultiProcessWeightSyncScheme, SharedMemWeightSyncScheme
 
     return {"SharedMem": SharedMemWeightSyncScheme, "MultiProcess": MultiProcessWeightSyncScheme}[kind]()
@@ -460,7 +460,7 @@ def _slow_reader(name: str, nbytes: int, seconds: float, pin_first: bool, conn) 
     if not pin_first:  # the reader as it was: optimistic copies first, whatever their length
         Protocol.outpaced = lambda self: False
     store = WeightStore.attach(name)
-    reader = WeightReader(store, Payload(nbytes))
+    reader = WeightReader(store, Payload(nbytes), zero_copy=False)
     conn.send("ready")
     loads, end = 0, time.monotonic() + seconds
     while time.monotonic() < end:
@@ -602,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     quick = args.quick
     all_sizes = SIZES
     upd_sizes = {k: SIZES[k] for k in (["1MB", "16MB"] if quick else SIZES)}
-    kinds = ["shmsync", "SharedMem"] if quick else ["shmsync", ZERO_COPY, "SharedMem", "MultiProcess"]
+    kinds = ["shmsync", "SharedMem"] if quick else ["shmsync", PRIVATE, "SharedMem", "MultiProcess"]
     started = time.perf_counter()
     report: dict = {
         "machine": {
@@ -645,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     print("throughput ...", file=sys.stderr, flush=True)
     report["throughput"] = bench_throughput(
         {"1MB": SIZES["1MB"]} if quick else {"1MB": SIZES["1MB"], "16MB": SIZES["16MB"]},
-        ["shmsync", ONE_THREAD, ZERO_COPY, "SharedMem"],
+        ["shmsync", ONE_THREAD, PRIVATE, "SharedMem"],
         ["MultiSyncCollector"] if quick else ["MultiSyncCollector", "MultiAsyncCollector"],
         batches=10 if quick else 60,
         explicit=() if quick else ("16MB",),
@@ -884,7 +884,7 @@ def render(r: dict) -> str:
         label = x["payload"]
         floor = "-"
         if x["scheme"].startswith("shmsync") and label in copy_out and label in copy_in:
-            copies = copy_out[label] + (0 if x["scheme"] == ZERO_COPY else copy_in[label])
+            copies = copy_out[label] + (copy_in[label] if x["scheme"] == PRIVATE else 0)
             floor = f"{100 * copies / x['cycle_never_p50']:.1f}%"
         rows.append(
             [

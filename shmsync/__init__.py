@@ -40,6 +40,7 @@ _LAZY = {
     "ShmSyncError": "shmsync.errors",
     "StoreNotFoundError": "shmsync.errors",
     "NotLoadedError": "shmsync.errors",
+    "SharedWeightsWrittenError": "shmsync.errors",
     "WeightMismatchError": "shmsync.errors",
     "WriterBusyError": "shmsync.errors",
     "ReloadTimeoutError": "shmsync.errors",
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from shmsync.errors import (
         NotLoadedError,
         ReloadTimeoutError,
+        SharedWeightsWrittenError,
         ShmSyncError,
         StaleReaderError,
         StoreNotFoundError,
@@ -85,6 +87,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "LogLag",
     "NotLoadedError",
+    "SharedWeightsWrittenError",
     "ReaderAlarm",
     "ReaderRow",
     "ReaderTable",

@@ -74,7 +74,7 @@ class AsyncPublisher:
             except BaseException:
                 protocol.abort(write)
                 raise
-            protocol.commit(write, version)
+            self.memory.commit(write, version)
         except BaseException as e:  # surfaced by the next wait()
             self._error = e
         finally:

@@ -34,6 +34,12 @@ class NotLoadedError(ShmSyncError):
     (its parameters are still on the meta device): call ``poll()`` or ``wait()`` first."""
 
 
+class SharedWeightsWrittenError(ShmSyncError):
+    """This process wrote into parameters that run on a store's shared memory in place (a
+    zero-copy reader's). The write stayed in this process and was undone: no other process
+    saw it. A policy that writes its own weights needs a private copy (``zero_copy=False``)."""
+
+
 class WriterBusyError(ShmSyncError):
     """Another live process is already publishing into this store."""
 

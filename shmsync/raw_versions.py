@@ -53,7 +53,9 @@ def create_from_bytes(
     store = WeightStore._create_empty(
         layout,
         destinations,
-        lambda _name, size, track: Segment.create_incoming(size, track=track),
+        lambda _name, size, head, reserve_bytes, track: Segment.create_incoming(
+            size, head, reserve_bytes=reserve_bytes, track=track
+        ),
         name,
         num_slots,
         unlink_at_exit,
@@ -93,7 +95,7 @@ def publish_bytes(store: WeightStore, fill: Callable[[memoryview], None], *, ver
     except BaseException:
         protocol.abort(write)
         raise
-    return protocol.commit(write, version)
+    return memory.commit(write, version)
 
 
 def add_publish_listener(store: WeightStore, listener: Callable[[int], None]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections.abc import Mapping
@@ -14,9 +15,19 @@ from shmsync import read_only
 from shmsync.core.copies import copy_all
 from shmsync.core.header import ROW_DEVICE, ROW_WAITING, ROW_ZERO_COPY, W_VERSION
 from shmsync.core.mapping import StoreMemory
-from shmsync.errors import NotLoadedError, ReloadTimeoutError, ShmSyncError, WeightMismatchError, WriterGoneError
+from shmsync.core.pages import discard_private, private_pages
+from shmsync.errors import (
+    NotLoadedError,
+    ReloadTimeoutError,
+    SharedWeightsWrittenError,
+    ShmSyncError,
+    WeightMismatchError,
+    WriterGoneError,
+)
 from shmsync.sources import is_destinations, module_weights, parts
 from shmsync.store import WeightStore
+
+log = logging.getLogger("shmsync.reader")
 
 
 class WeightReader:
@@ -29,15 +40,19 @@ class WeightReader:
     :meth:`poll` it is being written, like during ``load_state_dict``, so no other
     thread should run it at that moment.
 
-    With ``zero_copy=True`` (CPU modules only) a reload copies nothing: the module's
-    parameters are pointed at the store's read-only shared memory, and the slot they
-    use is leased so the writer leaves it alone (buffers are still copied, since
-    modules such as BatchNorm write theirs). A module must then never write its
-    parameters in place: such a write faults instead of reaching other processes.
-    Every reader of a slot shares its memory, which also saves a private copy per
-    process. When leasing is refused (at most ``num_slots - 2`` distinct slots may be
-    leased, so that the writer never waits; see :meth:`WeightStore.create`) or on CPUs
-    other than x86-64, the reload copies as usual.
+    A module on the CPU runs on the store's shared memory in place (``zero_copy``, the
+    default there): a reload copies nothing, its parameters are pointed at the slot holding
+    the version, and that slot is leased so the writer leaves it alone. Every reader of a
+    slot shares its memory, so a worker holds no copy of the weights of its own (buffers are
+    still copied, since modules such as BatchNorm write theirs). The module must not write
+    its parameters in place: such a write stays in this process (the page is copied for it
+    alone), and the next reload undoes it and raises
+    :class:`~shmsync.errors.SharedWeightsWrittenError`; an optimizer step over them raises
+    before writing. A policy that writes its weights takes ``zero_copy=False``: a private
+    copy, reloaded by copying. When leasing is refused (at most ``num_slots - 2`` distinct
+    slots may be leased, so that the writer never waits; see :meth:`WeightStore.create`),
+    the reload copies into private memory, says so once, and leases again at a later reload.
+    A module on a GPU always copies (its device copy).
 
     Args:
         store: the :class:`~shmsync.WeightStore` (attached or pickled from the trainer).
@@ -49,7 +64,8 @@ class WeightReader:
         destination: for a store holding several destinations, which one ``module`` takes.
             Not needed when the store holds a single destination.
         timeout: seconds a reload may take before :class:`~shmsync.errors.ReloadTimeoutError`.
-        zero_copy: point the parameters at shared memory instead of copying (see above).
+        zero_copy: run on the store's memory in place (see above). Default (None): on the CPU,
+            yes; on a GPU, no. True for a GPU module raises ValueError.
         worker: the index of the worker this reader serves, shown in the readers' table
             (:meth:`WeightStore.readers`) and in the stale-reader alarm's messages.
 
@@ -70,9 +86,11 @@ class WeightReader:
         1
         >>> reader.poll(), float(worker_policy.weight.detach().sum())
         (True, 3.0)
-        >>> viewer = WeightReader(store, torch.nn.Linear(3, 1), zero_copy=True)
-        >>> viewer.poll(), viewer.viewing  # parameters now view the store: nothing copied
-        (True, True)
+        >>> reader.viewing  # its parameters run on the store's memory: nothing was copied
+        True
+        >>> private = WeightReader(store, torch.nn.Linear(3, 1), zero_copy=False)
+        >>> private.poll(), private.viewing  # a private copy, for a policy that writes its weights
+        (True, False)
         >>> store.close()
     """
 
@@ -84,7 +102,7 @@ class WeightReader:
         *,
         destination: str | None = None,
         timeout: float = 60.0,
-        zero_copy: bool = False,
+        zero_copy: bool | None = None,
         worker: int | None = None,
     ) -> None:
         if not isinstance(store, WeightStore):
@@ -102,11 +120,18 @@ class WeightReader:
         self._targets: list[torch.Tensor] | None = None
         self._sources: list[list[torch.Tensor]] = []
         self._on_cpu = True
-        self.zero_copy = zero_copy
+        if zero_copy is not None and not isinstance(zero_copy, bool):
+            raise TypeError(f"zero_copy must be True, False or None, got {zero_copy!r}")
+        self._asked = zero_copy
+        self.zero_copy = zero_copy is not False  # settled by the module's device at the first bind
         self._viewing: list[torch.Tensor] = []  # parameters now pointing at a leased slot
+        self._slot = -1  # the slot they point at
+        self._param_versions: list[int] = []  # their version counters as pointed: a write moves one
+        self._said_fallback = False
         if worker is not None and (isinstance(worker, bool) or not isinstance(worker, int) or worker < 0):
             raise ValueError(f"worker must be an int >= 0 or None, got {worker!r}")
-        self._flags = ROW_ZERO_COPY if zero_copy else 0
+        self._flags = ROW_ZERO_COPY if self.zero_copy else 0
+        self._worker = worker
         # A row in the readers' table (`shmsync ls`, store.readers()); -1: the table is full, unlisted.
         self._row = self._protocol.claim_row(worker=worker, flags=self._flags)
         self._finalizer = weakref.finalize(self, _leave, memory, self._row, self._viewing)
@@ -178,12 +203,17 @@ class WeightReader:
             raise ShmSyncError(f"store {memory.name!r} is closed in this process")
         # Without a row in the reader table (it is full) there is no lease: copy.
         can_view = self.zero_copy and self._finalizer.alive and self._row >= 0
+        if self._viewing:
+            self._check_unwritten()
         version = self._view_latest() if can_view else None
         if version is None:
+            if can_view:
+                self._say_fallback()
             if self._viewing:  # leasing refused: back to private memory before copying into it
                 # (the old slot may be rewritten meanwhile; the copy below overwrites it all)
                 _make_private(self._viewing)
                 protocol.release_lease(self._row)
+                self._slot = -1
             # Optimistic copies, or the pin at once for a reader slower than the writer.
             version = protocol.read(self._copy, timeout=self.timeout)
         changed = version != self._version
@@ -241,17 +271,21 @@ class WeightReader:
         memory = self._memory
         targets, indices = self._match_parts()
         self._on_cpu = not any(t.is_cuda for t in targets)
-        if self.zero_copy and not self._on_cpu:
+        if self._asked and not self._on_cpu:
             raise ValueError(
                 f"zero_copy=True needs a module on the CPU, got weights on "
                 f"{next(t.device for t in targets if t.is_cuda)}: reloads to a GPU always copy"
             )
         if not self._on_cpu:
+            self.zero_copy = False
+            self._set_flags(ROW_ZERO_COPY, False)
             memory.pin_for_cuda()  # host-to-device copies become asynchronous DMA
         self._set_flags(ROW_DEVICE, not self._on_cpu)
         self._targets = targets
-        # Per slot, the views this reader copies from, so a reload is one batched copy.
-        self._sources = [[views[i] for i in indices] for views in memory.slots]
+        # Per slot, the views this reader copies from, so a reload is one batched copy: the
+        # page-locked store's pages for a GPU, else this process's private mapping of them.
+        slots = memory.read_slots() if self._on_cpu else memory.slots
+        self._sources = [[views[i] for i in indices] for views in slots]
         if self.zero_copy:
             self._bind_views(targets, indices)
 
@@ -281,7 +315,7 @@ class WeightReader:
         self._params = [targets[i] for i in params]
         self._param_names = [".".join(layout.entries[indices[i]].key) for i in params]
         self._buffers = [targets[i] for i in order[len(params) :]]
-        self._views = [[views[indices[i]] for i in order] for views in memory.readonly_slots()]
+        self._views = [[views[indices[i]] for i in order] for views in memory.private_slots()]
         self.store.add_dependent(self)
 
     def _copy(self, slot: int) -> None:
@@ -302,7 +336,42 @@ class WeightReader:
         if not self._viewing:
             read_only.mark(self._params, self._param_names, self.store.name)
         self._viewing[:] = self._params
+        self._slot = slot
+        self._param_versions = [p._version for p in self._params]
         return version
+
+    def _check_unwritten(self) -> None:
+        """Before the parameters leave their slot: did this process write them? A write shows in
+        a parameter's version counter, or (through ``.data`` or C code) as pages of the private
+        mapping that are this process's own. Either is undone, so that the slot shows the
+        store's pages again when it is leased next, and raised."""
+        memory = self._memory
+        written = [n for p, n, v in zip(self._params, self._param_names, self._param_versions) if p._version != v]
+        address, length = memory.private_address(self._slot), memory.slot_range(self._slot)[1]
+        own = private_pages(address, length)
+        if not written and not own:
+            return
+        discard_private(address, length)
+        self._param_versions = [p._version for p in self._params]
+        what = f"parameters {written}" if written else f"{own} pages of its parameters"
+        raise SharedWeightsWrittenError(
+            f"this process wrote {what}, which run in place on the shared memory of store "
+            f"{self.store.name!r} (version {self._version}): the write stayed in this process and is "
+            "undone. A policy that writes its own weights needs a private copy: WeightReader(..., "
+            "zero_copy=False), or ShmWeightSyncScheme(zero_copy=False) for TorchRL collectors"
+        )
+
+    def _say_fallback(self) -> None:
+        if not self._said_fallback:
+            self._said_fallback = True
+            log.warning(
+                "store %r: reader%s could not lease a slot (at most %d distinct versions may be held in "
+                "place); it copies into private memory until a later reload leases one. More slots "
+                "(num_slots, which cost memory only while held) let every reader lease",
+                self.store.name,
+                "" if self._worker is None else f" of worker {self._worker}",
+                self._memory.num_slots - 2,
+            )
 
     def __repr__(self) -> str:
         return f"WeightReader(store={self.store.name!r}, version={self._version}, reloads={self.reloads})"

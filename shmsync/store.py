@@ -105,7 +105,7 @@ class WeightStore(StoreWriter):
         source: Any,
         name: str | None = None,
         *,
-        num_slots: int = 3,
+        num_slots: int = 4,
         unlink_at_exit: bool = True,
         version: int = 0,
     ) -> WeightStore:
@@ -118,11 +118,15 @@ class WeightStore(StoreWriter):
                 on any device; the store always lives in host shared memory.
             name: a name to attach by: 1 to 200 letters, digits, ``_``, ``.`` and ``-``.
                 Default: a unique name, so concurrent test processes never collide.
-            num_slots: copies kept. 3 (the default) guarantees that no reader starves
-                however fast the writer publishes; 2 saves memory but readers may have to
-                wait for a pause in publishing. Zero-copy readers (see
-                :class:`~shmsync.WeightReader`) may lease at most ``num_slots - 2``
-                distinct slots at once; those that cannot lease copy.
+            num_slots: slots of shared memory, each room for one copy of the weights. A slot
+                holds memory only while it holds the latest version, the next write, or a
+                version a reader runs in place: the others are given back, so the store takes
+                two copies while readers keep up, one more per older version a reader holds.
+                Readers that run in place (see :class:`~shmsync.WeightReader`) may hold at
+                most ``num_slots - 2`` distinct versions at once; those that cannot, copy.
+                Default 4: every reader can hold the old version while the next one arrives.
+                With 3 or more, no reader starves however fast the writer publishes; 2 may
+                make readers wait for a pause in publishing.
             unlink_at_exit: remove the shared memory when this process exits or the
                 store is garbage collected. Existing readers keep their mapping.
             version: the version of these first weights (say, the trainer's version that a
@@ -220,8 +224,14 @@ class WeightStore(StoreWriter):
 
     @property
     def shm_bytes(self) -> int:
-        """Bytes of shared memory the store occupies (header and all slots)."""
+        """Bytes of shared memory the store may take (header and every slot): its file's size."""
         return self.memory.segment.size
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of memory the store takes now: its header, and the slots that hold pages (the
+        latest, the next write's, and those readers hold; the others are given back)."""
+        return self.memory.resident_bytes()
 
     @property
     def num_slots(self) -> int:
@@ -239,7 +249,12 @@ class WeightStore(StoreWriter):
         """Header facts: version, creator and writer pids, publish count and times (ns)."""
         h = self.memory.header
         facts = {name: h[word] for name, word in _INFO.items()}
-        return {**facts, "shm_bytes": self.memory.segment.size, "num_slots": self.memory.num_slots}
+        return {
+            **facts,
+            "shm_bytes": self.memory.segment.size,
+            "resident_bytes": self.memory.resident_bytes(),
+            "num_slots": self.memory.num_slots,
+        }
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"version={self.version}"

@@ -171,7 +171,7 @@ class StoreWriter:
         except BaseException:
             protocol.abort(write)
             raise
-        return protocol.commit(write, version)
+        return self.memory.commit(write, version)
 
     def publisher_alive(self) -> bool:
         """Whether a live process can still publish: some process holds the writer role, or the

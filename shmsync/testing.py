@@ -211,9 +211,9 @@ def hold_table_lock(store: Any) -> Iterator[None]:
         yield
 
 
-def slot_views(store: Any, readonly: bool = False) -> list[list[Any]]:
-    """Per slot, a view of every tensor of ``store`` (``readonly``: the read-only mapping's)."""
-    return store.memory.readonly_slots() if readonly else store.memory.slots
+def slot_views(store: Any, private: bool = False) -> list[list[Any]]:
+    """Per slot, a view of every tensor of ``store`` (``private``: a reader's private mapping's)."""
+    return store.memory.private_slots() if private else store.memory.slots
 
 
 def ordering_of(store: Any) -> str:

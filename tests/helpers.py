@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from shmsync import WeightReader, WeightStore, WriterBusyError
+from shmsync import SharedWeightsWrittenError, WeightReader, WeightStore, WriterBusyError
 from shmsync.testing import read_with, stop_mid_publish
 
 
@@ -219,17 +219,23 @@ def lease_and_hang(store: WeightStore, sizes, conn) -> None:
 
 
 def write_through_view(store: WeightStore, sizes, conn) -> None:
-    """Load with ``zero_copy``, then write a parameter in place: the process must fault."""
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    """Load in place, write the parameters (``a`` in place, ``b`` through ``.data``), then, once
+    the parent published, reload twice: what the module holds at each step."""
     module = ParamBlob(sizes)
-    reader = WeightReader(store, module, zero_copy=True)
+    reader = WeightReader(store, module)
     reader.poll()
-    conn.send(("viewing", reader.viewing))
     with torch.no_grad():
-        next(module.parameters()).add_(1.0)
-    conn.send(("wrote",))
+        module.a.add_(1.0)
+    module.b.data.fill_(-1.0)
+    conn.send(("wrote", reader.viewing, float(module.a.min()), float(module.b.max())))
+    conn.recv()
+    try:
+        reader.poll()
+        conn.send(("reloaded",))
+    except SharedWeightsWrittenError as e:
+        conn.send(("refused", str(e), mixed_values(module)))
+    reader.poll()
+    conn.send(("then", reader.version, reader.viewing, mixed_values(module)))
 
 
 def writer(store_name: str, sizes, count: int, conn, every_value: bool = True) -> None:

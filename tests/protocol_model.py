@@ -46,6 +46,9 @@ class Options:
     no_granting_check: bool = False  # _move_lease leases while a ticket waits for its grant
     no_lease_version_fence: bool = False  # lease_latest's fence between the slot's seq and its version
     no_give_way: bool = False  # choose_target never writes through a lease still being decided
+    no_reclaim_handshake: bool = False  # reclaim gives a slot back without marking it odd and looking at its leases
+    reclaim_pinned: bool = False  # reclaim does not leave the pinned slot alone
+    accept_empty: bool = False  # try_read copies a slot whose version is -1 (given back after `latest` was read)
     reloads: int = 2  # the zero-copy reader's reloads (its lease moves between them)
 
 
@@ -56,7 +59,8 @@ def writer(o: Options, publishes: int, begun: bool = False) -> Generator:
     for k in range(publishes):
         if begun and k == 0:
             yield Mark("writing", 1)
-            yield from commit(o, 1, 1, 1)
+            replaced = yield from commit(o, 1, 1, 1)
+            yield from reclaim(o, replaced)
             continue
         backed_off = ()
         target = odd = -1
@@ -86,25 +90,84 @@ def writer(o: Options, publishes: int, begun: bool = False) -> Generator:
         version = version + 1
         for cell in range(CELLS):
             yield Store(("data", target, cell), version)
-        yield from commit(o, target, odd, version)
+        replaced = yield from commit(o, target, odd, version)
+        yield from reclaim(o, replaced)
+
+
+GIVEN_BACK = -2  # a cell of a slot whose memory was given back (it reads as zeros)
+
+
+def reclaim(o: Options, replaced: int) -> Generator:
+    """``reclaim`` (every slot with pages, as the code's default ``holds_pages``): the slots neither
+    latest, nor pinned, nor leased, but the one the next write takes (none while readers hold only
+    the ``replaced`` slot); each marked through the write handshake (``_mark``), its cells given
+    back, then ``abort``."""
+    release = yield Load("pin_release")
+    grant = yield Load("pin_grant")
+    pinned = (yield Load("pin_slot")) if release < grant and not o.reclaim_pinned else -1
+    latest = yield Load("latest")
+    idle, held = (), ()
+    for s in range(o.slots):
+        if s == latest:
+            continue
+        count = yield Load(("leases", s))
+        if count and (yield from row_leased(o, s)):
+            held = (*held, s)
+        elif s != pinned:
+            idle = (*idle, s)
+    keep, keep_version = -1, 0
+    for s in idle:
+        v = yield Load(("ver", s))
+        if v >= 0 and (keep < 0 or v < keep_version):
+            keep, keep_version = s, v
+    if held and all(s == replaced for s in held):
+        keep = -1
+    for s in idle:
+        if s == keep:
+            continue
+        seq = yield Load(("seq", s))
+        odd = seq + 2 if seq & 1 else seq + 1
+        if not o.no_reclaim_handshake:
+            yield Store(("seq", s), odd)
+            yield Fence(full=True)
+            count = yield Load(("leases", s))
+            if count and (yield from row_leased(o, s, confirmed=True)):
+                yield Store(("seq", s), odd + 1)
+                continue
+        yield Mark("writing", s)
+        for cell in range(CELLS):
+            yield Store(("data", s, cell), GIVEN_BACK)
+        yield Store(("ver", s), -1)  # abort
+        yield Fence()
+        yield Store(("seq", s), odd + 1)
+        yield Mark("writing")
 
 
 def commit(o: Options, target: int, odd: int, version: int) -> Generator:
-    """``commit``: the version, the even sequence, ``latest``, ``version``, the publish count."""
+    """``commit``: the version, the even sequence, ``latest``, ``version``, the publish count.
+    Returns the slot that was latest before (``replaced``)."""
     yield Store(("ver", target), version)
     if not o.no_commit_fence:
         yield Fence()
     if o.latest_before_even:
+        replaced = yield from _replaced()
         yield Store("latest", target)
         yield Store(("seq", target), odd + 1)
     else:
         yield Store(("seq", target), odd + 1)
         yield Mark("writing")
+        replaced = yield from _replaced()
         yield Store("latest", target)
     yield Mark("writing")
     yield Store("version", version)
     count = yield Load("publish_count")
     yield Store("publish_count", count + 1)
+    return replaced
+
+
+def _replaced() -> Generator:
+    version = yield Load("version")
+    return (yield Load("latest")) if version >= 0 else -1
 
 
 def choose_target(o: Options, backed_off: tuple) -> Generator:
@@ -140,11 +203,11 @@ def choose_target(o: Options, backed_off: tuple) -> Generator:
                 undecided = (*undecided, s)
         candidates = tuple(s for s in undecided if s != pinned) or free or undecided
     best = None
-    best_version = 0
+    best_key = (False, 0)
     for s in candidates:
         v = yield Load(("ver", s))
-        if best is None or v < best_version:
-            best, best_version = s, v
+        if best is None or (v < 0, v) < best_key:  # slots holding a version first (_warm_first)
+            best, best_key = s, (v < 0, v)
     return best
 
 
@@ -175,6 +238,8 @@ def try_read(o: Options) -> Generator:
     if not o.no_read_fences:
         yield Fence()
     version = yield Load(("ver", slot))
+    if version < 0 and not o.accept_empty:
+        return None  # given back since `latest` was read
     cells = ()
     for cell in range(CELLS):
         value = yield Load(("data", slot, cell))
@@ -238,6 +303,9 @@ def await_pin(o: Options, ticket: int) -> Generator:
                 return None
             yield Fence()
             version = yield Load(("ver", slot))
+            if version < 0:  # never: a pin is on the latest or a leased slot (copy_validated's check)
+                yield Mark("pinned")
+                return None
             cells = ()
             for cell in range(CELLS):
                 value = yield Load(("data", slot, cell))

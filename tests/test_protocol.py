@@ -18,6 +18,7 @@ from shmsync.core.header import (
     W_PIN_RELEASE,
     W_PIN_REQUEST,
     W_PIN_SLOT,
+    W_SLOT_VERSION,
     W_VERSION,
 )
 from shmsync.core.protocol import LocalLocks, Protocol, initialize, lease_word
@@ -107,10 +108,22 @@ def test_an_optimistic_copy_is_accepted_only_if_no_write_touched_it(num_slots, o
     assert accepted and rejected
 
 
-def test_a_copy_is_overtaken_only_once_the_writer_starts_a_third_publish():
-    """With 3 slots, a copy of the latest slot survives two whole publishes (the README's claim)."""
-    assert copy_during(Store(3), 3, before=8) == (0, [0, 0])
-    assert copy_during(Store(3), 3, before=8 + 1)[0] is None
+def test_a_copy_is_overtaken_only_once_the_writer_starts_a_second_publish():
+    """A copy of the latest slot survives one whole publish. The writer takes slots holding a
+    version before empty ones (their memory is there), so it alternates between two slots."""
+    assert copy_during(Store(3), 2, before=4) == (0, [0, 0])
+    assert copy_during(Store(3), 2, before=4 + 1)[0] is None
+
+
+def test_the_writer_alternates_between_two_slots_and_leaves_the_others_empty():
+    store = Store(4)
+    written = []
+    for v in range(1, 7):
+        write = store.writer.begin_write()
+        written.append(write.slot)
+        store.writer.commit(write, v)
+    assert written == [1, 0, 1, 0, 1, 0]
+    assert [store.h[W_SLOT_VERSION + s] for s in (2, 3)] == [-1, -1]
 
 
 @pytest.mark.parametrize("ordering", ORDERINGS)
@@ -431,3 +444,55 @@ def test_with_two_slots_a_lease_being_decided_and_a_pin_never_make_the_writer_wa
 def test_the_protocol_needs_no_torch():
     code = "import sys, shmsync.core.protocol, shmsync.core.fences; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# -- memory given back ---------------------------------------------------------------------------------
+def holds_a_version(store: Store):
+    return lambda slot: store.h[W_SLOT_VERSION + slot] >= 0  # what holds pages in these tests
+
+
+def given_back_after(store: Store, publish: int) -> list[int]:
+    store.publish(publish)
+    given = store.writer.reclaim(lambda slot: store.slots.__setitem__(slot, [0, 0]), holds_a_version(store))
+    return sorted(given)
+
+
+def test_reclaim_keeps_the_latest_and_the_next_writes_slot_and_gives_back_the_rest():
+    store = Store(4)
+    reader = store.protocol(2)
+    row = reader.claim_row()
+    leased, _ = reader.lease_latest(row)  # slot 0, version 0
+    assert given_back_after(store, 1) == []  # slot 1 latest; 0 leased; 2 and 3 never written
+    assert given_back_after(store, 2) == []  # into slot 2 (0 is leased); 1 kept for the next write
+    reader.release_lease(row)
+    # Version 3 goes into slot 0 (free now, the least recently written); of 1 and 2, 1 is kept.
+    assert given_back_after(store, 3) == [2]
+    assert store.h[W_SLOT_VERSION + 2] == -1 and store.slots[2] == [0, 0]
+    assert store.writer.begin_write().slot == 1, "the writer took an empty slot over one holding a version"
+
+
+def test_reclaim_never_gives_back_a_pinned_slot_or_one_a_reader_leases_meanwhile():
+    store = Store(4)
+    store.publish(1)
+    store.publish(2)  # slots 1, 0 hold versions; latest is 0
+    store.h[W_PIN_SLOT], store.h[W_PIN_GRANT], store.h[W_PIN_RELEASE] = 1, 5, 4  # a reader copies slot 1
+    refuse = lambda slot: pytest.fail(f"gave back slot {slot}")  # noqa: E731
+    assert store.writer.reclaim(refuse, holds_a_version(store)) == []
+    store.h[W_PIN_RELEASE] = 5  # released: slot 1 is the next write's, kept
+    assert store.writer.reclaim(refuse, holds_a_version(store)) == []
+
+
+def test_an_optimistic_copy_during_a_give_back_fails_validation():
+    store = Store(4)
+    store.publish(1)  # slot 1 latest, slot 0 holds version 0
+    store.publish(2)  # slot 0 latest (version 2), slot 1 holds 1
+    store.h[W_SLOT_VERSION + 2] = 0  # a third slot holding a version: slot 1 is no longer the one kept
+    reader = store.protocol(2)
+    got = []
+
+    def copy(slot):
+        got.append(store.slots[slot][0])
+        store.writer.reclaim(lambda s: store.slots.__setitem__(s, [0, 0]))  # gives back the slot being copied
+        got.append(store.slots[slot][1])
+
+    assert reader.copy_validated(1, copy) is None and got == [1, 0]

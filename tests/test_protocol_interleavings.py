@@ -82,8 +82,16 @@ MUTATIONS = {
     "no_read_fences": ("weak", 2, {"publishes": 2, "readers": "optimistic"}, "accepted slot"),
     "no_commit_fence": ("weak", 2, {"publishes": 2, "readers": "optimistic"}, "accepted slot"),
     "no_lease_version_fence": ("weak", 3, {"readers": "zero-copy"}, "accepted slot"),
+    "no_reclaim_handshake": (
+        "sc",
+        3,
+        {"readers": "zero-copy", "reloads": 2},
+        "accepted slot",  # a lease confirmed on a slot given back meanwhile
+    ),
+    "reclaim_pinned": ("sc", 3, {"readers": "pinned,zero-copy", "reloads": 2}, "being written while a reader copies"),
+    "accept_empty": ("sc", 3, {"readers": "zero-copy", "reloads": 2}, "accepted slot"),
 }
-SLOW_MUTATIONS = {"no_reader_full_fence"}  # its counterexample lies deep: 20 s
+SLOW_MUTATIONS = {"no_reader_full_fence", "reclaim_pinned"}  # their counterexamples lie deep: 20 s, 100 s
 
 
 @pytest.mark.timeout(600)

@@ -10,6 +10,7 @@ import pytest
 from interleavings import Accept, Choose, Fail, Fence, Load, Lock, Mark, Store, Unlock
 from protocol_model import (
     CELLS,
+    GIVEN_BACK,
     READER_PID,
     READER_STORES,
     WRITER_STORES,
@@ -189,6 +190,7 @@ class Pair:
         version = self.h[H.W_VERSION] + 1
         self.slots[write.slot] = [version] * CELLS
         p.commit(write)
+        p.reclaim(lambda slot: self.slots.__setitem__(slot, [GIVEN_BACK] * CELLS))
 
     def read(self):
         code: list = []

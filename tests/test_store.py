@@ -16,9 +16,11 @@ from shmsync.testing import ordering_of
 from helpers import (
     SMALL,
     STRESS_SIZES,
+    ParamBlob,
     assert_unchanged,
     blob_weights,
     lease_and_hang,
+    mixed_values,
     slow_reader,
     store_state,
     stress_reader,
@@ -58,9 +60,30 @@ def test_snapshot_and_info(store_factory):
     snap = store.snapshot()
     assert snap.version == 0 and float(snap.weights["a"][0]) == 7.0
     info = store.info()
-    assert info["creator_pid"] == os.getpid() and info["num_slots"] == 3
-    assert store.shm_bytes <= 3 * store.nbytes + (1 << 20)
+    assert info["creator_pid"] == os.getpid() and info["num_slots"] == 4
+    assert store.shm_bytes <= 4 * store.nbytes + (1 << 20)
+    assert info["resident_bytes"] <= store.nbytes + (1 << 20)  # the first slot only, and the header
     assert store.name == f"readable-{os.getpid()}"
+
+
+def test_slots_nobody_uses_hold_no_memory_and_a_held_version_costs_one_slot_while_held(store_factory):
+    sizes = {"a": 1 << 20}  # 4 MiB a copy
+    store = store_factory(blob_weights(sizes, 0.0), num_slots=6)
+    slot, head = store.memory.slot_range(0)[1], store.memory.slot_range(0)[0]
+    for v in range(1, 8):
+        store.publish(blob_weights(sizes, float(v)))
+        assert store.resident_bytes <= head + 2 * slot  # the latest and the next write's
+    module = ParamBlob(sizes)
+    reader = WeightReader(store, module)  # runs version 7 in place: its slot stays
+    assert reader.poll() and reader.viewing
+    for v in range(8, 14):
+        store.publish(blob_weights(sizes, float(v)))
+        assert store.resident_bytes <= head + 3 * slot
+        assert mixed_values(module) == {7.0}
+    assert reader.poll() and mixed_values(module) == {13.0}
+    store.publish(blob_weights(sizes, 14.0))  # the writer gives the old version's slot back
+    assert store.resident_bytes <= head + 2 * slot
+    assert reader.poll() and mixed_values(module) == {14.0}
 
 
 def test_unique_default_names(store_factory):
@@ -409,8 +432,9 @@ def test_check_raises_what_publish_would_and_writes_nothing(store):
 
 def test_out_of_shared_memory_says_what_is_needed_and_free():
     big = torch.zeros(1).expand(2**40 // 4)  # 1 TiB per slot, without the memory behind it
+    # Only the first slot is reserved at creation; the others when first written.
     with pytest.raises(
-        OSError, match=r"cannot reserve 3072\.0 GiB in .* \(No space left on device; [\d.]+ [KMG]iB free"
+        OSError, match=r"cannot reserve 1024\.0 GiB for store .* \(No space left on device; [\d.]+ [KMG]iB free"
     ):
         WeightStore.create(TensorDict({"a": big}))
 

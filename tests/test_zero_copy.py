@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from shmsync import WeightReader, WeightStore
+from shmsync import SharedWeightsWrittenError, WeightReader, WeightStore
 from shmsync.testing import hold_table_lock, slot_views
 
 from helpers import (
@@ -29,8 +29,8 @@ def _publish(store, value, sizes=SMALL):
 
 
 def _inside(tensor, store):
-    """Whether ``tensor`` lies in the store's read-only mapping."""
-    views = [v for slot in slot_views(store, readonly=True) for v in slot]
+    """Whether ``tensor`` lies in the store's private mapping (a reader's)."""
+    views = [v for slot in slot_views(store, private=True) for v in slot]
     lo = min(v.data_ptr() for v in views)
     hi = max(v.data_ptr() + v.nbytes for v in views)
     return lo <= tensor.data_ptr() < hi
@@ -57,7 +57,7 @@ def test_parameters_view_the_store_and_buffers_are_copied(store_factory):
 
 
 def test_a_leased_slot_is_never_rewritten_and_the_rule_falls_back_to_copying(store_factory):
-    store = store_factory(blob_weights(SMALL, 0.0))  # 3 slots: at most one leased slot
+    store = store_factory(blob_weights(SMALL, 0.0), num_slots=3)  # at most one leased slot
     first, second = ParamBlob(SMALL), ParamBlob(SMALL)
     r1 = WeightReader(store, first, zero_copy=True)
     r2 = WeightReader(store, second, zero_copy=True)
@@ -117,7 +117,7 @@ def test_close_leaves_the_module_its_weights_in_private_memory(store_factory):
 @pytest.mark.timeout(60)
 @pytest.mark.slow
 def test_a_dead_readers_lease_is_reclaimed(store_factory, start):
-    store = store_factory(blob_weights(SMALL, 0.0))
+    store = store_factory(blob_weights(SMALL, 0.0), num_slots=3)  # one slot may be leased
     child = start(lease_and_hang, store, SMALL)
     assert child.expect("leased") == (True, 0)
     _publish(store, 1.0)
@@ -153,16 +153,35 @@ def test_an_optimizer_step_on_viewing_parameters_raises_before_writing(store_fac
 
 @pytest.mark.timeout(60)
 @pytest.mark.slow
-def test_writing_through_a_view_faults_instead_of_corrupting(store_factory, start):
+def test_a_write_through_a_view_stays_in_its_process_and_the_next_reload_raises_and_undoes_it(store_factory, start):
     store = store_factory(blob_weights(SMALL, 7.0))
     child = start(write_through_view, store, SMALL)
-    assert child.expect("viewing") == (True,)
-    child.proc.join(30)
-    assert child.proc.exitcode == -signal.SIGSEGV
-    with pytest.raises(EOFError):  # it never reported "wrote"
-        child.conn.recv()
+    assert child.expect("wrote") == (True, 8.0, -1.0)  # no fault: its own module has the writes
     version, weights = store.snapshot()
-    assert version == 0 and all((t == 7.0).all() for t in weights.values())
+    assert version == 0 and all((t == 7.0).all() for t in weights.values())  # the store's pages do not
+    _publish(store, 9.0)
+    child.conn.send(("published",))
+    message, values = child.expect("refused")
+    assert "wrote parameters ['a']" in message and "zero_copy=False" in message
+    assert values == {7.0}  # undone: version 0, as published
+    assert child.expect("then") == (1, True, {9.0})
+
+
+def test_a_write_through_data_is_found_by_its_pages_and_undone(store_factory):
+    store = store_factory(blob_weights(SMALL, 7.0))
+    module = ParamBlob(SMALL)
+    reader = WeightReader(store, module)
+    assert reader.poll() and reader.viewing
+    module.b.data.fill_(-1.0)  # .data: the parameter's version counter does not move
+    assert mixed_values(module) == {7.0, -1.0}
+    assert all((t == 7.0).all() for t in store.snapshot().weights.values())
+    _publish(store, 9.0)
+    with pytest.raises(SharedWeightsWrittenError, match=r"wrote [12] pages of its parameters"):
+        reader.poll()
+    assert mixed_values(module) == {7.0} and reader.version == 0
+    assert reader.poll() and mixed_values(module) == {9.0}
+    _publish(store, 10.0)
+    assert reader.poll() and mixed_values(module) == {10.0}  # back on the slot it wrote: the store's pages
 
 
 @pytest.mark.slow

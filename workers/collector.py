@@ -28,7 +28,7 @@ class WorkerConfig:
     destination: str | None = None  # for a store holding several destinations
     seed: int = 0
     version_key: str = "policy_version"
-    zero_copy: bool = False  # CPU policies: parameters view the store (see WeightReader)
+    zero_copy: bool | None = None  # CPU policies run on the store in place unless False (see WeightReader)
 
 
 def load_object(path: str) -> Any:
@@ -82,7 +82,7 @@ def _collect(worker_id: int, config: WorkerConfig, queue: Any, stopping: threadi
             policy,
             device=config.device,
             destination=config.destination,
-            zero_copy=config.zero_copy and torch.device(config.device).type == "cpu",
+            zero_copy=config.zero_copy if torch.device(config.device).type == "cpu" else False,
             worker=worker_id,
         )
     except BaseException:

@@ -284,8 +284,12 @@ def main(argv: list[str] | None = None) -> int:
         "--batches", type=int, default=None, help="stop after this many batches (default: run until Ctrl-C)"
     )
     parser.add_argument(
-        "--zero-copy", action="store_true", help="CPU workers point their parameters at the store instead of copying"
+        "--private-copy",
+        action="store_true",
+        help="each CPU worker keeps a copy of the weights of its own (for a policy that writes its weights); "
+        "by default CPU workers run on the store's memory in place",
     )
+    parser.add_argument("--zero-copy", action="store_true", help=argparse.SUPPRESS)  # the default now
     parser.add_argument("--relay", default=None, help="ADDRESS:PORT of the trainer's RelaySender (another host)")
     args = parser.parse_args(argv)
     try:
@@ -296,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             args.device,
             frames_per_batch=args.frames_per_batch,
             policy=args.policy,
-            zero_copy=args.zero_copy,
+            zero_copy=False if args.private_copy else None,
             relay=args.relay,
         )
     except (ShmSyncError, ValueError) as e:  # WeightMismatchError is a ValueError

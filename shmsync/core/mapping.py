@@ -2,8 +2,13 @@
 tensor layout, and per slot the tensor views that copies go through.
 
 This is what clients of a store build on (the store's publish, the readers, the CUDA
-publisher, tools and tests): they copy through :attr:`StoreMemory.slots` inside the
-protocol's ``copy(slot)`` callbacks, and never touch header words themselves.
+publisher, tools and tests): they copy through :attr:`StoreMemory.slots` (a writer's) or
+:meth:`StoreMemory.private_slots` (a reader's) inside the protocol's ``copy(slot)`` callbacks,
+and never touch header words themselves.
+
+Memory: a new store reserves its head and one slot; any other slot gets its pages when it is
+first written (reserved first, so a full ``/dev/shm`` is an ``OSError``, never a SIGBUS), and
+gives them back once no reader can use it (:meth:`StoreMemory.reclaim`, after every publish).
 """
 
 from __future__ import annotations
@@ -23,24 +28,29 @@ from shmsync.core.header import (
     HEADER_BYTES,
     MAGIC,
     MAX_SLOTS,
+    STORE_PAGE_LOCKED,
     W_CREATE_NS,
     W_CREATOR_PID,
     W_CREATOR_PPID,
     W_CREATOR_START,
     W_DATA_OFFSET,
     W_FORMAT,
+    W_GIVE_BACK_BEGUN,
+    W_GIVE_BACK_DONE,
     W_LAYOUT_BYTES,
     W_LAYOUT_OFFSET,
     W_MAGIC,
     W_NUM_SLOTS,
     W_PAYLOAD_BYTES,
     W_SLOT_BYTES,
+    W_STORE_FLAGS,
     check_words,
     header_view,
 )
 from shmsync.core.layout import Layout, segment_bytes
+from shmsync.core.pages import address_of, holds_pages, punch, reserve, resident_bytes
 from shmsync.core.processes import process_start_ns
-from shmsync.core.protocol import Protocol, initialize
+from shmsync.core.protocol import Protocol, Write, initialize
 from shmsync.core.segment import CREATOR_LOCK, Segment, SegmentLocks
 from shmsync.errors import StoreCorruptError
 
@@ -50,7 +60,8 @@ def new_segment(
 ) -> Segment:
     """A new store's segment, sized for ``num_slots`` slots of ``layout``, its layout and header
     written (the magic word last: nobody attaches to a half-written header), no version yet; this
-    process holds its creator lock. ``make_segment(name, size, track=...)`` makes the file.
+    process holds its creator lock. ``make_segment(name, size, head, reserve_bytes=..., track=...)``
+    makes the file; only the head and the first slot are reserved.
 
     Raises:
         ValueError: ``num_slots`` out of range.
@@ -59,7 +70,7 @@ def new_segment(
         raise ValueError(f"num_slots must be an int between 2 and {MAX_SLOTS}, got {num_slots!r}")
     doc = layout.to_json(destinations)
     layout_offset, data_offset, size = segment_bytes(doc, layout.slot_bytes, num_slots)
-    segment = make_segment(name, size, track=track)
+    segment = make_segment(name, size, data_offset, reserve_bytes=data_offset + layout.slot_bytes, track=track)
     h = header_view(segment.buf)
     try:
         segment.lock(CREATOR_LOCK, exclusive=True, wait=False)
@@ -90,10 +101,10 @@ def new_segment(
     return segment
 
 
-def read_layout(fd: int, st: os.stat_result, name: str) -> tuple[Layout, Any]:
-    """Store ``name``'s layout and destinations, its file (``fd``, ``st``) read with ``pread``:
-    every header word that sizes, places or indexes anything, and every layout field, checked
-    against the file's size before anything is mapped.
+def read_layout(fd: int, st: os.stat_result, name: str) -> tuple[int, tuple[Layout, Any]]:
+    """Where store ``name``'s slots begin, and its layout and destinations, its file (``fd``,
+    ``st``) read with ``pread``: every header word that sizes, places or indexes anything, and
+    every layout field, checked against the file's size before anything is mapped.
 
     Raises:
         StoreNotFoundError: a file too short for a header (a store still being made).
@@ -109,7 +120,7 @@ def read_layout(fd: int, st: os.stat_result, name: str) -> tuple[Layout, Any]:
             f"store {name!r}: header field payload_bytes is {h[W_PAYLOAD_BYTES]}, its layout holds "
             f"{layout.payload_bytes} bytes; the store was not opened"
         )
-    return layout, destinations
+    return h[W_DATA_OFFSET], (layout, destinations)
 
 
 class StoreMemory:
@@ -120,7 +131,6 @@ class StoreMemory:
         header: its header words (int64 memoryview).
         protocol: this process's side of the slot protocol (:class:`~shmsync.core.protocol.Protocol`).
         layout: where each tensor lives inside a slot; destinations: their names, or None.
-        slots: per slot, a writable view of every tensor, in layout order.
     """
 
     def __init__(
@@ -131,12 +141,15 @@ class StoreMemory:
         self.layout, self.destinations = layout, destinations
         self.num_slots = h[W_NUM_SLOTS]
         self.protocol = Protocol(h, SegmentLocks(segment), name=segment.name)
-        self.slots = self._slot_views(segment.buf)
-        self._readonly: list[list[torch.Tensor]] = []
+        self.protocol.on_cold = self._reserve_slot
+        self._shared: list[list[torch.Tensor]] = []  # per slot, views of the store's pages (a writer's)
+        self._private: list[list[torch.Tensor]] = []  # per slot, views of a private mapping (a reader's)
         self._pinned: list = []  # (pointer, view) of page-locked memory, for CUDA copies
+        self._empty: dict[int, float] = {}  # slots seen holding no pages, and when
+        self._reclaim_failed = False
         # Garbage collected or at exit: views dropped, unlinked if asked (by the creator only).
         self._finalizer = weakref.finalize(
-            self, _release, segment, (self.slots, self._readonly), h[W_CREATOR_PID], self._pinned, unlink_at_exit
+            self, _release, segment, (self._shared, self._private), h[W_CREATOR_PID], self._pinned, unlink_at_exit
         )
 
     @property
@@ -152,47 +165,140 @@ class StoreMemory:
         """Whether the slots are page-locked in this process (see :meth:`pin_for_cuda`)."""
         return bool(self._pinned)
 
-    def readonly_slots(self) -> list[list[torch.Tensor]]:
-        """Per slot, read-only views of every entry (a write through them faults)."""
-        if not self._readonly:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                self._readonly += self._slot_views(self.segment.readonly())
-        return self._readonly
+    @property
+    def slots(self) -> list[list[torch.Tensor]]:
+        """Per slot, a writable view of every tensor in layout order, on the store's own pages:
+        what a writer copies into (mapped on first use)."""
+        if not self._shared:
+            self._shared += self._slot_views(shared=True)
+        return self._shared
 
-    def _slot_views(self, buf) -> list[list[torch.Tensor]]:
-        """Per slot, a view of every entry in mapping ``buf``."""
-        data, stride = self.header[W_DATA_OFFSET], self.header[W_SLOT_BYTES]
+    def private_slots(self) -> list[list[torch.Tensor]]:
+        """Per slot, a view of every tensor in layout order, on a private mapping of the store's
+        pages: what a reader copies from, or points its parameters at. A write through them
+        copies the page for this process alone (see :func:`shmsync.core.pages.private_pages`)."""
+        if not self._private:
+            self._private += self._slot_views(shared=False)
+        return self._private
+
+    def read_slots(self) -> list[list[torch.Tensor]]:
+        """Views to copy out of: the writer's, where this process has them, else the private ones."""
+        return self._shared or self.private_slots()
+
+    def _slot_views(self, *, shared: bool) -> list[list[torch.Tensor]]:
+        buf, base = self.segment.data(shared=shared)
+        data, stride = self.header[W_DATA_OFFSET] - base, self.header[W_SLOT_BYTES]
         return [self.layout.slot_views(buf, data + i * stride) for i in range(self.num_slots)]
+
+    def slot_range(self, slot: int) -> tuple[int, int]:
+        """Slot ``slot``'s ``(offset, length)`` in the file."""
+        h = self.header
+        return h[W_DATA_OFFSET] + slot * h[W_SLOT_BYTES], h[W_SLOT_BYTES]
+
+    def private_address(self, slot: int) -> int:
+        """The address of slot ``slot``'s first byte in this process's private mapping."""
+        self.private_slots()
+        buf, base = self.segment.data(shared=False)
+        return address_of(buf) + self.slot_range(slot)[0] - base
 
     def slot_bytes(self, slot: int) -> torch.Tensor:
         """Slot ``slot``'s payload as one flat writable ``uint8`` tensor (all entries, in layout
-        order, with their alignment gaps)."""
-        h = self.header
-        offset = h[W_DATA_OFFSET] + slot * h[W_SLOT_BYTES]
-        return torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=h[W_PAYLOAD_BYTES], offset=offset)
+        order, with their alignment gaps), on the store's pages."""
+        buf, base = self.segment.data(shared=True)
+        offset = self.slot_range(slot)[0] - base
+        return torch.frombuffer(buf, dtype=torch.uint8, count=self.header[W_PAYLOAD_BYTES], offset=offset)
 
     def slot_buffer(self, slot: int, *, writable: bool = False) -> memoryview:
-        """Slot ``slot``'s payload bytes as a memoryview of the mapping (read-only unless
-        ``writable``): what sockets send from and receive into. Release it before the store
-        closes (``with memory.slot_buffer(s) as view: ...``)."""
-        h = self.header
-        offset = h[W_DATA_OFFSET] + slot * h[W_SLOT_BYTES]
-        buf = self.segment.buf if writable else self.segment.readonly()
+        """Slot ``slot``'s payload bytes as a memoryview (read-only unless ``writable``): what
+        sockets send from and receive into. Release it before the store closes
+        (``with memory.slot_buffer(s) as view: ...``)."""
+        shared = writable or self.segment.mapped(shared=True)
+        buf, base = self.segment.data(shared=shared)
+        offset = self.slot_range(slot)[0] - base
         with memoryview(buf) as whole:
-            return whole[offset : offset + h[W_PAYLOAD_BYTES]]
+            view = whole[offset : offset + self.header[W_PAYLOAD_BYTES]]
+            return view if writable else view.toreadonly()
+
+    # -- memory ---------------------------------------------------------------------------------
+    def _reserve_slot(self, slot: int) -> None:
+        """Before the writer writes an empty slot: its pages, or an OSError if there is no room."""
+        offset, length = self.slot_range(slot)
+        self._empty.pop(slot, None)
+        reserve(self.segment.fd, offset, length, f"a slot of store {self.name!r}")
+
+    def _holds_pages(self, slot: int) -> bool:
+        # A slot given back stays empty unless a reader's late copy touched it (its pages then
+        # come back zeroed): look again once a second, not at every publish.
+        if time.monotonic() - self._empty.get(slot, -1e9) < 1.0:
+            return False
+        offset, length = self.slot_range(slot)
+        if holds_pages(self.segment.fd, offset, length):
+            return True
+        self._empty[slot] = time.monotonic()
+        return False
+
+    def _give_back(self, slot: int) -> None:
+        h = self.header
+        h[W_GIVE_BACK_BEGUN] += 1
+        self.protocol.full_fence()  # the count before the flag's load (pin_for_cuda: the flag, then the count)
+        if not h[W_STORE_FLAGS] & STORE_PAGE_LOCKED:
+            offset, length = self.slot_range(slot)
+            punch(self.segment.fd, offset, length)
+            self._empty[slot] = time.monotonic()
+        self.protocol.fence()
+        h[W_GIVE_BACK_DONE] += 1
+
+    def commit(self, write: Write, version: int | None = None) -> int:
+        """The protocol's commit, then :meth:`reclaim`: returns the version made visible."""
+        version = self.protocol.commit(write, version)
+        self.reclaim()
+        return version
+
+    def reclaim(self) -> list[int]:
+        """Give back the memory of the slots no reader can use, but the next write's (see
+        :meth:`~shmsync.core.protocol.Protocol.reclaim`); none once a process page-locked them
+        for CUDA copies (the device would keep reading the pages it locked). The writer's; returns
+        the slots given back."""
+        if self.header[W_STORE_FLAGS] & STORE_PAGE_LOCKED:
+            return []
+        try:
+            return self.protocol.reclaim(self._give_back, self._holds_pages)
+        except OSError as e:  # the version is out: memory that stays is no reason to fail a publish
+            if not self._reclaim_failed:
+                self._reclaim_failed = True
+                message = f"store {self.name!r}: unused slots keep their memory ({e})"
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+            return []
+
+    def resident_bytes(self) -> int:
+        """Bytes of memory the store's file takes now (header and the slots holding pages)."""
+        return resident_bytes(self.segment.fd)
 
     def pin_for_cuda(self) -> None:
-        """Page-lock the slots in this process (once), so CUDA copies are asynchronous DMA."""
+        """Page-lock the slots in this process (once), so CUDA copies are asynchronous DMA.
+
+        From then on the writer gives no slot's memory back (the device would go on reading the
+        pages it locked): a store read by GPU workers holds all its slots in host memory."""
         if self._pinned or not torch.cuda.is_available():
             return
         from shmsync.core.page_lock import register_host
 
         h = self.header
+        h[W_STORE_FLAGS] |= STORE_PAGE_LOCKED
+        fences.ordering()[1]()  # the flag before the count's load below
+        buf, base = self.segment.data(shared=True)
         region = torch.frombuffer(
-            self.segment.buf, dtype=torch.uint8, count=h[W_SLOT_BYTES] * self.num_slots, offset=h[W_DATA_OFFSET]
+            buf, dtype=torch.uint8, count=h[W_SLOT_BYTES] * self.num_slots, offset=h[W_DATA_OFFSET] - base
         )
-        self._pinned.append((register_host(region), region))
+        # A give-back the writer began before it could see the flag may still drop pages: wait
+        # for it to end (see _give_back: of the flag and the count, one side sees the other's).
+        began, deadline = h[W_GIVE_BACK_BEGUN], time.monotonic() + 5.0
+        while h[W_GIVE_BACK_DONE] < began:
+            if time.monotonic() > deadline:
+                return  # a writer that died mid-give-back: copies stay synchronous
+            time.sleep(0.001)
+        pointer = register_host(region)
+        self._pinned.append((pointer, region))
 
     def close(self) -> None:
         """Drop the views and unmap (unlinking, if so made). The header stays readable: a

@@ -12,7 +12,8 @@ slot a sequence number ``seq[i]`` (odd while it is being written) and the versio
 
 Writer (one process at a time, enforced by a kernel lock the store takes)::
 
-    target = a slot that is neither `latest`, nor pinned, nor leased (the least recently written)
+    target = a slot that is neither `latest`, nor pinned, nor leased (one holding a version
+             first, the least recently written)
     seq[target] += 1            # odd: being written; then a full fence, and back off if leased
     copy the weights into target                                   (Protocol.begin_write)
     slot_version[target] = v; fence; seq[target] += 1   # even: complete
@@ -27,10 +28,19 @@ Reader, optimistic path (seqlock validation, :meth:`Protocol.try_read`)::
 
     s = seq[latest]; fence; v = slot_version[latest]; copy the slot; fence; valid iff seq is still s
 
-A slot is rewritten only once it is no longer ``latest``; with 3 slots the writer must
-finish two whole publishes and start a third while one reader copy runs before that copy
-is invalidated, so retries are rare. Validation guarantees that a reader never *accepts* a
-mixed copy, whatever the timing.
+A slot is rewritten only once it is no longer ``latest``: the writer must finish one whole
+publish and start the next while one reader copy runs before that copy is invalidated, so
+retries are rare. Validation guarantees that a reader never *accepts* a mixed copy, whatever
+the timing.
+
+Memory given back (:meth:`Protocol.reclaim`): after a publish, the writer gives back the
+pages of every slot that is neither latest, nor pinned, nor leased, but one: the slot its
+next write takes. That is the one holding a version, least recently written (empty slots are
+written last: their pages would have to come back first). While nobody leases, the writer so
+alternates between two slots, and the others hold no memory. Giving a slot back is a write
+of zeros, made like any write: marked odd through the write handshake, then aborted (its
+version -1). So a reader leasing it meanwhile keeps it, and an optimistic copy of it fails
+validation.
 
 Reader, bounded fallback (slot pinning, :meth:`Protocol.read_pinned`): after
 ``max_attempts`` failed optimistic copies a reader takes the store's single reader token
@@ -45,7 +55,7 @@ copy cannot be invalidated: it completes in one copy. A writer that is idle gran
 optimistic copy succeeds, so the reader keeps trying those while it waits. A reader that
 dies while pinned only costs the writer one slot until the next ticket replaces its pin.
 A reader whose last copy took longer than the writer, publishing at its current pace, leaves
-a slot alone (``num_slots - 1`` publish intervals, from ``publish_interval`` in the header)
+a slot alone (one publish interval, from ``publish_interval`` in the header)
 skips the optimistic copies that would only fail and asks for a pin at once: it loads in one
 copy (:meth:`Protocol.outpaced`).
 
@@ -269,6 +279,8 @@ class _Writer:
     clock: Callable[[], int]
     writing: Write | None
     listeners: list[Callable[[int], None]]
+    on_cold: Callable[[int], None] | None
+    replaced: int
 
     def begin_write(self) -> Write:
         """Choose a slot and mark it being written. Never waits.
@@ -281,7 +293,6 @@ class _Writer:
                 f"store {self.name!r}: this process is still writing slot {self.writing.slot}; "
                 "one publish at a time (wait for the pending one)"
             )
-        h = self.h
         backed_off: tuple[int, ...] = ()
         for _ in range(1000):
             target = self.choose_target(backed_off)
@@ -290,16 +301,32 @@ class _Writer:
                     raise ShmSyncError(f"store {self.name!r}: every slot but the latest is leased by a reader")
                 backed_off = ()  # those leases may have been brief: look again
                 continue
-            seq = h[W_SEQ + target]
-            odd = seq + 2 if seq & 1 else seq + 1  # odd already: a writer died mid-copy
-            h[W_SEQ + target] = odd
-            self.full_fence()  # the store above before the lease loads below
-            if not h[W_LEASES + target] or not self.row_leased(target, confirmed=True):
-                self.writing = Write(target, odd)
-                return self.writing
-            h[W_SEQ + target] = odd + 1  # a reader leased it meanwhile: leave it, untouched
+            write = self._mark(target)
+            if write is not None:
+                self.writing = write
+                if self.h[W_SLOT_VERSION + target] < 0 and self.on_cold is not None:
+                    try:
+                        self.on_cold(target)  # its memory may have been given back: reserve it again
+                    except BaseException:
+                        self.abort(write)
+                        raise
+                return write
             backed_off += (target,)
         raise ShmSyncError(f"store {self.name!r}: readers kept leasing every free slot")
+
+    def _mark(self, target: int) -> Write | None:
+        """The writer's half of the write handshake: mark ``target`` odd, then, after a full fence,
+        look for a confirmed lease on it. Returns the write, or None if a reader leased it meanwhile
+        (the slot is left untouched, its sequence moved on to the next even number)."""
+        h = self.h
+        seq = h[W_SEQ + target]
+        odd = seq + 2 if seq & 1 else seq + 1  # odd already: a writer died mid-copy
+        h[W_SEQ + target] = odd
+        self.full_fence()  # the store above before the lease loads below
+        if not h[W_LEASES + target] or not self.row_leased(target, confirmed=True):
+            return Write(target, odd)
+        h[W_SEQ + target] = odd + 1
+        return None
 
     def commit(self, write: Write, version: int | None = None) -> int:
         """Make the written slot the latest, complete version; returns that version
@@ -310,6 +337,7 @@ class _Writer:
         h[W_SLOT_VERSION + write.slot] = version
         self.fence()  # the copy's stores and the version before the sequence
         h[W_SEQ + write.slot] = write.seq + 1
+        self.replaced = h[W_LATEST] if h[W_VERSION] >= 0 else -1  # reclaim's hint: readers leave it next
         h[W_LATEST] = write.slot
         h[W_VERSION] = version
         now, last = self.clock(), h[W_PUBLISH_NS]
@@ -339,7 +367,49 @@ class _Writer:
         latest = h[W_LATEST] if h[W_VERSION] >= 0 else -1
         others = [s for s in range(self.num_slots) if s != latest and s not in backed_off]
         candidates = self._writable(others, pinned)
-        return min(candidates, key=lambda s: h[W_SLOT_VERSION + s]) if candidates else None
+        return min(candidates, key=lambda s: _warm_first(h[W_SLOT_VERSION + s])) if candidates else None
+
+    def reclaim(self, give_back: CopyFn, holds_pages: Callable[[int], bool] = lambda slot: True) -> list[int]:
+        """Give back the memory of every slot no reader can use, but one: the slot the next write
+        takes, kept so that a publish copies into memory that is already there (none is kept while
+        readers hold only the version this publish replaced: its slot is the next write's once
+        they reload). Returns the slots given back. Never waits.
+
+        A slot is given back as it is written: marked odd through the write handshake (so a
+        reader leasing it meanwhile keeps it, and an optimistic copy of it fails validation),
+        ``give_back(slot)``, then :meth:`abort` (empty, never read). ``holds_pages(slot)`` says
+        whether there is anything to give back. Does nothing while a write is open."""
+        if self.writing is not None:
+            return []
+        h = self.h
+        pinned = h[W_PIN_SLOT] if h[W_PIN_RELEASE] < h[W_PIN_GRANT] else -1
+        latest = h[W_LATEST]
+        idle, held = [], []
+        for s in range(self.num_slots):
+            if s != latest:
+                if h[W_LEASES + s] and self.row_leased(s):
+                    held.append(s)
+                elif s != pinned:
+                    idle.append(s)
+        warm = [s for s in idle if h[W_SLOT_VERSION + s] >= 0]
+        # No slot is kept for the next write while readers hold only the version just replaced:
+        # they move on at their next reload, and its slot is then the next write's.
+        moving = held and all(s == self.replaced for s in held)
+        keep = min(warm, key=lambda s: h[W_SLOT_VERSION + s]) if warm and not moving else -1
+        given = []
+        for s in idle:
+            if s == keep or not holds_pages(s):
+                continue
+            write = self._mark(s)
+            if write is None:
+                continue  # a reader leased it meanwhile
+            self.writing = write
+            try:
+                give_back(s)
+            finally:
+                self.abort(write)
+            given.append(s)
+        return given
 
     def serve_pin_request(self) -> None:
         """Grant a ticket that waits: pin a slot for the starving reader (see :meth:`pin_candidate`)."""
@@ -377,6 +447,12 @@ class _Writer:
         return latest
 
 
+def _warm_first(version: int) -> tuple[bool, int]:
+    """The writer's order among slots it may write: those holding a version (their memory is
+    there) before empty ones (given back, or never written), each the least recently written first."""
+    return version < 0, version
+
+
 class _Reader:
     """A reader's side of :class:`Protocol`: optimistic copies, and the pinned fallback."""
 
@@ -411,12 +487,13 @@ class _Reader:
     def outpaced(self) -> bool:
         """Whether this reader's copies take longer than the writer, publishing now, surely
         leaves the latest slot alone: an optimistic copy could fail, so the reader asks for a
-        pin at once and loads in one copy. A writer publishing back to back rewrites that slot
-        ``num_slots - 1`` publishes after it was written, and the reader finds it at any point
-        of the first of those intervals: ``num_slots - 2`` intervals are sure."""
+        pin at once and loads in one copy. A writer publishing back to back may rewrite that
+        slot at the second publish after it was written (it alternates between two slots while
+        nobody leases: see :meth:`choose_target`), and the reader finds it at any point of the
+        first interval: one interval is sure."""
         h = self.h
         interval = h[W_PUBLISH_INTERVAL]
-        if not interval or self.copy_ns <= max(1, self.num_slots - 2) * interval:
+        if not interval or self.copy_ns <= interval:
             return False
         return self.clock() - h[W_PUBLISH_NS] < 4 * interval  # still publishing at that pace
 
@@ -434,13 +511,16 @@ class _Reader:
     def copy_validated(self, slot: int, copy: CopyFn) -> int | None:
         """The seqlock read of one slot: ``copy(slot)`` between two loads of its sequence number;
         the slot's version if both were the same even number, else None (it is being, or was,
-        rewritten meanwhile: the copy must not be used)."""
+        rewritten meanwhile: the copy must not be used). None at once for an empty slot: one
+        given back after the reader took it for the latest, its sequence even again."""
         h = self.h
         seq = h[W_SEQ + slot]
         if seq & 1:
             return None
         self.fence()  # the sequence before the version and the bytes
         version = h[W_SLOT_VERSION + slot]
+        if version < 0:
+            return None  # given back (or a write aborted) since `slot` was read as latest: nothing to copy
         began = self.timer()
         copy(slot)
         self.copy_ns = self.timer() - began
@@ -735,6 +815,8 @@ class Protocol(_Writer, _Reader, _Table):
         self.start_ns = own_start_ns() if pid is None else 0  # shown beside the pid in the readers' table
         self.clock, self.timer = clock, timer
         self.writing: Write | None = None  # the write this process has open
+        self.on_cold: Callable[[int], None] | None = None  # called before writing an empty slot
+        self.replaced = -1  # the slot that was latest before this process's last commit
         self.listeners: list[Callable[[int], None]] = []  # called with each version this process commits
         self.retries = 0  # optimistic copies that failed validation
         self.pinned_reads = 0  # reads that needed the pinned fallback

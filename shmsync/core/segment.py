@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+from shmsync.core.pages import reserve
 from shmsync.errors import StoreNotFoundError, StoreUntrustedError
 
 SHM_DIR = os.environ.get("SHMSYNC_DIR", "/dev/shm")
@@ -353,15 +354,22 @@ def locked_rows(fd: int, rows: list[int], own: set[int] = frozenset()) -> set[in
 
 
 class Segment:
-    """One mapped segment. ``buf`` is the writable mapping; :meth:`readonly` maps it again,
-    read-only (for memory that a process must never write: a write there faults).
+    """One mapped segment: its file, its kernel locks, and its mappings.
+
+    ``buf`` maps the segment's head (header and layout; ``head`` bytes) read-write in every
+    process. The rest, the slots, is mapped on first use by :meth:`data`: shared and
+    writable for a writer, private for a reader (it reads the store's own pages; a write of
+    its own copies the page for it alone, and never reaches the store).
 
     Made by :meth:`create` or :meth:`open`, which check the file first."""
 
-    def __init__(self, name: str, fd: int, size: int) -> None:
+    def __init__(self, name: str, fd: int, size: int, head: int) -> None:
+        if not 0 < head <= size:
+            raise ValueError(f"segment {name!r}: head of {head} bytes out of range for {size} bytes")
         self.name = name
         self.fd = fd
         self.size = size
+        self.head = head
         self.tracked = False  # multiprocessing's resource tracker unlinks it if we die first
         # This process's threads, beside the OFD locks (which do not exclude threads sharing
         # one file description): per lock byte.
@@ -371,13 +379,17 @@ class Segment:
         # it exclusively, so a conflict means someone is in the way on purpose.
         if not self.lock(HOLDER_LOCK, exclusive=False, wait=False):
             raise StoreUntrustedError(f"{path_of(name)}: another process holds its lock byte 0 exclusively")
-        self.buf = mmap.mmap(fd, size)
-        self._readonly: mmap.mmap | None = None
+        self.buf = mmap.mmap(fd, head)
+        self._data: dict[bool, tuple[mmap.mmap, int]] = {}
 
     @classmethod
-    def create(cls, name: str, size: int, *, track: bool = False) -> Segment:
-        """Create and map a new segment; with ``track``, it is removed even if this process is
-        killed (see :func:`_track`). ``SHMSYNC_TRUST_GROUP=1`` makes it writable by the group."""
+    def create(
+        cls, name: str, size: int, head: int, *, reserve_bytes: int | None = None, track: bool = False
+    ) -> Segment:
+        """Create and map a new segment of ``size`` bytes; its first ``reserve_bytes`` (default:
+        all) are allocated now, the rest as it is first written. With ``track``, it is removed
+        even if this process is killed (see :func:`_track`). ``SHMSYNC_TRUST_GROUP=1`` makes it
+        writable by the group."""
         path = path_of(name)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | _OPEN_FLAGS, 0o600)
@@ -389,18 +401,10 @@ class Segment:
             if trust_group():
                 os.fchmod(fd, 0o660)  # the umask may have taken the group's bits
             os.ftruncate(fd, size)
-            try:
-                # Reserve the pages now: a full /dev/shm then fails here with a clear error,
-                # not later with SIGBUS in the middle of a publish, and no publish pays page faults.
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                raise OSError(
-                    e.errno,
-                    f"cannot reserve {human_bytes(size)} in {SHM_DIR} for store {name!r} ({e.strerror}; "
-                    f"{human_bytes(_free_bytes())} free there); free shared memory (`shmsync gc`), "
-                    "use fewer slots, or enlarge it",
-                ) from None
-            segment = cls(name, fd, size)
+            # Reserve what is written at once: a full /dev/shm then fails here with a clear
+            # error, not later with SIGBUS in the middle of a copy.
+            reserve(fd, 0, size if reserve_bytes is None else min(size, reserve_bytes), f"store {name!r}")
+            segment = cls(name, fd, size, head)
             if track:
                 segment.tracked = _track(name, register=True)
             return segment
@@ -410,10 +414,10 @@ class Segment:
             raise
 
     @classmethod
-    def create_incoming(cls, size: int, *, track: bool = False) -> Segment:
+    def create_incoming(cls, size: int, head: int, *, reserve_bytes: int | None = None, track: bool = False) -> Segment:
         """A new segment under a temporary name, for a store that must not be seen before it
         holds its first version; :meth:`link` gives it its name."""
-        return cls.create(INCOMING + secrets.token_hex(8), size, track=track)
+        return cls.create(INCOMING + secrets.token_hex(8), size, head, reserve_bytes=reserve_bytes, track=track)
 
     def link(self, name: str) -> None:
         """Give a segment made by :meth:`create_incoming` its name, in one step (a hard link,
@@ -434,17 +438,32 @@ class Segment:
             self.tracked = _track(name, register=True)
 
     @classmethod
-    def open(cls, name: str, inspect: Callable[[int, os.stat_result], T]) -> tuple[Segment, T]:
+    def open(cls, name: str, inspect: Callable[[int, os.stat_result], tuple[int, T]]) -> tuple[Segment, T]:
         """Open store ``name``'s file (see :func:`open_file`), let ``inspect(fd, stat)`` check what it
-        holds (with ``os.pread``: nothing is mapped yet), then map it. Returns the segment and what
-        ``inspect`` returned; if anything raises, the descriptor is closed and nothing is mapped."""
+        holds (with ``os.pread``: nothing is mapped yet) and return ``(head, facts)``, then map its
+        head. Returns the segment and ``facts``; if anything raises, the descriptor is closed and
+        nothing is mapped."""
         fd, st = open_file(path_of(name), os.O_RDWR)
         try:
-            facts = inspect(fd, st)
-            return cls(name, fd, st.st_size), facts
+            head, facts = inspect(fd, st)
+            return cls(name, fd, st.st_size, head), facts
         except BaseException:
             os.close(fd)
             raise
+
+    def data(self, *, shared: bool) -> tuple[mmap.mmap, int]:
+        """The slots' part of the segment, mapped on first use: ``(mapping, offset in the file of
+        its first byte)``. ``shared``: the store's pages, read-write (a writer's); else a private
+        mapping of them (a reader's: a write copies the page for this process alone)."""
+        if shared not in self._data:
+            base = self.head - self.head % mmap.ALLOCATIONGRANULARITY
+            flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
+            self._data[shared] = (mmap.mmap(self.fd, self.size - base, flags=flags, offset=base), base)
+        return self._data[shared]
+
+    def mapped(self, *, shared: bool) -> bool:
+        """Whether :meth:`data` has mapped that kind of mapping in this process."""
+        return shared in self._data
 
     # -- locks ---------------------------------------------------------------------------------
     def lock(self, byte: int, *, exclusive: bool, wait: bool) -> bool:
@@ -466,19 +485,14 @@ class Segment:
         """Whether any process (this one included) holds lock ``byte`` exclusively."""
         return byte in self._locks or conflicting_lock(self.fd, byte, exclusive=False)
 
-    def readonly(self) -> mmap.mmap:
-        """A second, read-only mapping of the whole segment (made on first use)."""
-        if self._readonly is None:
-            self._readonly = mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ)
-        return self._readonly
-
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
         """Unmap and close. Raises BufferError if tensors still view a mapping."""
         if self.fd < 0:
             return
-        if self._readonly is not None:
-            self._readonly.close()
+        for shared, (mapping, _base) in list(self._data.items()):
+            mapping.close()  # BufferError if tensors still view it: the rest stays for a later close
+            del self._data[shared]
         self.buf.close()
         os.close(self.fd)  # also drops this description's locks
         self.fd = -1
@@ -572,20 +586,6 @@ def _track(name: str, *, register: bool) -> bool:
 
     (resource_tracker.register if register else resource_tracker.unregister)(f"/{PREFIX}{name}", "shared_memory")
     return True
-
-
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``'1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-def _free_bytes() -> int:
-    st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize
 
 
 def unlink(name: str) -> bool:

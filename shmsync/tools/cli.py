@@ -42,7 +42,7 @@ def _state(s) -> str:
 
 
 def _table(stores) -> str:
-    head = ["NAME", "VERSION", "PAYLOAD", "SHM", "CREATOR", "READERS", "LAST PUBLISH", "STATE"]
+    head = ["NAME", "VERSION", "PAYLOAD", "RESIDENT", "SIZE", "CREATOR", "READERS", "LAST PUBLISH", "STATE"]
     rows = [head]
     for s in stores:
         rows.append(
@@ -50,6 +50,7 @@ def _table(stores) -> str:
                 s.name,
                 str(s.version),
                 human_bytes(s.payload_bytes),
+                human_bytes(s.resident_bytes),
                 human_bytes(s.shm_bytes),
                 f"{s.creator_pid} ({'alive' if s.creator_alive else 'gone'})",
                 str(len(s.readers)),

@@ -53,6 +53,7 @@ class StoreStatus:
     problem: str | None = None  # why it is not valid
     unlinked: bool = False  # its name left the store folder; processes still hold it (see `path`)
     path: str | None = None  # where it was read: its file, or a process's descriptor of it
+    resident_bytes: int = 0  # memory its pages take now (slots nobody uses take none)
 
     @property
     def publisher_alive(self) -> bool:
@@ -88,7 +89,11 @@ def status(name: str, path: str | None = None) -> StoreStatus | None:
             problem = None
         except ShmSyncError as e:
             problem = str(e)
-        where = {"unlinked": path is not None, "path": path or segment.path_of(name)}
+        where = {
+            "unlinked": path is not None,
+            "path": path or segment.path_of(name),
+            "resident_bytes": st.st_blocks * 512,
+        }
         if problem is not None:
             return StoreStatus(
                 name, False, -1, 0, st.st_size, 0, locked(segment.CREATOR_LOCK), 0,

@@ -71,7 +71,7 @@ class Receiver:
                 self.store,
                 model,
                 destination=self.scheme.model_id,
-                zero_copy=self.scheme.zero_copy and not on_gpu,
+                zero_copy=False if on_gpu else self.scheme.zero_copy,
                 worker=getattr(self.scheme, "worker_idx", None),
             )
             self.reader.set_waiting(self.waiting)

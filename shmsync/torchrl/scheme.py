@@ -39,8 +39,10 @@ class ShmWeightSyncScheme(WorkerSide, WeightSyncScheme):
     """Weight sync for ``MultiSyncCollector`` / ``MultiAsyncCollector`` through shared memory.
 
     Workers never see half-written weights (each reload is one complete version), the
-    trainer never waits for workers, and each worker's weights are a private copy: an
-    in-place edit of the trainer's parameters reaches no worker until it is published.
+    trainer never waits for workers, and workers run only published versions: an in-place
+    edit of the trainer's parameters reaches no worker until it is published. CPU workers
+    share the published memory (no copy of the weights per worker); GPU workers copy it
+    into their device.
 
     Every way TorchRL initializes a scheme works: by the collector (the usual way), or
     before any collector exists with ``init_on_sender(model=..., devices=...)``,
@@ -54,14 +56,16 @@ class ShmWeightSyncScheme(WorkerSide, WeightSyncScheme):
         version_key: the key under which every collected frame records the version of the
             weights that produced it (also written under ``("next", version_key)``); None
             to write nothing.
-        num_slots: copies kept in shared memory (see :meth:`WeightStore.create`). Default:
-            3, or 4 with ``zero_copy`` (so that every worker of a ``MultiSyncCollector``
-            can lease; a ``MultiAsyncCollector`` needs ``workers + 2`` for all of them to).
-        zero_copy: CPU workers point their policy's parameters at the store's read-only
-            shared memory instead of copying on each reload (see
-            :class:`~shmsync.WeightReader`): no copy and no private copy of the weights per
-            worker. Workers on a GPU copy as always. The policy must not write its own
-            parameters in place in the worker.
+        num_slots: slots of shared memory (see :meth:`WeightStore.create`); a slot holds memory
+            only while it holds a version someone uses. Default: 4, so that every worker of a
+            ``MultiSyncCollector`` runs in place across a version change; a
+            ``MultiAsyncCollector`` needs ``workers + 2`` for all of them to (up to 16).
+        zero_copy: CPU workers run their policy on the store's shared memory in place (see
+            :class:`~shmsync.WeightReader`): a reload copies nothing, and no worker holds a copy
+            of the weights of its own. Default (None): on CPU workers, yes; workers on a GPU
+            copy into their device, always. False gives every worker a private copy: for a
+            policy that writes its own parameters (in place, such a write raises
+            :class:`~shmsync.errors.SharedWeightsWrittenError` at the next reload).
         source: the trainer-side module for this key, when the collector cannot resolve it in
             the main process (say, a key such as ``"env.transform[0]"`` that names a module
             that exists only inside each worker). Default: ``collector.get_model(key)``, or
@@ -110,7 +114,7 @@ class ShmWeightSyncScheme(WorkerSide, WeightSyncScheme):
         poll_every_steps: int | None = None,
         version_key: str | None = "policy_version",
         num_slots: int | None = None,
-        zero_copy: bool = False,
+        zero_copy: bool | None = None,
         source: nn.Module | None = None,
         per_worker_weights: bool = False,
         stale_after: float | None = STALE_AFTER,
@@ -132,7 +136,7 @@ class ShmWeightSyncScheme(WorkerSide, WeightSyncScheme):
         self.poll_every_steps = poll_every_steps
         self.version_key = version_key
         self.zero_copy = zero_copy
-        self.num_slots = num_slots if num_slots is not None else 4 if zero_copy else 3
+        self.num_slots = num_slots if num_slots is not None else 4
         self.per_worker_weights = per_worker_weights
         self._store_names: list[str] = []
         self._expected_readers: int | None = None
