@@ -53,7 +53,7 @@ class Args:
     seed: int = 0
     use_async: bool = False  # MultiAsyncCollector instead of MultiSyncCollector
     scheme: str = "shmsync"  # or "torchrl": TorchRL's default weight sync, for comparison
-    zero_copy: bool = False  # workers' parameters view the store instead of copying (README)
+    private_copy: bool = False  # each worker copies the weights into its own (default: runs them in place)
     progress: bool = True
     log_dir: str = ""  # write the trainer's scalars (the policy lag too) as CSV under this folder
 
@@ -98,7 +98,7 @@ def main(args: Args) -> dict:
     # Workers load `policy` from shared memory and reload only when a new version is published.
     if args.scheme not in ("shmsync", "torchrl"):
         raise ValueError(f"--scheme must be 'shmsync' or 'torchrl', got {args.scheme!r}")
-    scheme = ShmWeightSyncScheme(zero_copy=args.zero_copy) if args.scheme == "shmsync" else None
+    scheme = ShmWeightSyncScheme(zero_copy=False if args.private_copy else None) if args.scheme == "shmsync" else None
     collector_cls = MultiAsyncCollector if args.use_async else MultiSyncCollector
     collector = collector_cls(
         [make_env] * args.workers,
@@ -192,7 +192,8 @@ def main(args: Args) -> dict:
         ),
     }
     print("\n--- summary ---")
-    sync = f"{args.scheme} weight sync" + (", zero-copy" if args.zero_copy and args.scheme == "shmsync" else "")
+    private = args.private_copy and args.scheme == "shmsync"
+    sync = f"{args.scheme} weight sync" + (", private copies" if private else "")
     print(f"collector            {collector_cls.__name__}, {args.workers} workers, {sync}")
     print(f"frames               {summary['frames']} in {total:.1f}s ({summary['frames_per_second']:.0f} frames/s)")
     if store is not None:

@@ -11,19 +11,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from shmsync import read_only
 from shmsync.core.copies import copy_all
 from shmsync.core.header import ROW_DEVICE, ROW_WAITING, ROW_ZERO_COPY, W_VERSION
 from shmsync.core.mapping import StoreMemory
-from shmsync.core.pages import discard_private, private_pages
 from shmsync.errors import (
     NotLoadedError,
     ReloadTimeoutError,
-    SharedWeightsWrittenError,
     ShmSyncError,
     WeightMismatchError,
     WriterGoneError,
 )
+from shmsync.in_place import InPlace, make_private
 from shmsync.sources import is_destinations, module_weights, parts
 from shmsync.store import WeightStore
 
@@ -40,19 +38,16 @@ class WeightReader:
     :meth:`poll` it is being written, like during ``load_state_dict``, so no other
     thread should run it at that moment.
 
-    A module on the CPU runs on the store's shared memory in place (``zero_copy``, the
-    default there): a reload copies nothing, its parameters are pointed at the slot holding
-    the version, and that slot is leased so the writer leaves it alone. Every reader of a
-    slot shares its memory, so a worker holds no copy of the weights of its own (buffers are
-    still copied, since modules such as BatchNorm write theirs). The module must not write
-    its parameters in place: such a write stays in this process (the page is copied for it
-    alone), and the next reload undoes it and raises
-    :class:`~shmsync.errors.SharedWeightsWrittenError`; an optimizer step over them raises
-    before writing. A policy that writes its weights takes ``zero_copy=False``: a private
-    copy, reloaded by copying. When leasing is refused (at most ``num_slots - 2`` distinct
-    slots may be leased, so that the writer never waits; see :meth:`WeightStore.create`),
-    the reload copies into private memory, says so once, and leases again at a later reload.
-    A module on a GPU always copies (its device copy).
+    A module on the CPU runs on the store's memory in place (``zero_copy``, the default
+    there): a reload copies nothing, its parameters point at the slot holding the version,
+    leased so the writer leaves it alone, and no reader holds a copy of the weights of its
+    own (buffers are copied: BatchNorm writes its own). A write into such parameters stays
+    in this process, and the next reload undoes it and raises
+    :class:`~shmsync.errors.SharedWeightsWrittenError` (an optimizer step raises before
+    writing): a policy that writes its weights takes ``zero_copy=False``, a private copy.
+    When a lease is refused (at most ``num_slots - 2`` distinct slots may be leased, so the
+    writer never waits), the reload copies, says so once, and leases again later. A module
+    on a GPU always copies (its device copy).
 
     Args:
         store: the :class:`~shmsync.WeightStore` (attached or pickled from the trainer).
@@ -125,8 +120,6 @@ class WeightReader:
         self._asked = zero_copy
         self.zero_copy = zero_copy is not False  # settled by the module's device at the first bind
         self._viewing: list[torch.Tensor] = []  # parameters now pointing at a leased slot
-        self._slot = -1  # the slot they point at
-        self._param_versions: list[int] = []  # their version counters as pointed: a write moves one
         self._said_fallback = False
         if worker is not None and (isinstance(worker, bool) or not isinstance(worker, int) or worker < 0):
             raise ValueError(f"worker must be an int >= 0 or None, got {worker!r}")
@@ -204,16 +197,15 @@ class WeightReader:
         # Without a row in the reader table (it is full) there is no lease: copy.
         can_view = self.zero_copy and self._finalizer.alive and self._row >= 0
         if self._viewing:
-            self._check_unwritten()
+            self._in_place.check_unwritten(self._version)
         version = self._view_latest() if can_view else None
         if version is None:
             if can_view:
                 self._say_fallback()
             if self._viewing:  # leasing refused: back to private memory before copying into it
                 # (the old slot may be rewritten meanwhile; the copy below overwrites it all)
-                _make_private(self._viewing)
+                make_private(self._viewing)
                 protocol.release_lease(self._row)
-                self._slot = -1
             # Optimistic copies, or the pin at once for a reader slower than the writer.
             version = protocol.read(self._copy, timeout=self.timeout)
         changed = version != self._version
@@ -307,15 +299,7 @@ class WeightReader:
         return targets, indices
 
     def _bind_views(self, targets: list[torch.Tensor], indices: list[int]) -> None:
-        """Zero-copy: parameters get pointed at the slot, buffers are copied. Per slot, the
-        read-only views of the parameters first, then of the buffers."""
-        layout, memory = self._memory.layout, self._memory
-        order = sorted(range(len(targets)), key=lambda i: not isinstance(targets[i], nn.Parameter))
-        params = [i for i in order if isinstance(targets[i], nn.Parameter)]
-        self._params = [targets[i] for i in params]
-        self._param_names = [".".join(layout.entries[indices[i]].key) for i in params]
-        self._buffers = [targets[i] for i in order[len(params) :]]
-        self._views = [[views[indices[i]] for i in order] for views in memory.private_slots()]
+        self._in_place = InPlace(self._memory, targets, indices, self._viewing)
         self.store.add_dependent(self)
 
     def _copy(self, slot: int) -> None:
@@ -327,39 +311,8 @@ class WeightReader:
         if leased is None:
             return None
         slot, version = leased
-        views = self._views[slot]
-        with torch.no_grad():
-            for p, v in zip(self._params, views[: len(self._params)]):
-                p.set_(v)
-        if self._buffers:  # the slot is leased: it cannot change under this copy
-            copy_all(self._buffers, views[len(self._params) :], on_cpu=True)
-        if not self._viewing:
-            read_only.mark(self._params, self._param_names, self.store.name)
-        self._viewing[:] = self._params
-        self._slot = slot
-        self._param_versions = [p._version for p in self._params]
+        self._in_place.point(slot)
         return version
-
-    def _check_unwritten(self) -> None:
-        """Before the parameters leave their slot: did this process write them? A write shows in
-        a parameter's version counter, or (through ``.data`` or C code) as pages of the private
-        mapping that are this process's own. Either is undone, so that the slot shows the
-        store's pages again when it is leased next, and raised."""
-        memory = self._memory
-        written = [n for p, n, v in zip(self._params, self._param_names, self._param_versions) if p._version != v]
-        address, length = memory.private_address(self._slot), memory.slot_range(self._slot)[1]
-        own = private_pages(address, length)
-        if not written and not own:
-            return
-        discard_private(address, length)
-        self._param_versions = [p._version for p in self._params]
-        what = f"parameters {written}" if written else f"{own} pages of its parameters"
-        raise SharedWeightsWrittenError(
-            f"this process wrote {what}, which run in place on the shared memory of store "
-            f"{self.store.name!r} (version {self._version}): the write stayed in this process and is "
-            "undone. A policy that writes its own weights needs a private copy: WeightReader(..., "
-            "zero_copy=False), or ShmWeightSyncScheme(zero_copy=False) for TorchRL collectors"
-        )
 
     def _say_fallback(self) -> None:
         if not self._said_fallback:
@@ -387,19 +340,10 @@ def _not_loaded_yet(reader: WeightReader):
     return hook
 
 
-def _make_private(params: list[torch.Tensor]) -> None:
-    """Give parameters that view shared memory private copies of their current values."""
-    with torch.no_grad():
-        for p in params:
-            p.set_(p.detach().clone())
-    read_only.unmark(params)
-    params.clear()
-
-
 def _leave(memory: StoreMemory, row: int, viewing: list[torch.Tensor]) -> None:
     # The module may outlive its reader: it keeps the weights it has, in private memory.
     if viewing:
-        _make_private(viewing)
+        make_private(viewing)
     if not memory.closed:
         memory.protocol.release_lease(row)
         memory.protocol.release_row(row)

@@ -1103,3 +1103,14 @@ def __getattr__(name: str):
         globals()[name] = cls
         return cls
     raise AttributeError(name)
+
+
+def poll_in_place(store: WeightStore, sizes, conn) -> None:
+    """Run on the store's memory in place, polling every millisecond until killed."""
+    module = ParamBlob(sizes)
+    reader = WeightReader(store, module)
+    reader.poll()
+    conn.send(("loaded", reader.viewing, reader.version))
+    while True:
+        reader.poll()
+        time.sleep(0.001)

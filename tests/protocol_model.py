@@ -46,6 +46,7 @@ class Options:
     no_granting_check: bool = False  # _move_lease leases while a ticket waits for its grant
     no_lease_version_fence: bool = False  # lease_latest's fence between the slot's seq and its version
     no_give_way: bool = False  # choose_target never writes through a lease still being decided
+    reclaim: bool = False  # the writer gives back the memory of idle slots after each publish
     no_reclaim_handshake: bool = False  # reclaim gives a slot back without marking it odd and looking at its leases
     reclaim_pinned: bool = False  # reclaim does not leave the pinned slot alone
     accept_empty: bool = False  # try_read copies a slot whose version is -1 (given back after `latest` was read)
@@ -59,13 +60,14 @@ def writer(o: Options, publishes: int, begun: bool = False) -> Generator:
     for k in range(publishes):
         if begun and k == 0:
             yield Mark("writing", 1)
-            replaced = yield from commit(o, 1, 1, 1)
-            yield from reclaim(o, replaced)
+            yield from commit(o, 1, 1, 1)
+            if o.reclaim:
+                yield from reclaim(o, 0)  # slot 0 was the latest
             continue
         backed_off = ()
         target = odd = -1
         for _attempt in range(4):  # the code's 1000 back-offs: more than 3 here is a writer that waits
-            target = yield from choose_target(o, backed_off)
+            target, seen_latest = yield from choose_target(o, backed_off)
             if target is None:
                 if not backed_off:
                     yield Fail("every slot but the latest is leased: the writer would have to wait")
@@ -90,8 +92,9 @@ def writer(o: Options, publishes: int, begun: bool = False) -> Generator:
         version = version + 1
         for cell in range(CELLS):
             yield Store(("data", target, cell), version)
-        replaced = yield from commit(o, target, odd, version)
-        yield from reclaim(o, replaced)
+        yield from commit(o, target, odd, version)
+        if o.reclaim:
+            yield from reclaim(o, seen_latest)
 
 
 GIVEN_BACK = -2  # a cell of a slot whose memory was given back (it reads as zeros)
@@ -125,6 +128,8 @@ def reclaim(o: Options, replaced: int) -> Generator:
     for s in idle:
         if s == keep:
             continue
+        if (yield Load(("data", s, 0))) in (-1, GIVEN_BACK):
+            continue  # no pages to give back (the code asks the kernel: holds_pages)
         seq = yield Load(("seq", s))
         odd = seq + 2 if seq & 1 else seq + 1
         if not o.no_reclaim_handshake:
@@ -144,30 +149,21 @@ def reclaim(o: Options, replaced: int) -> Generator:
 
 
 def commit(o: Options, target: int, odd: int, version: int) -> Generator:
-    """``commit``: the version, the even sequence, ``latest``, ``version``, the publish count.
-    Returns the slot that was latest before (``replaced``)."""
+    """``commit``: the version, the even sequence, ``latest``, ``version``, the publish count."""
     yield Store(("ver", target), version)
     if not o.no_commit_fence:
         yield Fence()
     if o.latest_before_even:
-        replaced = yield from _replaced()
         yield Store("latest", target)
         yield Store(("seq", target), odd + 1)
     else:
         yield Store(("seq", target), odd + 1)
         yield Mark("writing")
-        replaced = yield from _replaced()
         yield Store("latest", target)
     yield Mark("writing")
     yield Store("version", version)
     count = yield Load("publish_count")
     yield Store("publish_count", count + 1)
-    return replaced
-
-
-def _replaced() -> Generator:
-    version = yield Load("version")
-    return (yield Load("latest")) if version >= 0 else -1
 
 
 def choose_target(o: Options, backed_off: tuple) -> Generator:
@@ -208,7 +204,7 @@ def choose_target(o: Options, backed_off: tuple) -> Generator:
         v = yield Load(("ver", s))
         if best is None or (v < 0, v) < best_key:  # slots holding a version first (_warm_first)
             best, best_key = s, (v < 0, v)
-    return best
+    return best, latest
 
 
 def pin_candidate(o: Options) -> Generator:

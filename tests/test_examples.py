@@ -37,7 +37,7 @@ def test_quickstart():
 @pytest.mark.timeout(300)
 # The default, and the other collector with the other reload (the scheme's own tests cover
 # each alone); `--scheme torchrl` runs TorchRL's own scheme, which the example only times.
-@pytest.mark.parametrize("mode", [[], ["--async", "--zero-copy"]], ids=["default", "async-zero-copy"])
+@pytest.mark.parametrize("mode", [[], ["--async", "--private-copy"]], ids=["default", "async-private-copy"])
 def test_train_cartpole_tiny_budget(mode, tmp_path):
     out = _run(
         "examples/train_cartpole.py",
@@ -68,7 +68,7 @@ def test_train_cartpole_tiny_budget(mode, tmp_path):
     if mode == []:
         assert "versions per worker  [4, 4]" in out
     else:
-        assert "zero-copy" in out
+        assert "private copies" in out
 
 
 @pytest.mark.timeout(240)

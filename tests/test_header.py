@@ -82,7 +82,7 @@ def _refused(path, error, match):
         (W_PAYLOAD_BYTES, 0, r"payload_bytes is 0"),
         (W_PAYLOAD_BYTES, 1 << 50, r"payload_bytes is 1125899906842624"),
         (W_LATEST, -1, r"latest is -1"),
-        (W_LATEST, 3, r"latest is 3: it indexes one of the 3 slots"),
+        (W_LATEST, 4, r"latest is 4: it indexes one of the 4 slots"),
         (W_VERSION, -2, r"version is -2"),
         (W_SLOT_VERSION + 1, -7, r"slot_version\[1\] is -7"),
         (W_PIN_SLOT, 99, r"pin_slot is 99"),
@@ -166,7 +166,7 @@ def test_a_header_word_that_turns_bad_later_is_refused_where_it_is_used(store_fa
     reader = WeightReader(WeightStore.attach(store.name), torch.nn.Linear(4, 2))
     assert reader.poll()
     write_header_word(store, W_LATEST, 99)  # a process of this user wrote it after the reader attached
-    with pytest.raises(StoreCorruptError, match=r"latest is 99, not a slot index \(0 to 2\)"):
+    with pytest.raises(StoreCorruptError, match=r"latest is 99, not a slot index \(0 to 3\)"):
         reader.reload()
     write_header_word(store, W_LATEST, 0)
     assert store.publish(torch.nn.Linear(4, 2)) == 1 and reader.poll() and reader.version == 1

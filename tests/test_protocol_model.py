@@ -157,7 +157,7 @@ class Pair:
     """The code and the model side by side, from the same fresh store."""
 
     def __init__(self, slots: int) -> None:
-        self.o = Options(slots=slots)
+        self.o = Options(slots=slots, reclaim=True)
         self.memory = initial_memory(slots)
         self.h = [0] * H.HEADER_WORDS
         initialize(self.h, slots)
@@ -190,7 +190,10 @@ class Pair:
         version = self.h[H.W_VERSION] + 1
         self.slots[write.slot] = [version] * CELLS
         p.commit(write)
-        p.reclaim(lambda slot: self.slots.__setitem__(slot, [GIVEN_BACK] * CELLS))
+        p.reclaim(
+            lambda slot: self.slots.__setitem__(slot, [GIVEN_BACK] * CELLS),
+            lambda slot: self.slots[slot][0] not in (-1, GIVEN_BACK),
+        )
 
     def read(self):
         code: list = []

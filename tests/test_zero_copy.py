@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from helpers import (
     blob_weights,
     lease_and_hang,
     mixed_values,
+    poll_in_place,
     write_through_view,
     writer,
     zero_copy_reader,
@@ -252,3 +254,34 @@ def test_a_thread_stuck_in_one_stores_table_lock_stalls_no_other_store(store_fac
     finally:
         release.set()
         holder.join(10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("frozen_s", [pytest.param(5.0), pytest.param(30.0, marks=pytest.mark.full)])
+def test_a_frozen_reader_costs_one_slot_while_frozen_and_nothing_once_it_moves_on(store_factory, start, frozen_s):
+    sizes = {"a": 1 << 20}  # 4 MiB a copy
+    store = store_factory(blob_weights(sizes, 0.0), num_slots=4)
+    head, slot = store.memory.slot_range(0)
+    child = start(poll_in_place, store, sizes)
+    assert child.expect("loaded") == (True, 0)
+    os.kill(child.pid, signal.SIGSTOP)
+    try:
+        version, end, slowest = 0, time.monotonic() + frozen_s, 0.0
+        while time.monotonic() < end:
+            version += 1
+            began = time.monotonic()
+            store.publish(blob_weights(sizes, float(version)))  # never waits for the frozen reader
+            slowest = max(slowest, time.monotonic() - began)
+            # the latest, the next write's, and the version the frozen reader holds
+            assert store.resident_bytes <= head + 3 * slot, f"after version {version}"
+            time.sleep(0.005)
+        assert slowest < 5.0 and store.readers()[0].version == 0
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 5.0
+    while store.readers()[0].version < version or store.resident_bytes > head + 2 * slot:
+        assert time.monotonic() < deadline, (store.readers()[0].version, version, store.resident_bytes)
+        version += 1
+        store.publish(blob_weights(sizes, float(version)))
+        time.sleep(0.01)

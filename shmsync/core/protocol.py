@@ -281,6 +281,7 @@ class _Writer:
     listeners: list[Callable[[int], None]]
     on_cold: Callable[[int], None] | None
     replaced: int
+    seen_latest: int
 
     def begin_write(self) -> Write:
         """Choose a slot and mark it being written. Never waits.
@@ -337,7 +338,7 @@ class _Writer:
         h[W_SLOT_VERSION + write.slot] = version
         self.fence()  # the copy's stores and the version before the sequence
         h[W_SEQ + write.slot] = write.seq + 1
-        self.replaced = h[W_LATEST] if h[W_VERSION] >= 0 else -1  # reclaim's hint: readers leave it next
+        self.replaced = self.seen_latest  # reclaim's hint: readers leave that slot next
         h[W_LATEST] = write.slot
         h[W_VERSION] = version
         now, last = self.clock(), h[W_PUBLISH_NS]
@@ -365,6 +366,7 @@ class _Writer:
         self.serve_pin_request()
         pinned = h[W_PIN_SLOT] if h[W_PIN_RELEASE] < h[W_PIN_GRANT] else -1
         latest = h[W_LATEST] if h[W_VERSION] >= 0 else -1
+        self.seen_latest = latest  # only the writer moves it: still the latest at the commit
         others = [s for s in range(self.num_slots) if s != latest and s not in backed_off]
         candidates = self._writable(others, pinned)
         return min(candidates, key=lambda s: _warm_first(h[W_SLOT_VERSION + s])) if candidates else None
@@ -817,6 +819,7 @@ class Protocol(_Writer, _Reader, _Table):
         self.writing: Write | None = None  # the write this process has open
         self.on_cold: Callable[[int], None] | None = None  # called before writing an empty slot
         self.replaced = -1  # the slot that was latest before this process's last commit
+        self.seen_latest = -1  # the latest slot as the open write's choice saw it
         self.listeners: list[Callable[[int], None]] = []  # called with each version this process commits
         self.retries = 0  # optimistic copies that failed validation
         self.pinned_reads = 0  # reads that needed the pinned fallback
