@@ -40,13 +40,41 @@ CONFIGURATIONS = {
     "tso crashes: a zero-copy reader": ("tso", 3, {"readers": "zero-copy", "crashes": True}),
     # The weak order: every fence, stale loads, stores out of order.
     "weak: 2 slots, an optimistic reader": ("weak", 2, {"publishes": 2, "readers": "optimistic"}),
-    "weak: a zero-copy reader": ("weak", 3, {"readers": "zero-copy"}),
+    "weak: a zero-copy reader": ("weak", 3, {"publishes": 2, "readers": "zero-copy"}),
+    # Memory given back after each publish (Protocol.reclaim), in every mode.
+    "sc give-backs: a zero-copy reader (two reloads)": (
+        "sc",
+        3,
+        {"readers": "zero-copy", "reloads": 2, "reclaim": True},
+    ),
+    "sc give-backs: an optimistic and a zero-copy reader": (
+        "sc",
+        3,
+        {"publishes": 2, "readers": "optimistic,zero-copy", "reloads": 2, "reclaim": True},
+    ),
+    "sc give-backs: a pinned and a zero-copy reader": (
+        "sc",
+        3,
+        {"publishes": 2, "readers": "pinned,zero-copy", "reclaim": True},
+    ),
+    "sc crashes, give-backs: a zero-copy reader": (
+        "sc",
+        3,
+        {"publishes": 2, "readers": "zero-copy", "reloads": 2, "crashes": True, "reclaim": True},
+    ),
+    "tso give-backs: a zero-copy reader (two reloads)": (
+        "tso",
+        3,
+        {"readers": "zero-copy", "reloads": 2, "reclaim": True},
+    ),
+    "weak give-backs: a zero-copy reader": ("weak", 3, {"publishes": 2, "readers": "zero-copy", "reclaim": True}),
 }
 
 
 def _explore(mode: str, slots: int, arguments: dict, **mutation):
     arguments = dict(arguments)
-    options = Options(slots=slots, reloads=arguments.pop("reloads", 1), **mutation)
+    reloads, reclaim = arguments.pop("reloads", 1), arguments.pop("reclaim", False)
+    options = Options(slots=slots, reloads=reloads, reclaim=reclaim, **mutation)
     return explore(mode, options, **arguments)
 
 
@@ -85,11 +113,16 @@ MUTATIONS = {
     "no_reclaim_handshake": (
         "sc",
         3,
-        {"readers": "zero-copy", "reloads": 2},
+        {"readers": "zero-copy", "reloads": 2, "reclaim": True},
         "accepted slot",  # a lease confirmed on a slot given back meanwhile
     ),
-    "reclaim_pinned": ("sc", 3, {"readers": "pinned,zero-copy", "reloads": 2}, "being written while a reader copies"),
-    "accept_empty": ("sc", 3, {"readers": "zero-copy", "reloads": 2}, "accepted slot"),
+    "reclaim_pinned": (
+        "sc",
+        3,
+        {"readers": "pinned,zero-copy", "reloads": 2, "reclaim": True},
+        "being written while a reader copies",
+    ),
+    "accept_empty": ("sc", 3, {"readers": "zero-copy", "reloads": 2, "reclaim": True}, "accepted slot"),
 }
 SLOW_MUTATIONS = {"no_reader_full_fence", "reclaim_pinned"}  # their counterexamples lie deep: 20 s, 100 s
 
