@@ -285,3 +285,18 @@ def test_a_frozen_reader_costs_one_slot_while_frozen_and_nothing_once_it_moves_o
         version += 1
         store.publish(blob_weights(sizes, float(version)))
         time.sleep(0.01)
+
+
+def test_a_reader_maps_the_slots_once_privately_and_a_copying_reader_too(store_factory):
+    store = store_factory(blob_weights(SMALL, 7.0))
+    attached = WeightStore.attach(store.name)  # as a worker process would
+    try:
+        in_place = WeightReader(attached, ParamBlob(SMALL))
+        copying = WeightReader(attached, ParamBlob(SMALL), zero_copy=False)
+        assert in_place.poll() and copying.poll() and in_place.viewing and not copying.viewing
+        segment = attached.memory.segment
+        assert segment.mapped(shared=False) and not segment.mapped(shared=True)  # no writable view of the store
+        in_place.close()
+        copying.close()
+    finally:
+        attached.close()
