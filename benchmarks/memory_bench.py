@@ -188,7 +188,7 @@ def run(args: Args) -> dict:
 def table(report: dict) -> str:
     lines = [
         f"MLP of {report['mb']:.0f} MB, MultiSyncCollector on Pendulum, 5 publishes; the plain copy: one copy_ of "
-        "the weights in the trainer, timed right after the updates",
+        "the weights in the trainer, timed right after the updates; measured beside the test suite and two busy loops",
         "",
         "| workers | scheme | summed PSS | per worker (USS) | /dev/shm | update, median | plain copy "
         "| runs unpublished writes |",

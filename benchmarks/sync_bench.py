@@ -832,7 +832,7 @@ def render(r: dict) -> str:
             rows,
         )
         + "\nthe floor copies the same tensors out of the same slot, one plain copy_ each; a zero-copy reload"
-        "\nleases the slot and points the parameters at it (ShmWeightSyncScheme(zero_copy=True), CPU workers)."
+        "\nleases the slot and points the parameters at it (the default for CPU workers; reload: zero_copy=False)."
     )
     by = {}
     for x in r["update"]:
