@@ -59,23 +59,28 @@ class InPlace:
         self.slot = slot
         self.versions = [p._version for p in self.params]
 
-    def check_unwritten(self, version: int) -> None:
+    def check_unwritten(self, version: int, *, keep: bool = False) -> bool:
         """Before the parameters leave their slot: did this process write them? A write shows in a
         parameter's version counter, or (through ``.data`` or C code) as pages of the private
         mapping that are this process's own. Either is undone, so that the slot shows the store's
-        pages again when it is leased next, and raised.
+        pages again when it is leased next, and raised; with ``keep``, the parameters first take
+        private copies of what they hold (the writes included), and True is returned.
 
         Raises:
-            SharedWeightsWrittenError: naming what was written and the fix.
+            SharedWeightsWrittenError: naming what was written and the fix (without ``keep``).
         """
         memory = self.memory
         written = [n for p, n, v in zip(self.params, self.names, self.versions) if p._version != v]
         address, length = memory.private_address(self.slot), memory.slot_range(self.slot)[1]
         own = private_pages(address, length)
         if not written and not own:
-            return
+            return False
+        if keep:
+            make_private(self.viewing)  # before the pages go: they hold the writes
         discard_private(address, length)
         self.versions = [p._version for p in self.params]
+        if keep:
+            return True
         what = f"parameters {written}" if written else f"{own} pages of its parameters"
         raise SharedWeightsWrittenError(
             f"this process wrote {what}, which run in place on the shared memory of store "

@@ -121,6 +121,9 @@ class WeightReader:
         self.zero_copy = zero_copy is not False  # settled by the module's device at the first bind
         self._viewing: list[torch.Tensor] = []  # parameters now pointing at a leased slot
         self._said_fallback = False
+        # A write into the parameters: raise (default), or go on with a private copy holding it
+        # (TorchRL collectors: loading a collector's state dict writes the policy's weights).
+        self.private_on_write = False
         if worker is not None and (isinstance(worker, bool) or not isinstance(worker, int) or worker < 0):
             raise ValueError(f"worker must be an int >= 0 or None, got {worker!r}")
         self._flags = ROW_ZERO_COPY if self.zero_copy else 0
@@ -195,13 +198,13 @@ class WeightReader:
         if memory.closed:
             raise ShmSyncError(f"store {memory.name!r} is closed in this process")
         # Without a row in the reader table (it is full) there is no lease: copy.
+        if self._viewing and self._in_place.check_unwritten(self._version, keep=self.private_on_write):
+            _go_private(self)
         can_view = self.zero_copy and self._finalizer.alive and self._row >= 0
-        if self._viewing:
-            self._in_place.check_unwritten(self._version)
         version = self._view_latest() if can_view else None
         if version is None:
             if can_view:
-                self._say_fallback()
+                _say_fallback(self)
             if self._viewing:  # leasing refused: back to private memory before copying into it
                 # (the old slot may be rewritten meanwhile; the copy below overwrites it all)
                 make_private(self._viewing)
@@ -314,20 +317,33 @@ class WeightReader:
         self._in_place.point(slot)
         return version
 
-    def _say_fallback(self) -> None:
-        if not self._said_fallback:
-            self._said_fallback = True
-            log.warning(
-                "store %r: reader%s could not lease a slot (at most %d distinct versions may be held in "
-                "place); it copies into private memory until a later reload leases one. More slots "
-                "(num_slots, which cost memory only while held) let every reader lease",
-                self.store.name,
-                "" if self._worker is None else f" of worker {self._worker}",
-                self._memory.num_slots - 2,
-            )
-
     def __repr__(self) -> str:
         return f"WeightReader(store={self.store.name!r}, version={self._version}, reloads={self.reloads})"
+
+
+def _go_private(reader: WeightReader) -> None:
+    """The module wrote its parameters (kept, in private memory now): copy from here on."""
+    reader._protocol.release_lease(reader._row)
+    reader.zero_copy = False
+    reader._set_flags(ROW_ZERO_COPY, False)
+    log.warning(
+        "store %r: the module of %s wrote its parameters in place: it keeps a private copy from now on",
+        reader.store.name,
+        "reader" if reader._worker is None else f"worker {reader._worker}",
+    )
+
+
+def _say_fallback(reader: WeightReader) -> None:
+    if not reader._said_fallback:
+        reader._said_fallback = True
+        log.warning(
+            "store %r: reader%s could not lease a slot (at most %d distinct versions may be held in "
+            "place); it copies into private memory until a later reload leases one. More slots "
+            "(num_slots, which cost memory only while held) let every reader lease",
+            reader.store.name,
+            "" if reader._worker is None else f" of worker {reader._worker}",
+            reader._memory.num_slots - 2,
+        )
 
 
 def _not_loaded_yet(reader: WeightReader):

@@ -315,7 +315,7 @@ class WeightStore(StoreWriter):
             ...     reader = WeightReader(store, torch.nn.Linear(4, 2))
             ...     _ = reader.poll()
             ...     [(row.version, row.behind, row.mode) for row in store.readers()]
-            [(0, 0, 'copy')]
+            [(0, 0, 'zero-copy')]
         """
         mapped = self.memory
         latest = mapped.header[W_VERSION]

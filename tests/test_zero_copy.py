@@ -300,3 +300,18 @@ def test_a_reader_maps_the_slots_once_privately_and_a_copying_reader_too(store_f
         copying.close()
     finally:
         attached.close()
+
+
+def test_a_reader_told_to_keep_writes_goes_on_with_a_private_copy(store_factory):
+    """What TorchRL collectors ask for: loading a collector's state dict writes the policy's weights."""
+    store = store_factory(blob_weights(SMALL, 7.0))
+    module = ParamBlob(SMALL)
+    reader = WeightReader(store, module)
+    reader.private_on_write = True
+    assert reader.poll() and reader.viewing
+    with torch.no_grad():
+        module.a.fill_(3.0)
+    _publish(store, 9.0)
+    assert reader.poll() and not reader.viewing and mixed_values(module) == {9.0}
+    assert [r.mode for r in store.readers()] == ["copy"]
+    assert all((t == 9.0).all() for t in store.snapshot().weights.values())  # nothing reached the store

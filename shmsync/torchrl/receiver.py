@@ -74,6 +74,7 @@ class Receiver:
                 zero_copy=False if on_gpu else self.scheme.zero_copy,
                 worker=getattr(self.scheme, "worker_idx", None),
             )
+            self.reader.private_on_write = True  # TorchRL's load_state_dict writes the policy's weights
             self.reader.set_waiting(self.waiting)
             self._install_hooks(model)
             if first:
