@@ -127,7 +127,7 @@ class WeightReader:
         if worker is not None and (isinstance(worker, bool) or not isinstance(worker, int) or worker < 0):
             raise ValueError(f"worker must be an int >= 0 or None, got {worker!r}")
         self._flags = ROW_ZERO_COPY if self.zero_copy else 0
-        self._worker = worker
+        self.worker = worker  # the index its collector gave it, or None
         # A row in the readers' table (`shmsync ls`, store.readers()); -1: the table is full, unlisted.
         self._row = self._protocol.claim_row(worker=worker, flags=self._flags)
         self._finalizer = weakref.finalize(self, _leave, memory, self._row, self._viewing)
@@ -197,14 +197,18 @@ class WeightReader:
         memory, protocol = self._memory, self._protocol
         if memory.closed:
             raise ShmSyncError(f"store {memory.name!r} is closed in this process")
-        # Without a row in the reader table (it is full) there is no lease: copy.
         if self._viewing and self._in_place.check_unwritten(self._version, keep=self.private_on_write):
-            _go_private(self)
+            protocol.release_lease(self._row)  # the module wrote its weights, kept privately: copy from now on
+            self.zero_copy = False
+            self._set_flags(ROW_ZERO_COPY, False)
+            _say_private(self.store.name, self.worker)
+        # Without a row in the reader table (it is full) there is no lease: copy.
         can_view = self.zero_copy and self._finalizer.alive and self._row >= 0
         version = self._view_latest() if can_view else None
         if version is None:
-            if can_view:
-                _say_fallback(self)
+            if can_view and not self._said_fallback:
+                self._said_fallback = True
+                _say_fallback(self.store.name, self.worker, self._memory.num_slots)
             if self._viewing:  # leasing refused: back to private memory before copying into it
                 # (the old slot may be rewritten meanwhile; the copy below overwrites it all)
                 make_private(self._viewing)
@@ -321,29 +325,22 @@ class WeightReader:
         return f"WeightReader(store={self.store.name!r}, version={self._version}, reloads={self.reloads})"
 
 
-def _go_private(reader: WeightReader) -> None:
-    """The module wrote its parameters (kept, in private memory now): copy from here on."""
-    reader._protocol.release_lease(reader._row)
-    reader.zero_copy = False
-    reader._set_flags(ROW_ZERO_COPY, False)
+def _say_private(store: str, worker: int | None) -> None:
+    who = "reader" if worker is None else f"worker {worker}"
     log.warning(
-        "store %r: the module of %s wrote its parameters in place: it keeps a private copy from now on",
-        reader.store.name,
-        "reader" if reader._worker is None else f"worker {reader._worker}",
+        "store %r: the module of %s wrote its parameters in place: it keeps a private copy from now on", store, who
     )
 
 
-def _say_fallback(reader: WeightReader) -> None:
-    if not reader._said_fallback:
-        reader._said_fallback = True
-        log.warning(
-            "store %r: reader%s could not lease a slot (at most %d distinct versions may be held in "
-            "place); it copies into private memory until a later reload leases one. More slots "
-            "(num_slots, which cost memory only while held) let every reader lease",
-            reader.store.name,
-            "" if reader._worker is None else f" of worker {reader._worker}",
-            reader._memory.num_slots - 2,
-        )
+def _say_fallback(store: str, worker: int | None, num_slots: int) -> None:
+    log.warning(
+        "store %r: reader%s could not lease a slot (at most %d distinct versions may be held in "
+        "place); it copies into private memory until a later reload leases one. More slots "
+        "(num_slots, which cost memory only while held) let every reader lease",
+        store,
+        "" if worker is None else f" of worker {worker}",
+        num_slots - 2,
+    )
 
 
 def _not_loaded_yet(reader: WeightReader):
