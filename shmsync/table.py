@@ -52,6 +52,7 @@ from shmsync.core.header import (
     ROW_ZERO_COPY,
     reader_rows,
 )
+from shmsync.core.pages import human_bytes
 from shmsync.core.processes import process_state, process_uss
 
 log = logging.getLogger("shmsync.table")
@@ -431,7 +432,7 @@ def _cells(r: ReaderRow) -> list[str]:
         str(r.reloads),
         r.mode,
         state,
-        "-" if r.uss is None else _bytes(r.uss),
+        "-" if r.uss is None else human_bytes(r.uss),
     ]
 
 
@@ -441,14 +442,6 @@ def _age(s: float) -> str:
     if s < 7200:
         return f"{s / 60:.0f}m"
     return f"{s / 3600:.0f}h"
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 __all__ = ["HostReport", "ReaderRow", "ReaderTable"]
