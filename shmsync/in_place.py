@@ -41,6 +41,8 @@ class InPlace:
         self.buffers = [targets[i] for i in order[len(params) :]]
         # Per slot, views of the parameters first, then of the buffers.
         self.views = [[views[indices[i]] for i in order] for views in memory.private_slots()]
+        # Where each slot lies in the private mapping, for the pagemap check at every reload.
+        self.ranges = [(memory.private_address(s), memory.slot_range(s)[1]) for s in range(memory.num_slots)]
         self.viewing = viewing
         self.slot = -1
         self.versions: list[int] = []  # the parameters' version counters as pointed: a write moves one
@@ -71,7 +73,7 @@ class InPlace:
         """
         memory = self.memory
         written = [n for p, n, v in zip(self.params, self.names, self.versions) if p._version != v]
-        address, length = memory.private_address(self.slot), memory.slot_range(self.slot)[1]
+        address, length = self.ranges[self.slot]
         own = private_pages(address, length)
         if not written and not own:
             return False

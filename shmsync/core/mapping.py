@@ -285,7 +285,7 @@ class StoreMemory:
 
         h = self.header
         h[W_STORE_FLAGS] |= STORE_PAGE_LOCKED
-        fences.ordering()[1]()  # the flag before the count's load below
+        self.protocol.full_fence()  # the flag before the count's load below
         buf, base = self.segment.data(shared=True)
         region = torch.frombuffer(
             buf, dtype=torch.uint8, count=h[W_SLOT_BYTES] * self.num_slots, offset=h[W_DATA_OFFSET] - base

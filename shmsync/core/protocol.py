@@ -393,11 +393,12 @@ class _Writer:
                     held.append(s)
                 elif s != pinned:
                     idle.append(s)
-        warm = [s for s in idle if h[W_SLOT_VERSION + s] >= 0]
+        versions = {s: h[W_SLOT_VERSION + s] for s in idle}  # only this writer changes them
+        warm = [s for s in idle if versions[s] >= 0]
         # No slot is kept for the next write while readers hold only the version just replaced:
         # they move on at their next reload, and its slot is then the next write's.
         moving = held and all(s == self.replaced for s in held)
-        keep = min(warm, key=lambda s: h[W_SLOT_VERSION + s]) if warm and not moving else -1
+        keep = min(warm, key=versions.__getitem__) if warm and not moving else -1
         given = []
         for s in idle:
             if s == keep or not holds_pages(s):
