@@ -7,7 +7,9 @@ BIN := $(VENV)/bin
 # TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
 TORCH ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
-PYTEST_ARGS ?= -n 2
+# Three test processes on two cores: many tests spend seconds waiting on their children (spawn,
+# imports, deadlines), and a third keeps both cores busy meanwhile.
+PYTEST_ARGS ?= -n 3
 
 # Older TorchRL minors: `make test` runs the tests marked `minors` under each (those whose outcome
 # depends on the release, tests/conftest.py), `make test-full` every `torchrl` test.

@@ -57,6 +57,11 @@ CONFIGURATIONS = {
         3,
         {"publishes": 2, "readers": "pinned,zero-copy", "reclaim": True},
     ),
+    "sc give-backs: a pinned and a zero-copy reader, one publish": (
+        "sc",
+        3,
+        {"publishes": 1, "readers": "pinned,zero-copy", "reclaim": True},
+    ),
     "sc crashes, give-backs: a zero-copy reader": (
         "sc",
         3,
