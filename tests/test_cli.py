@@ -191,18 +191,23 @@ def test_watch_redraws_in_a_terminal_until_ctrl_c(store_dir):
                     store.publish(torch.nn.Linear(4, 2))
             assert b"\x1b[H\x1b[2J" in seen and b"policy: version 1, 0 readers" in seen
             os.write(fd, b"\x03")  # Ctrl-C, through the terminal
-            _, status = os.waitpid(pid, 0)
-            pid = 0
+            # Read on while waiting: a child whose terminal is full blocks in its write and never exits.
+            rest, status, deadline = b"", None, time.monotonic() + 30
+            while status is None or select.select([fd], [], [], 0.5)[0]:
+                assert time.monotonic() < deadline, f"the command went on after Ctrl-C: {rest[-500:]!r}"
+                if status is None:
+                    done, code = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        status, pid = code, 0
+                if select.select([fd], [], [], 0.1)[0]:
+                    try:
+                        chunk = os.read(fd, 65536)
+                    except OSError:  # the terminal closed with the child
+                        chunk = b""
+                    if not chunk and status is not None:
+                        break
+                    rest += chunk
             assert os.waitstatus_to_exitcode(status) == 0
-            rest = b""
-            while select.select([fd], [], [], 0.5)[0]:
-                try:
-                    chunk = os.read(fd, 65536)
-                except OSError:
-                    break
-                if not chunk:
-                    break
-                rest += chunk
             assert b"Traceback" not in seen + rest
         finally:
             if pid:
