@@ -4,6 +4,7 @@ skip with a line saying why, never hang on, never crash on and never remove."""
 
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -178,6 +179,10 @@ def test_watch_redraws_in_a_terminal_until_ctrl_c(store_dir):
     with WeightStore.create(torch.nn.Linear(4, 2), name="policy") as store:
         pid, fd = pty.fork()
         if pid == 0:  # the child: the command, its terminal the pty
+            # As a shell starts a foreground command: Ctrl-C's signal delivered and not ignored,
+            # whatever an earlier test left in this process (an ignored or blocked SIGINT is inherited).
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
             os.execve(
                 sys.executable, [sys.executable, "-m", "shmsync", "ls", "policy", "--watch", "0.2"], _env(store_dir)
             )
