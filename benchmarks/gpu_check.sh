@@ -1,9 +1,41 @@
 #!/usr/bin/env bash
 # On a GPU machine: the CUDA tests, then the GPU benchmark. Under 5 minutes.
-# Assumes a Python with a CUDA build of torch; installs shmsync's other needs.
+#
+# Needs a Python (PYTHON, default python3) whose torch has CUDA, with tensordict, torchrl, psutil,
+# gymnasium, pytest, pytest-timeout and pytest-xdist importable. shmsync itself is installed here
+# without its dependencies and without asking a package index, so the check also runs on a machine
+# that is offline or keeps its own torch build (docs/gpus.md). Logs and the benchmark's JSON go to
+# $OUT (default benchmarks/results).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q -e ".[test]"
-python3 -c "import torch; assert torch.cuda.is_available(), 'no GPU'; print(torch.cuda.get_device_name(0))"
-timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_scheme.py -k "cuda"
-timeout 120 python3 benchmarks/gpu_bench.py --reps 10 --out "${OUT:-benchmarks/results}/gpu_bench.json"
+PY=${PYTHON:-python3}
+out=${OUT:-benchmarks/results}
+mkdir -p "$out"
+
+if ! PIP_NO_INDEX=1 "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$out/gpu_pip.log" 2>&1; then
+    cat "$out/gpu_pip.log"
+    exit 2
+fi
+df -h /dev/shm | tail -1 | awk '{print "/dev/shm: " $2 " (" $4 " free)"}' | tee "$out/gpu_env.txt"
+"$PY" - <<'EOF' | tee -a "$out/gpu_env.txt"
+import platform
+
+import tensordict
+import torch
+import torchrl
+
+import shmsync
+from shmsync.core import fences
+
+assert torch.cuda.is_available(), "no GPU visible to torch"
+print(f"gpu: {torch.cuda.get_device_name(0)}; python {platform.python_version()}; torch {torch.__version__} "
+      f"(CUDA {torch.version.cuda}); tensordict {tensordict.__version__}; torchrl {torchrl.__version__}; "
+      f"shmsync {shmsync.__version__}; fence: {fences.source()}")
+EOF
+
+status=0
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rA tests/test_cuda.py tests/test_scheme.py \
+    2>&1 | tee "$out/gpu_tests.log" || status=1
+timeout 150 "$PY" benchmarks/gpu_bench.py --reps 10 --out "$out/gpu_bench.json" \
+    2>&1 | tee "$out/gpu_bench.txt" || status=1
+exit $status
