@@ -13,9 +13,13 @@ from shmsync.testing import page_locked
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+def _layers():
+    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+
+
 def _net(device="cpu"):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256)).to(device)
+    return _layers().to(device)
 
 
 def test_publish_from_cuda_is_visible_after_flush(store_factory):
@@ -61,7 +65,7 @@ def test_cuda_reader(store_factory):
     for a, b in zip(worker.parameters(), trainer.parameters()):
         torch.testing.assert_close(a.cpu(), b)
     with torch.device("meta"):
-        meta = _net()
+        meta = _layers()  # no storage: the reader allocates it on the device
     reader = WeightReader(store, meta, device="cuda")
     assert reader.poll() and next(meta.parameters()).is_cuda
 
