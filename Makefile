@@ -16,7 +16,7 @@ PYTEST_ARGS ?= -n 3
 TORCHRL_LEGS ?= 0.13 0.12 0.11
 LEGS_MARK ?= minors and not full
 
-.PHONY: install demo test test-full test-main test-fast test-busy test-protocol test-legs docs lint bench bench-quick soak clean
+.PHONY: install demo test legs-installed test-full test-main test-fast test-busy test-protocol test-legs docs lint bench bench-quick soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,9 +37,14 @@ install: $(VENV)/.installed
 demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/train_cartpole.py
 
-# CI's command. The `full` tier (tests/conftest.py: heavier variants of paths this also runs)
-# waits for test-full.
-test: lint test-main test-legs docs
+# CI's command. The older minors' venvs install (mostly waiting on the package index) and the
+# docs build while the main tier runs; the legs follow. The `full` tier (tests/conftest.py:
+# heavier variants of paths this also runs) waits for test-full.
+test: lint
+	@$(MAKE) --no-print-directory -j5 -Oline test-main legs-installed docs
+	@$(MAKE) --no-print-directory test-legs
+
+legs-installed: $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed)
 
 test-main: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not full" tests shmsync workers
@@ -65,16 +70,17 @@ test-busy: install
 test-protocol: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests/test_protocol_interleavings.py tests/test_interleavings.py tests/test_protocol_model.py
 
-# .venv-torchrl-0.13 (and so on): that TorchRL minor with its own tensordict minor, and shmsync.
-# Everything else (torch, pytest, ...) comes from .venv through a .pth line placed after this
-# venv's own packages, so the leg's torchrl and tensordict shadow .venv's and torch installs once.
+# .venv-torchrl-0.13 (and so on): that TorchRL minor with its own tensordict minor. Everything
+# else (torch, pytest, shmsync as .venv has it installed) comes from .venv, added by a .pth line
+# after this venv's own packages (site.addsitedir, so .venv's editable shmsync is found too): the
+# leg's torchrl and tensordict shadow .venv's, torch installs once, and installing a leg writes
+# nothing in the checkout (a leg can install while tests run).
 .venv-torchrl-%/.installed: $(VENV)/.installed pyproject.toml
 	rm -rf .venv-torchrl-$*
 	$(PYTHON) -m venv .venv-torchrl-$*
-	$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+	echo "import site; site.addsitedir($$($(BIN)/python -c "import sysconfig; print(repr(sysconfig.get_paths()['purelib']))"))" > \
 		"$$(.venv-torchrl-$*/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_shmsync_base_venv.pth"
 	.venv-torchrl-$*/bin/python -m pip install -q "torchrl~=$*.0" "tensordict~=$*.0"
-	.venv-torchrl-$*/bin/python -m pip install -q --no-deps -e .
 	touch $@
 
 test-legs: $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed)
