@@ -227,9 +227,8 @@ def _torchrl_state(first: tuple[str, ...]) -> dict:
 @pytest.mark.parametrize(
     "first",
     [
-        pytest.param(["shmsync"], id="import shmsync, then torchrl"),
         pytest.param(_TORCHRL_MODULES + ["shmsync"], id="torchrl, then import shmsync"),
-        pytest.param(
+        pytest.param(  # `import shmsync` alone, then torchrl, is this one's first step
             [
                 "shmsync",
                 "shmsync.torchrl.scheme",
