@@ -21,9 +21,21 @@ from shmsync.testing import read_with, stop_mid_publish
 
 
 # -- waiting, descriptors, commands ----------------------------------------------------------
-def open_fds() -> set[int]:
-    """This process's open file descriptors."""
-    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+def open_fds(under=None) -> set[int]:
+    """This process's open file descriptors; with ``under``, only those open on a file in that
+    folder (all a test can answer for: threads that earlier tests left in the same process, a
+    relay's or Ray's, open and close descriptors of their own meanwhile)."""
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        if under is not None:
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:  # closed meanwhile, or listdir's own
+                continue
+            if not target.startswith(f"{os.path.realpath(under)}{os.sep}"):
+                continue
+        fds.add(int(fd))
+    return fds
 
 
 def wait_for(condition, timeout: float = 30.0, what: str = "condition") -> None:

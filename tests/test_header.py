@@ -60,10 +60,10 @@ def _word(path, word):
 
 def _refused(path, error, match):
     """Attach fails with ``error`` matching ``match``, writes nothing, leaves no descriptor."""
-    before, content = open_fds(), path.read_bytes()
+    before, content = open_fds(path.parent), path.read_bytes()
     with pytest.raises(error, match=match):
         WeightStore.attach("victim")
-    assert open_fds() == before, "a descriptor was left open"
+    assert open_fds(path.parent) == before, "a descriptor was left open"
     assert path.read_bytes() == content, "the file was written"
 
 

@@ -71,20 +71,20 @@ def _socket(path):
 @pytest.mark.parametrize("make, kind", [(_fifo, "a FIFO"), (_directory, "a directory"), (_socket, "a socket")])
 def test_a_file_of_another_kind_is_refused_without_blocking(store_dir, make, kind):
     keep = make(store_dir / "shmsync-policy")
-    before = open_fds()
+    before = open_fds(store_dir)
     with pytest.raises(StoreUntrustedError, match=kind):
         WeightStore.attach("policy")
-    assert open_fds() == before
+    assert open_fds(store_dir) == before
     del keep
 
 
 def test_a_symbolic_link_is_not_followed(store_dir):
     target = _a_store_file(store_dir, "real")
     os.symlink(target, store_dir / "shmsync-policy")
-    before = open_fds()
+    before = open_fds(store_dir)
     with pytest.raises(StoreUntrustedError, match="symbolic link"):
         WeightStore.attach("policy")
-    assert open_fds() == before
+    assert open_fds(store_dir) == before
     assert WeightStore.attach("real").version == 0  # the store itself is fine
 
 
@@ -92,10 +92,10 @@ def test_a_symbolic_link_is_not_followed(store_dir):
 def test_a_file_others_may_write_is_refused(store_dir, mode, why):
     path = _a_store_file(store_dir)
     os.chmod(path, mode)
-    before = open_fds()
+    before = open_fds(store_dir)
     with pytest.raises(StoreUntrustedError, match=why):
         WeightStore.attach("victim")
-    assert open_fds() == before
+    assert open_fds(store_dir) == before
 
 
 def test_a_group_shared_store_needs_the_opt_in_on_both_sides(store_dir, monkeypatch):
