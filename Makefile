@@ -15,8 +15,9 @@ PYTEST_ARGS ?= -n 3
 # depends on the release, tests/conftest.py), `make test-full` every `torchrl` test.
 TORCHRL_LEGS ?= 0.13 0.12 0.11
 LEGS_MARK ?= minors and not full
+LEGS_PYTEST_ARGS ?= $(PYTEST_ARGS)
 
-.PHONY: install demo test legs-installed test-full test-main test-fast test-busy test-protocol test-legs docs lint bench bench-quick soak clean
+.PHONY: install demo test test-full test-main test-fast test-busy test-protocol test-legs docs lint bench bench-quick soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,14 +38,13 @@ install: $(VENV)/.installed
 demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/train_cartpole.py
 
-# CI's command. The older minors' venvs install (mostly waiting on the package index) and the
-# docs build while the main tier runs; the legs follow. The `full` tier (tests/conftest.py:
-# heavier variants of paths this also runs) waits for test-full.
+# CI's command. Beside the main tier, the older minors' venvs install (mostly waiting on the
+# package index), the docs build, and then the legs run one after the other in one process each:
+# the main tier keeps the cores busy, and the legs fill what it leaves. Each target's output is
+# printed whole when it ends. The `full` tier (tests/conftest.py: heavier variants of paths this
+# also runs) waits for test-full.
 test: lint
-	@$(MAKE) --no-print-directory -j5 -Oline test-main legs-installed docs
-	@$(MAKE) --no-print-directory test-legs
-
-legs-installed: $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed)
+	@$(MAKE) --no-print-directory -j5 -Otarget test-main test-legs docs LEGS_PYTEST_ARGS="-p no:xdist"
 
 test-main: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not full" tests shmsync workers
@@ -86,7 +86,7 @@ test-protocol: install
 test-legs: $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed)
 	set -e; for v in $(TORCHRL_LEGS); do \
 		echo "== torchrl $$v: $$(.venv-torchrl-$$v/bin/python -c 'import torchrl, tensordict; print(torchrl.__version__, tensordict.__version__)')"; \
-		.venv-torchrl-$$v/bin/python -m pytest $(PYTEST_ARGS) -m "$(LEGS_MARK)" tests; \
+		.venv-torchrl-$$v/bin/python -m pytest $(LEGS_PYTEST_ARGS) -m "$(LEGS_MARK)" tests; \
 	done
 
 docs: install
