@@ -40,6 +40,7 @@ CONFIGURATIONS = {
     "tso crashes: a zero-copy reader": ("tso", 3, {"readers": "zero-copy", "crashes": True}),
     # The weak order: every fence, stale loads, stores out of order.
     "weak: 2 slots, an optimistic reader": ("weak", 2, {"publishes": 2, "readers": "optimistic"}),
+    "weak: 2 slots, a reader either way, one publish": ("weak", 2, {"publishes": 1, "readers": "plain"}),
     "weak: a zero-copy reader": ("weak", 3, {"publishes": 2, "readers": "zero-copy"}),
     # Memory given back after each publish (Protocol.reclaim), in every mode.
     "sc give-backs: a zero-copy reader (two reloads)": (
