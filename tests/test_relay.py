@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from shmsync.relay import RelaySender, wire
+from shmsync.relay import RelaySender, sealing, wire
 
 import helpers
 from helpers import SECRET, blob_weights, cli, set_all, wait_for
@@ -156,7 +156,7 @@ def test_a_stalled_host_slows_neither_the_trainer_nor_the_other_hosts(store_fact
         path.mkdir()
     weights = blob_weights(SIZES, 0.0)
     store = store_factory(weights)
-    with RelaySender(store, "127.0.0.1", 0, secret=SECRET, bucket_bytes=256 << 10) as sender:
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET, bucket_bytes=256 << 10, fanout=2) as sender:
         relays = [start_relay(start, str(h), sender.port) for h in hosts]
         wait_for(lambda: len(sender.relays) == 2 and min(sender.relays.values()) >= 0, what="both relays to link")
         stalled = relays[1]
@@ -173,6 +173,16 @@ def test_a_stalled_host_slows_neither_the_trainer_nor_the_other_hosts(store_fact
     (_, version_b), (received_c, version_c) = (relay.expect("done") for relay in relays)
     assert version_b == version_c == 40
     assert received_c < 40, "the stalled host was sent every version instead of the newest"
+
+
+def test_the_default_shape_is_a_chain_once_a_version_spans_eight_buckets(store_factory):
+    store = store_factory(blob_weights(SIZES, 1.0))  # 1.2 MB
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET, bucket_bytes=256 << 10) as sender:
+        assert sender.fanout == 2  # five buckets
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET, bucket_bytes=150_000) as sender:
+        assert sender.fanout == 1  # eight
+    with RelaySender(store, "127.0.0.1", 0, secret=SECRET, bucket_bytes=150_000, fanout=3) as sender:
+        assert sender.fanout == 3
 
 
 def test_the_relay_command_follows_the_trainer_until_it_closes(store_factory, host):
@@ -441,12 +451,25 @@ def _admit(link, description, path=("0123456789abcdef",)):
     return link.recv_json({b"HAVE": 4096, b"MISM": 4096}, 5)[1]
 
 
-def _version(link, version, nbytes, pieces):
+def _version(link, version, nbytes, pieces, *, salt=None, first=0):
+    """A version as a trainer sends it: VERS, then ``pieces`` as DATA frames (on an encrypted link
+    each sealed as :mod:`shmsync.relay.sealing` seals it, the first under index ``first``, all of
+    them in pieces of the first one's size); returns the sealing's salt."""
     import struct
 
-    link.send(b"VERS", struct.pack(">qQ", version, nbytes))
-    for piece in pieces:
-        link.send(b"DATA", piece)
+    if link.keys is None:
+        link.send(b"VERS", struct.pack(">qQ", version, nbytes))
+        for piece in pieces:
+            link.send(b"DATA", piece)
+        return None
+    salt = salt or os.urandom(sealing.SALT_BYTES)
+    size = len(pieces[0]) if pieces and pieces[0] else nbytes
+    link.send(b"VERS", sealing.HEADER.pack(version, nbytes, size, salt))
+    aead = sealing._key(SECRET.encode(), salt, version, nbytes, size)
+    for i, piece in enumerate(pieces, first):
+        frame = aead.encrypt(sealing._nonce(i), piece, sealing._aad(i)) if piece else b""
+        link.send_or_keep(b"DATA", frame, sealed=True)
+    return salt
 
 
 def _relay_against(fake, host, timeout=3.0):
@@ -496,7 +519,7 @@ def one_host(host, monkeypatch):
         ("empty piece", r"DATA message of 0 bytes"),
         ("a version inside a version", r"sent a b'VERS' message where only"),
         ("negative version", r"sent version -1"),
-        ("a version header of 8 bytes", r"VERS message of 8 bytes, 16"),
+        ("a version header of 8 bytes", r"VERS message of 8 bytes, 56"),
         ("the largest version", r"sent version 9223372036854775807"),
         ("a layout of 2**61 bytes", r"past 1099511627776"),
         ("30 MiB of lists", r"lists; a layout of at most"),
@@ -565,6 +588,64 @@ def test_a_version_cut_short_or_cancelled_leaves_the_host_on_its_last_whole_vers
     error, snap = _relay_against(FakeTrainer(script), one_host)
     assert error is None, _chain(error)
     assert snap.version == 3 and all(bool((t.view(torch.uint8) == 3).all()) for t in snap.weights.values())
+
+
+def _sealed(version, payload, size, salt):
+    """``payload`` sealed as the trainer seals a version: its pieces, as the wire carries them."""
+    aead = sealing._key(SECRET.encode(), salt, version, len(payload), size)
+    offsets = range(0, len(payload), size)
+    return [aead.encrypt(sealing._nonce(i), payload[o : o + size], sealing._aad(i)) for i, o in enumerate(offsets)]
+
+
+def _send_sealed(link, version, nbytes, size, salt, frames):
+    link.send(b"VERS", sealing.HEADER.pack(version, nbytes, size, salt))
+    for frame in frames:
+        link.send_or_keep(b"DATA", frame, sealed=True)
+
+
+@pytest.mark.parametrize(
+    "attack, bad",
+    [
+        ("an old version's pieces replayed under the new header", 0),
+        ("pieces of two versions mixed", 2),
+        ("two pieces swapped", 0),
+        ("a piece of another sealing of the same version", 1),
+        ("a piece altered", 3),
+    ],
+)
+def test_sealed_pieces_not_of_this_version_in_this_place_are_refused_and_the_host_keeps_its_version(
+    one_host, attack, bad
+):
+    """A peer on the path can replay, mix, reorder, swap in or alter the sealed pieces (they travel
+    without the link's own seal; the header, a control frame, it cannot touch). Each is refused at
+    the piece it broke, and the host stays on its last whole version."""
+    layout, nbytes = _description()
+    size = 256 << 10  # five pieces
+
+    def script(link, attempt):
+        assert _admit(link, layout) == {"version": -1}
+        salt1, salt2 = os.urandom(32), os.urandom(32)
+        one = _sealed(1, b"\x01" * nbytes, size, salt1)
+        _send_sealed(link, 1, nbytes, size, salt1, one)
+        two = _sealed(2, b"\x02" * nbytes, size, salt2)
+        if attack.startswith("an old version's"):
+            frames = one
+        elif attack == "pieces of two versions mixed":
+            frames = two[:2] + one[2:]
+        elif attack == "two pieces swapped":
+            frames = [two[1], two[0], *two[2:]]
+        elif attack.startswith("a piece of another sealing"):
+            frames = [two[0], _sealed(2, b"\x02" * nbytes, size, os.urandom(32))[1], *two[2:]]
+        else:
+            frames = list(two)
+            frames[3] = frames[3][:100] + bytes([frames[3][100] ^ 0x40]) + frames[3][101:]
+        _send_sealed(link, 2, nbytes, size, salt2, frames)
+        link.sock.recv(1)  # until the relay hangs up
+
+    error, snap = _relay_against(FakeTrainer(script), one_host)
+    assert type(error).__name__ == "AuthenticationError", _chain(error)
+    assert f"piece {bad} of version 2 failed its check" in str(error), str(error)
+    assert snap.version == 1 and all(bool((t.view(torch.uint8) == 1).all()) for t in snap.weights.values())
 
 
 def test_a_trainer_without_the_secret_is_refused_at_once(one_host):

@@ -7,11 +7,15 @@ sends each version ``fanout`` times however many hosts there are. A relay receiv
 straight into a free slot of its host's store and forwards each piece to the relays below it
 as soon as it has arrived and passed its check (pipelined, not stored and forwarded); it
 commits the version under the trainer's number once the last byte is in. ``fanout=1`` makes a
-chain.
+chain, the default once a version spans 8 pieces
+(:func:`~shmsync.relay.messages.choose_fanout`).
 
 Every link starts with the handshake of :mod:`shmsync.relay.wire` (both ends prove the relay
-secret), and its frames are encrypted and authenticated under keys of that connection alone
-(``encrypt=False`` on both ends, only inside a tunnel, sends them plain). Each server binds only
+secret), and its control frames are encrypted and authenticated under keys of that connection
+alone. Each version is sealed once, by the trainer, under a key of that sealing alone
+(:mod:`shmsync.relay.sealing`); relays forward its sealed pieces untouched and open each once,
+into their host's store (``encrypt=False`` on both ends, only inside a tunnel, sends everything
+plain). Each server binds only
 the address it is given, runs every pending handshake on one thread with a deadline (a peer
 silent for a second is cut), and points relays only at relays whose address it checked: the
 relay there proved the secret and its identity. Every size and version a peer sends is checked

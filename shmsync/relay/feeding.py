@@ -16,6 +16,7 @@ from typing import Any
 from shmsync.core.header import ROW_LINK
 from shmsync.errors import ShmSyncError
 from shmsync.relay.messages import CNCL, DATA, PING, VERS, VERSION, Child, Forwarding
+from shmsync.relay.sealing import SealedVersion
 
 
 class Feeder:
@@ -148,27 +149,52 @@ class Feeder:
         return -1 if server.stopping.is_set() else n
 
     def _send(self, version: int, view: memoryview, fwd: Forwarding | None) -> None:
-        """Send one version from ``view`` (as far as ``fwd`` has received it, if given). Sets
-        ``child.sent`` once it went whole; returns early if it was cancelled upstream, the server
-        closes, or the relay stalls (the rest of the frame is then kept on the link)."""
+        """Send one version from ``view`` (as far as ``fwd`` has received it, if given); with
+        encrypted links, its pieces as sealed once for every link (:mod:`shmsync.relay.sealing`):
+        as they came, or sealed here as they go."""
+        shelf = self.server.sealed
+        if shelf is None:
+            self._send_pieces(version, view, fwd, None)
+            return
+        sealed = shelf.take(version, len(view)) if fwd is None else shelf.hold(fwd.sealed)
+        if sealed is None:
+            return  # cancelled upstream before this link began it
+        try:
+            self._send_pieces(version, view, fwd, sealed)
+        finally:
+            shelf.let_go(sealed)
+
+    def _send_pieces(
+        self, version: int, view: memoryview, fwd: Forwarding | None, sealed: SealedVersion | None
+    ) -> None:
+        """Send a version's header and pieces. Sets ``child.sent`` once it went whole; returns
+        early if it was cancelled upstream, the server closes, or the relay stalls (the rest of
+        the frame is then kept on the link)."""
         child = self.child
         link, n = child.link, len(view)
         child.in_version = True
-        if not self._sent(link.send_or_keep(VERS, VERSION.pack(version, n))):
+        header = VERSION.pack(version, n) if sealed is None else sealed.header()
+        if not self._sent(link.send_or_keep(VERS, header)):
             return
-        offset = 0
+        offset, piece = 0, 0
         while offset < n:
             available = self._available(fwd, offset, n)
             if available < 0:
                 self._cancel()
                 return
-            end = min(available, offset + self.server.bucket_bytes)
+            if sealed is None:
+                end, frame = min(available, offset + self.server.bucket_bytes), None
+            else:  # a version arriving is there in whole pieces (opened: checked)
+                if fwd is None:
+                    sealed.seal_upto(piece, view)
+                end, frame = offset + sealed.span(piece)[1], sealed.sealed(piece)
             # Its last frame ends the version, sent now or flushed after a stall: never CNCL after it.
             child.in_version = end < n
-            if not self._sent(link.send_or_keep(DATA, view[offset:end])):
+            whole = link.send_or_keep(DATA, view[offset:end] if frame is None else frame, sealed=frame is not None)
+            if not self._sent(whole):
                 child.completes = -1 if end < n else version
                 return
-            offset = end
+            offset, piece = end, piece + 1
         child.in_version = False
         child.sent = version
 

@@ -21,6 +21,7 @@ from shmsync.core.layout import key_str
 from shmsync.core.protocol import Write
 from shmsync.errors import ProtocolError
 from shmsync.relay import wire
+from shmsync.relay.sealing import SealedVersion
 
 log = logging.getLogger("shmsync.relay")
 
@@ -34,7 +35,8 @@ REDI, LYOT, CONF = b"REDI", b"LYOT", b"CONF"
 VERS, DATA, CNCL, PING, STOP, BYE = b"VERS", b"DATA", b"CNCL", b"PING", b"STOP", b"BYE_"
 VERSION = struct.Struct(">qQ")  # version, payload bytes
 
-FANOUT = 2
+FANOUT = 2  # below CHAIN_FROM_PIECES pieces
+CHAIN_FROM_PIECES = 8
 BUCKET_BYTES = 1 << 20
 MAX_BUCKET_BYTES = 1 << 30
 MAX_FANOUT = 64
@@ -58,6 +60,7 @@ class Forwarding:
     version: int
     nbytes: int
     write: Write
+    sealed: SealedVersion | None = None  # its pieces as sealed where it entered the tree
     received: int = 0
     state: str = "receiving"  # then "complete" or "cancelled"
 
@@ -95,6 +98,23 @@ class Throttled:
             if self.count > self.burst:
                 return
         log.warning("%s", message)
+
+
+def choose_fanout(payload_bytes: int, bucket_bytes: int) -> int:
+    """The tree's shape for versions of ``payload_bytes`` sent in pieces of ``bucket_bytes``: a
+    pipelined chain (1) once a version spans :data:`CHAIN_FROM_PIECES` pieces, else :data:`FANOUT`.
+
+    In a chain each link carries a version once, and each relay forwards every piece as soon as it
+    has it, so the last of H hosts has the version about (pieces + H - 1) piece-times after the
+    trainer began, where a tree of fan-out 2 sends each piece twice from every node, at half the
+    rate. With few pieces a piece-time is most of a version, and a tree's fewer hops win
+    (``benchmarks/hosts_bench.py --fan-out`` measures both).
+
+    Example:
+        >>> choose_fanout(16 << 20, 1 << 20), choose_fanout(1 << 20, 1 << 20)
+        (1, 2)
+    """
+    return 1 if payload_bytes >= CHAIN_FROM_PIECES * bucket_bytes else FANOUT
 
 
 def check_join(doc: Any, peer: str) -> tuple[str, tuple[str, int] | None, bool]:

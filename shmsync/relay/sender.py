@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from shmsync.relay import wire
-from shmsync.relay.messages import BUCKET_BYTES, FANOUT, MAX_FANOUT, STOP
+from shmsync.relay.messages import BUCKET_BYTES, MAX_FANOUT, STOP, choose_fanout
 from shmsync.relay.server import Server
 from shmsync.remote_rows import ReportBook
 from shmsync.store import WeightStore
@@ -35,7 +35,9 @@ class RelaySender:
             ``shmsync new-secret``). Default: ``$SHMSYNC_RELAY_SECRET``, else the file
             ``$SHMSYNC_RELAY_SECRET_FILE``, else a new random one, printed once to stderr
             (and in :attr:`secret`).
-        fanout: relays this sender, and each relay, feeds directly (1: a chain).
+        fanout: relays this sender, and each relay, feeds directly (1: a chain). Default: a
+            pipelined chain once a version spans 8 buckets, else 2
+            (:func:`~shmsync.relay.messages.choose_fanout`; :attr:`fanout` says which).
         bucket_bytes: a version travels in frames of at most this many bytes (pieces a relay
             checks and forwards as soon as they arrive).
         timeout: seconds a relay may take no bytes before it is dropped.
@@ -63,12 +65,14 @@ class RelaySender:
         port: int = 29600,
         *,
         secret: str | bytes | None = None,
-        fanout: int = FANOUT,
+        fanout: int | None = None,
         bucket_bytes: int = BUCKET_BYTES,
         timeout: float = 60.0,
         handshake_timeout: float = 5.0,
         encrypt: bool = True,
     ) -> None:
+        if fanout is None:
+            fanout = choose_fanout(store.nbytes, bucket_bytes)
         if isinstance(fanout, bool) or not isinstance(fanout, int) or not 1 <= fanout <= MAX_FANOUT:
             raise ValueError(f"fanout must be an int between 1 and {MAX_FANOUT}, got {fanout!r}")
         raw, generated = wire.resolve_secret(secret, generate=True)
@@ -76,6 +80,7 @@ class RelaySender:
             wire.Keys(bytes(32), bytes(32))  # the cipher is installed (else a clear ImportError now)
         self.secret = raw.decode(errors="replace")
         self.store = store
+        self.fanout = fanout
         self._server = Server(
             address,
             port,

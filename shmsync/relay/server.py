@@ -42,6 +42,7 @@ from shmsync.relay.messages import (
     log,
 )
 from shmsync.relay.reports import listen
+from shmsync.relay.sealing import SealedShelf, SealedVersion
 from shmsync.remote_rows import ReportBook
 from shmsync.store import WeightStore
 
@@ -89,6 +90,8 @@ class Server:
         self.final = STOP
         self._warned_overflow = False
         self.book = ReportBook()  # what the relays below report of their hosts' readers
+        # Encrypted: each version sealed once here (or kept as it came), for every link below.
+        self.sealed = SealedShelf(secret, self.bucket_bytes) if encrypt else None
         self.sock = socket.create_server((address, port), backlog=512)
         self.address = self.sock.getsockname()[:2]
         self._accept: threading.Thread | None = None
@@ -307,8 +310,8 @@ class Server:
                 self.dropped.popitem(last=False)
 
     # -- forwarding (a relay's server) ----------------------------------------------------------
-    def begin(self, version: int, nbytes: int, write: Write) -> Forwarding:
-        fwd = Forwarding(version, nbytes, write)
+    def begin(self, version: int, nbytes: int, write: Write, sealed: SealedVersion | None = None) -> Forwarding:
+        fwd = Forwarding(version, nbytes, write, sealed)
         with self.changed:
             self.forwarding = fwd
             self.changed.notify_all()
@@ -345,3 +348,5 @@ class Server:
             child.thread.join(max(0.0, deadline - time.monotonic() - 0.2))
         for child in children:
             child.link.close()  # a thread still blocked in a send to a stalled relay wakes up
+        if self.sealed is not None:
+            self.sealed.close()

@@ -30,6 +30,10 @@ link ends. A reader names the kinds it accepts at that point and the most bytes 
 any other kind or a longer one is refused before a byte of its payload is read, so a peer can
 never make this side allocate or receive more than it expects. Every wait has a deadline.
 
+**Sealed frames** carry pieces of a version sealed once for the whole tree
+(:mod:`shmsync.relay.sealing`): they go as they are, without the link's own seal, and are
+checked by the sealing's key when opened.
+
 **Plain frames**, ``encrypt=False`` on both ends, are for links inside a tunnel that already
 encrypts and authenticates (WireGuard, SSH): the same frames without the 16-byte tag, checked
 for kind and size but readable and alterable on the path. Never across a network you do not
@@ -59,7 +63,7 @@ from shmsync.core.secret_file import (  # noqa: F401 (re-exported: the relay's c
 )
 from shmsync.errors import AuthenticationError, ProtocolError, RelayError
 
-PROTOCOL = 4
+PROTOCOL = 5
 MAGIC = b"SHMSYNC-RELAY/%d\n" % PROTOCOL
 NONCE_BYTES = 32
 MAC_BYTES = 32
@@ -332,10 +336,11 @@ class Link:
             self.close()
             raise TimeoutError(f"{self.peer} took no bytes for {self.send_timeout} s")
 
-    def send_or_keep(self, kind: bytes, payload: bytes | memoryview = b"") -> bool:
+    def send_or_keep(self, kind: bytes, payload: bytes | memoryview = b"", *, sealed: bool = False) -> bool:
         """Send one frame; False if the peer took no bytes for the send timeout, in which case the
         unsent rest of the frame is kept here (a copy of at most one frame, so that ``payload`` may
-        be let go) to be sent by :meth:`flush_kept` before anything else.
+        be let go) to be sent by :meth:`flush_kept` before anything else. ``sealed``: the payload
+        is a piece sealed for the whole tree (:mod:`shmsync.relay.sealing`), sent as it is.
 
         Raises:
             OSError: the peer went away.
@@ -344,17 +349,17 @@ class Link:
             raise RelayError(f"a frame to {self.peer} is still to be sent (flush_kept first)")
         n = len(payload)
         header = FRAME.pack(kind, n)
-        if self.keys is not None:
+        if self.keys is not None and not sealed:
             if len(self._out) < n + TAG_BYTES:
                 self._out = bytearray(n + TAG_BYTES)
-            sealed = memoryview(self._out)[: n + TAG_BYTES]
-            self.keys.send.encrypt_into(self.keys.next_send_nonce(), payload, header, sealed)
-            payload = sealed
+            boxed = memoryview(self._out)[: n + TAG_BYTES]
+            self.keys.send.encrypt_into(self.keys.next_send_nonce(), payload, header, boxed)
+            payload = boxed
         self.bytes_sent += FRAME.size + len(payload)
         sent = self._send_some(header, payload)
         if sent == FRAME.size + len(payload):
             return True
-        # Stalled: keep the rest (the sealed payload already lives in this link's own buffer).
+        # Stalled: keep the rest (a copy: a sealed piece's buffer goes to the next version).
         rest = bytearray(header[sent:]) if sent < FRAME.size else bytearray()
         done = max(0, sent - FRAME.size)
         rest += payload[done:]
@@ -443,10 +448,12 @@ class Link:
         self._open(kind, n, memoryview(out))
         return bytes(out)
 
-    def recv_payload_into(self, view: memoryview, timeout: float | None = None) -> None:
+    def recv_payload_into(self, view: memoryview, timeout: float | None = None, *, sealed: bool = False) -> None:
         """Receive the payload of the frame just read into ``view`` (of its length exactly), all
-        within ``timeout`` seconds (None: however long it takes). With encrypted frames nothing is
-        written into ``view`` unless the frame passed its check.
+        within ``timeout`` seconds (None: however long it takes). With encrypted frames, ``view``
+        holds the payload only once this returns: a frame that fails its check may leave bytes
+        there (the cipher writes as it checks), so never receive into what others read.
+        ``sealed``: a piece sealed for the whole tree, received as it is (its opener checks it).
 
         Raises:
             AuthenticationError: the frame was altered, cut, replayed or reordered on the way.
@@ -457,7 +464,7 @@ class Link:
             raise ProtocolError(f"a payload of {len(view)} bytes read where the frame from {self.peer} has another")
         kind, n = self._frame
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self.keys is None:
+        if self.keys is None or sealed:
             self._recv_raw_into(view, deadline)
             self._frame = None
             return
