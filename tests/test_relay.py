@@ -931,7 +931,8 @@ def test_a_stalled_relay_is_dropped_after_the_timeout_and_its_place_and_address_
 @pytest.mark.timeout(180)
 def test_stalled_relays_hold_no_copy_of_the_weights(store_factory, start):
     """Twelve relays that join and never read, a 16 MiB model: the trainer keeps at most a bucket
-    per link, never a copy of the model (it grew by 243 MiB when each kept one)."""
+    per link, never a copy of the model per link (it grew by 243 MiB when each kept one); what
+    every link sends from is the newest version sealed once, and a buffer for the next."""
     import psutil
 
     big = {"a": 4_000_000, "b": 7}  # 16 MB

@@ -193,3 +193,15 @@ def test_a_received_version_is_kept_only_whole_and_held_only_until_released():
     shelf.hold(cancelled)
     shelf.let_go(cancelled)
     assert cancelled.released and shelf.hold(cancelled) is None
+
+
+def test_links_that_hold_two_versions_make_a_third_wait_for_its_sealing():
+    """Links that trickle bytes cannot make a node hold a sealed copy each: a third version is
+    sealed only once one of the two in use is let go."""
+    shelf = SealedShelf(SECRET, PIECE)
+    one, two = shelf.take(1, len(PAYLOAD)), shelf.take(2, len(PAYLOAD))
+    assert shelf.take(3, len(PAYLOAD)) is None
+    assert shelf.take(2, len(PAYLOAD)) is two, "the newest, sealed already, was refused"
+    shelf.let_go(one)
+    three = shelf.take(3, len(PAYLOAD))
+    assert three is not None and one.released and not two.released

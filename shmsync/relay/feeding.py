@@ -70,7 +70,7 @@ class Feeder:
             self._forward(store, fwd)
         elif not self._send_latest(store):
             # No slot can be leased now (another link sends from the one that can be, or the
-            # writer is on it): no private copy; the newest version goes once one can be.
+            # writer is on it), or no version sealed: no private copy; the newest goes once it can.
             with server.changed:
                 server.changed.wait(0.05)
         return True
@@ -111,7 +111,7 @@ class Feeder:
             slot, version = leased
             if version > self.child.sent:
                 with store.memory.slot_buffer(slot) as view:
-                    self._send(version, view, None)
+                    return self._send(version, view, None)
             return True
         finally:
             protocol.release_lease(self.row)
@@ -148,21 +148,23 @@ class Feeder:
                 n = fwd.received if fwd.state != "cancelled" else -1
         return -1 if server.stopping.is_set() else n
 
-    def _send(self, version: int, view: memoryview, fwd: Forwarding | None) -> None:
+    def _send(self, version: int, view: memoryview, fwd: Forwarding | None) -> bool:
         """Send one version from ``view`` (as far as ``fwd`` has received it, if given); with
         encrypted links, its pieces as sealed once for every link (:mod:`shmsync.relay.sealing`):
-        as they came, or sealed here as they go."""
+        as they came, or sealed here as they go. False if it could not begin now (other links
+        send two versions already: the newest goes once one is done)."""
         shelf = self.server.sealed
         if shelf is None:
             self._send_pieces(version, view, fwd, None)
-            return
+            return True
         sealed = shelf.take(version, len(view)) if fwd is None else shelf.hold(fwd.sealed)
         if sealed is None:
-            return  # cancelled upstream before this link began it
+            return fwd is not None  # arriving: cancelled upstream before this link began it
         try:
             self._send_pieces(version, view, fwd, sealed)
         finally:
             shelf.let_go(sealed)
+        return True
 
     def _send_pieces(
         self, version: int, view: memoryview, fwd: Forwarding | None, sealed: SealedVersion | None

@@ -44,6 +44,7 @@ MAX_PIECE_BYTES = 1 << 30
 # The header a sealed version travels under (VERS): version, payload bytes, piece bytes, salt.
 HEADER = struct.Struct(">qQQ32s")
 SPARE = 1  # sealed buffers kept per size for the next version (their pages are already mapped)
+MAX_SENDING = 2  # sealed versions a node's links send (or it receives) at once
 
 _spare: dict[int, list[bytearray]] = {}
 _spare_lock = threading.Lock()
@@ -198,7 +199,9 @@ def _aad(i: int) -> bytes:
 class SealedShelf:
     """The sealed versions one node's links send from: each version sealed (or kept as received)
     once for all of them. The newest stays for links that come later; an older one goes as its
-    last link lets it go.
+    last link lets it go. At most :data:`MAX_SENDING` versions are in use at once: a link that
+    would seal another waits (as for a slot to lease), so links that trickle bytes cannot make a
+    node hold a sealed copy each.
 
     Args:
         secret: the relay secret.
@@ -208,18 +211,21 @@ class SealedShelf:
     def __init__(self, secret: bytes, piece: int) -> None:
         self.secret, self.piece = secret, piece
         self._newest: SealedVersion | None = None
+        self._sending = 0  # versions with users
         self._lock = threading.Lock()
 
-    def take(self, version: int, nbytes: int) -> SealedVersion:
-        """The sealed ``version`` to send (a new sealing if this node holds none of it); hand it
-        back with :meth:`let_go`."""
+    def take(self, version: int, nbytes: int) -> SealedVersion | None:
+        """The sealed ``version`` to send (a new sealing if this node holds none of it), to hand
+        back with :meth:`let_go`; None while :data:`MAX_SENDING` other versions are in use."""
         with self._lock:
             held = self._newest
             if held is None or held.version != version or held.nbytes != nbytes:
+                if self._sending >= MAX_SENDING:
+                    return None
                 held = SealedVersion.sealing(self.secret, version, nbytes, self.piece)
                 if self._newest is None or version >= self._newest.version:
                     self._replace(held)
-            held.users += 1
+            self._use(held)
             return held
 
     def hold(self, sealed: SealedVersion) -> SealedVersion | None:
@@ -228,7 +234,7 @@ class SealedShelf:
         with self._lock:
             if sealed.released:
                 return None
-            sealed.users += 1
+            self._use(sealed)
             return sealed
 
     def keep(self, sealed: SealedVersion) -> None:
@@ -240,8 +246,15 @@ class SealedShelf:
     def let_go(self, sealed: SealedVersion) -> None:
         with self._lock:
             sealed.users -= 1
-            if sealed.users == 0 and sealed is not self._newest:
-                sealed.release()
+            if sealed.users == 0:
+                self._sending -= 1
+                if sealed is not self._newest:
+                    sealed.release()
+
+    def _use(self, sealed: SealedVersion) -> None:
+        sealed.users += 1
+        if sealed.users == 1:
+            self._sending += 1
 
     def _replace(self, sealed: SealedVersion) -> None:
         old, self._newest = self._newest, sealed
