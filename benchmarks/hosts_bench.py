@@ -6,6 +6,7 @@ cipher's own time on the same bytes, timed in the same run).
     python benchmarks/hosts_bench.py            # full run (a few minutes on 2 cores)
     python benchmarks/hosts_bench.py --quick    # fewer repetitions and hosts
     python benchmarks/hosts_bench.py --docs     # also write the tables into docs/results/
+    python benchmarks/hosts_bench.py --fan-out  # the tree's shapes, plain and encrypted (~15 min)
 
 Hosts are simulated on this machine: each is a process with a store folder of its own, its
 relay linked over loopback. All of them share this machine's cores, so the last of H hosts
@@ -251,6 +252,63 @@ def bench_raw(kind: str, nbytes: int, pairs: int, reps: int) -> list[float]:
         del tcp
 
 
+# -- the tree's shape: plain and encrypted trees against raw TCP sends, alternate rounds -------------
+FAN_OUT_SIZES = {"1MB": 1 << 20, "16MB": 16 << 20, "128MB": 128 << 20}
+FAN_OUT_REPS = {"1MB": 20, "16MB": 10, "128MB": 4}
+
+
+def bench_fan_out(sizes: list[str], host_counts: list[int], rounds: int) -> list[dict]:
+    """For each payload and H: one raw TCP send, H raw TCP sends started together, the plain tree
+    and the encrypted tree of the default shape, and the encrypted tree of the other shape, in
+    ``rounds`` alternate rounds (samples pooled)."""
+    from shmsync.relay.messages import BUCKET_BYTES, choose_fanout
+
+    out = []
+    for label in sizes:
+        nbytes, reps = FAN_OUT_SIZES[label], FAN_OUT_REPS[label]
+        chosen = choose_fanout(nbytes, BUCKET_BYTES)
+        other = 2 if chosen == 1 else 1
+        for hosts in host_counts:
+            print(f"fan-out: {label}, {hosts} hosts ...", file=sys.stderr, flush=True)
+            runs: dict[str, list] = {"one send": [], "H sends": [], "plain": [], "encrypted": [], "other": []}
+            for _ in range(rounds):
+                runs["one send"] += bench_raw("tcp", nbytes, 1, reps)
+                runs["H sends"] += bench_raw("tcp", nbytes, hosts, reps)
+                runs["plain"].append(bench_tree(nbytes, hosts, chosen, reps, encrypt=False))
+                runs["encrypted"].append(bench_tree(nbytes, hosts, chosen, reps))
+                runs["other"].append(bench_tree(nbytes, hosts, other, reps))
+            row = {"payload": label, "hosts": hosts, "chosen": chosen, "other": other}
+            row.update({k: pooled(v) if isinstance(v[0], dict) else v for k, v in runs.items()})
+            out.append(row)
+    return out
+
+
+def fan_out_table(rows: list[dict]) -> str:
+    p50 = statistics.median
+    shape = {1: "chain", 2: "fan-out 2"}
+    lines = []
+    for r in rows:
+        one, many = p50(r["one send"]), p50(r["H sends"])
+        for key, fanout in (("plain", r["chosen"]), ("encrypted", r["chosen"]), ("other", r["other"])):
+            x = r[key]
+            first, last = p50(x["first"]), p50(x["last"])
+            lines.append(
+                [r["payload"], str(r["hosts"]), "plain" if key == "plain" else "encrypted", shape[fanout]]
+                + [f"{x['bytes_per_publish'] / x['bytes']:.2f}x", ms(first), f"{first / one:.2f}x"]
+                + [ms(last), f"{last / many:.2f}x", ms(one), ms(many)]
+            )
+    return table(
+        "The tree's shape: publish() to visible on the first and the last of H hosts (p50), against raw TCP sends",
+        ["payload", "H", "links", "shape", "egress", "first", "first / 1 send", "last", "last / H sends"]
+        + ["1 send", "H sends"],
+        lines,
+        "egress: the trainer's bytes sent per publish over the payload. 1 send: one raw TCP send of the\n"
+        "payload between two processes; H sends: H such sends started together, until the last completes\n"
+        "(what the cores can move). The first shape of each H is the default (choose_fanout); the last row\n"
+        "is the other shape, encrypted. Rounds alternate: each round runs every column once.",
+    )
+
+
 # -- TorchRL's distributed collector with shmsync as each node's local leg ---------------------------
 def _distributed_row(kind: str, nbytes: int, batches: int, conn) -> None:
     import sync_bench
@@ -341,8 +399,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/hosts_bench.json")
     parser.add_argument("--docs", action="store_true", help="also write the tables into docs/results/hosts_bench.md")
     parser.add_argument("--no-distributed", action="store_true", help="leave TorchRL's distributed collector out")
+    parser.add_argument(
+        "--fan-out", action="store_true", help="only the tree's shape: plain and encrypted against raw TCP sends"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="alternate rounds of --fan-out")
+    parser.add_argument("--sizes", default="1MB,16MB,128MB", help="payloads of --fan-out")
+    parser.add_argument("--hosts", default="2,4,8", help="host counts of --fan-out")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.fan_out:
+        return fan_out_main(args)
     reps = {"1MB": 12 if args.quick else 40, "16MB": 6 if args.quick else 20}
     host_counts = [2, 4] if args.quick else [2, 4, 8]
     started = time.perf_counter()
@@ -490,6 +556,27 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"\nJSON written to {out} ({report['seconds']:.0f}s)", file=sys.stderr)
+    return 0
+
+
+def fan_out_main(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    machine = {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
+    hosts = [int(h) for h in args.hosts.split(",")]
+    rows = bench_fan_out(args.sizes.split(","), hosts, args.rounds)
+    cores, python, version = machine["cores"], machine["python"], machine["torch"]
+    head = f"# shmsync relay tree shapes: {cores} cores, Python {python}, torch {version}, {args.rounds} rounds"
+    text = head + "\n\n" + fan_out_table(rows)
+    print(text)
+    if args.docs:
+        from sync_bench import write_docs_page
+
+        page = Path(__file__).resolve().parents[1] / "docs/results/hosts_fan_out.md"
+        write_docs_page(page, text, "hosts_bench.py --fan-out")
+    out = Path(args.out).with_name("hosts_fan_out.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine, "rows": rows, "seconds": time.perf_counter() - started}))
+    print(f"\nJSON written to {out} ({time.perf_counter() - started:.0f}s)", file=sys.stderr)
     return 0
 
 
