@@ -517,6 +517,7 @@ def one_host(host, monkeypatch):
         ("short version", r"announced 100 bytes for version 1"),
         ("long piece", r"DATA message of"),
         ("empty piece", r"DATA message of 0 bytes"),
+        ("pieces of 1 byte", r"piece size is 1 bytes, 4096 to"),  # 17 bytes held for each
         ("a version inside a version", r"sent a b'VERS' message where only"),
         ("negative version", r"sent version -1"),
         ("a version header of 8 bytes", r"VERS message of 8 bytes, 56"),
@@ -553,8 +554,10 @@ def test_a_trainer_that_breaks_the_protocol_never_gets_a_byte_published(one_host
                 _version(link, 1, nbytes, [b"x" * (nbytes + 1)])
             elif hostile == "empty piece":
                 _version(link, 1, nbytes, [b""])
+            elif hostile == "pieces of 1 byte":
+                _version(link, 1, nbytes, [b"x"])
             elif hostile == "a version inside a version":
-                _version(link, 1, nbytes, [b"x" * 10])
+                _version(link, 1, nbytes, [b"x" * 4096])
                 _version(link, 2, nbytes, [])
             elif hostile == "negative version":
                 _version(link, -1, nbytes, [])
@@ -578,9 +581,9 @@ def test_a_version_cut_short_or_cancelled_leaves_the_host_on_its_last_whole_vers
         if attempt == 1:
             assert have == {"version": -1}
             _version(link, 3, nbytes, [b"\x03" * nbytes])  # a whole version: published
-            _version(link, 4, nbytes, [b"\x04" * 100])
+            _version(link, 4, nbytes, [b"\x04" * 4096])
             link.send(b"CNCL")  # cancelled: never published
-            _version(link, 5, nbytes, [b"\x05" * 100])  # then the trainer vanishes mid-version
+            _version(link, 5, nbytes, [b"\x05" * 4096])  # then the trainer vanishes mid-version
         else:
             assert have == {"version": 3}, "the relay came back holding another version"
             link.send(b"STOP")
@@ -1008,7 +1011,7 @@ def test_the_relay_command_ends_each_protocol_error_with_its_code_and_one_line(h
             if hostile == "the largest version":
                 _version(link, (1 << 63) - 1, nbytes, [b"x" * nbytes])
             else:
-                _version(link, 1, nbytes, [b"x" * 10])
+                _version(link, 1, nbytes, [b"x" * 4096])
                 _version(link, 2, nbytes, [])
         link.sock.recv(1)
 

@@ -15,8 +15,8 @@ from shmsync.relay import sealing
 from shmsync.relay.sealing import HEADER, TAG_BYTES, SealedShelf, SealedVersion
 
 SECRET = b"the sealing tests' relay secret, 32 bytes or more"
-PIECE = 1000
-PAYLOAD = bytes(range(256)) * 14  # 3,584 bytes: three whole pieces and a short one
+PIECE = sealing.MIN_PIECE_BYTES
+PAYLOAD = bytes(range(256)) * 56  # 14,336 bytes: three whole pieces and a half
 
 
 def sealed(version=3, payload=PAYLOAD, secret=SECRET, piece=PIECE):
@@ -43,7 +43,7 @@ def frames_of(version):
 @pytest.mark.parametrize("whole", [False, True])
 def test_what_opens_is_what_was_sealed(whole):
     sent = sealed()
-    assert sent.count == 4 and [len(f) for f in frames_of(sent)] == [PIECE + TAG_BYTES] * 3 + [584 + TAG_BYTES]
+    assert sent.count == 4 and [len(f) for f in frames_of(sent)] == [PIECE + TAG_BYTES] * 3 + [2048 + TAG_BYTES]
     out = memoryview(bytearray(len(PAYLOAD)))
     got = receiver(sent.header(), whole=whole)
     deliver(got, frames_of(sent), out)
@@ -123,8 +123,9 @@ def test_pieces_open_only_in_order():
     "header, match",
     [
         (b"\0" * (HEADER.size - 1), "header of 55 bytes, 56"),
-        (HEADER.pack(1, len(PAYLOAD) + 1, PIECE, bytes(32)), "announced 3585 bytes for version 1, the layout 3584"),
+        (HEADER.pack(1, len(PAYLOAD) + 1, PIECE, bytes(32)), "announced 14337 bytes for version 1, the layout 14336"),
         (HEADER.pack(1, len(PAYLOAD), 0, bytes(32)), "piece size is 0 bytes"),
+        (HEADER.pack(1, len(PAYLOAD), 1, bytes(32)), "piece size is 1 bytes, 4096 to"),  # 17x the payload
         (HEADER.pack(1, len(PAYLOAD), (1 << 30) + 1, bytes(32)), "piece size is 1073741825 bytes"),
         (HEADER.pack(1, len(PAYLOAD), (1 << 64) - 1, bytes(32)), "piece size is 18446744073709551615 bytes"),
     ],

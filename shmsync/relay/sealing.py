@@ -40,6 +40,7 @@ from shmsync.errors import AuthenticationError, ProtocolError
 INFO = b"shmsync relay 5 seal"
 SALT_BYTES = 32
 TAG_BYTES = 16
+MIN_PIECE_BYTES = 4096  # tags and frames add at most 0.4 % (a version's last piece may be shorter)
 MAX_PIECE_BYTES = 1 << 30
 # The header a sealed version travels under (VERS): version, payload bytes, piece bytes, salt.
 HEADER = struct.Struct(">qQQ32s")
@@ -103,8 +104,9 @@ class SealedVersion:
     def __init__(
         self, secret: bytes, version: int, nbytes: int, piece: int, salt: bytes, *, whole: bool = True
     ) -> None:
-        if not 1 <= piece <= MAX_PIECE_BYTES:
-            raise ProtocolError(f"a sealed version's piece size is {piece} bytes, 1 to {MAX_PIECE_BYTES}")
+        fewest = min(MIN_PIECE_BYTES, max(nbytes, 1))
+        if not fewest <= piece <= MAX_PIECE_BYTES:
+            raise ProtocolError(f"a sealed version's piece size is {piece} bytes, {fewest} to {MAX_PIECE_BYTES}")
         self.version, self.nbytes, self.piece, self.salt = version, nbytes, piece, salt
         self.count = max(1, -(-nbytes // piece))
         self._aead = _key(secret, salt, version, nbytes, piece)
@@ -205,11 +207,11 @@ class SealedShelf:
 
     Args:
         secret: the relay secret.
-        piece: the piece size this node seals in.
+        piece: the piece size this node seals in (at least :data:`MIN_PIECE_BYTES`).
     """
 
     def __init__(self, secret: bytes, piece: int) -> None:
-        self.secret, self.piece = secret, piece
+        self.secret, self.piece = secret, max(piece, MIN_PIECE_BYTES)
         self._newest: SealedVersion | None = None
         self._sending = 0  # versions with users
         self._lock = threading.Lock()
