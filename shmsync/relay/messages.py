@@ -132,6 +132,17 @@ def check_join(doc: Any, peer: str) -> tuple[str, tuple[str, int] | None, bool]:
     return node, serve, direct
 
 
+def check_have(have: Any, newest: int, root: bool, peer: str) -> None:
+    """The version a joining relay says its host holds, checked: none (-1) up to ``newest``, the
+    newest the node it joins holds or is receiving (a relay's node may be behind the trainer:
+    then up to a bound above it). Raises ProtocolError naming what is off."""
+    if not (isinstance(have, int) and not isinstance(have, bool) and -1 <= have <= MAX_VERSION):
+        raise ProtocolError(f"{peer} answered the layout with {str(have)[:100]}, not a version")
+    most = newest if root else newest + MAX_VERSION_LEAP
+    if have > most:
+        raise ProtocolError(f"{peer} claims version {have}, but the newest here is {newest}")
+
+
 def describe_difference(ours: bytes, theirs: bytes) -> str:
     """The first key, shape or dtype in which two store layouts differ, in words."""
     a, b = (json.loads(x) for x in (ours, theirs))

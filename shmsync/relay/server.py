@@ -27,8 +27,6 @@ from shmsync.relay.messages import (
     MAX_DROPPED,
     MAX_JOINING,
     MAX_LINKS,
-    MAX_VERSION,
-    MAX_VERSION_LEAP,
     MISM,
     NODE,
     PROB,
@@ -38,6 +36,7 @@ from shmsync.relay.messages import (
     Child,
     Forwarding,
     Throttled,
+    check_have,
     check_join,
     log,
 )
@@ -90,8 +89,7 @@ class Server:
         self.final = STOP
         self._warned_overflow = False
         self.book = ReportBook()  # what the relays below report of their hosts' readers
-        # Encrypted: each version sealed once here (or kept as it came), for every link below.
-        self.sealed = SealedShelf(secret, self.bucket_bytes) if encrypt else None
+        self.sealed = SealedShelf(secret, self.bucket_bytes) if encrypt else None  # sealed once, for every link
         self.sock = socket.create_server((address, port), backlog=512)
         self.address = self.sock.getsockname()[:2]
         self._accept: threading.Thread | None = None
@@ -206,7 +204,9 @@ class Server:
             self.drop(relay_id, f"WeightMismatchError: its host's store holds another model: {why}")
             return None
         have = doc.get("version") if isinstance(doc, dict) else None
-        self._check_have(have, peer)
+        with self.changed:
+            newest = self._newest()
+        check_have(have, newest, self.root, peer)
         return Child(relay_id, node, link, serve, have)
 
     def _start_links(self, child: Child) -> None:
@@ -224,17 +224,6 @@ class Server:
             threading.Thread(target=self._verify, args=(child,), name="shmsync-relay-verify", daemon=True).start()
         else:
             child.verifying = False
-
-    def _check_have(self, have: Any, peer: str) -> None:
-        """The version a joining relay holds: none (-1) up to this node's newest (a relay's server,
-        which may be behind the trainer: up to a bound above it)."""
-        if not (isinstance(have, int) and not isinstance(have, bool) and -1 <= have <= MAX_VERSION):
-            raise ProtocolError(f"{peer} answered the layout with {str(have)[:100]}, not a version")
-        with self.changed:
-            newest = self._newest()
-        most = newest if self.root else newest + MAX_VERSION_LEAP
-        if have > most:
-            raise ProtocolError(f"{peer} claims version {have}, but the newest here is {newest}")
 
     def _newest(self) -> int:
         """With ``changed`` held: the newest version this node holds or is receiving."""
