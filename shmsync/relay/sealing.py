@@ -35,7 +35,8 @@ import secrets
 import struct
 import threading
 
-from shmsync.errors import AuthenticationError, ProtocolError
+from shmsync.errors import ProtocolError
+from shmsync.relay.wire import open_checked
 
 INFO = b"shmsync relay 5 seal"
 SALT_BYTES = 32
@@ -172,15 +173,11 @@ class SealedVersion:
         if i != self.ready:
             raise ProtocolError(f"piece {i} of version {self.version} opened where piece {self.ready} is next")
         offset, n = self.span(i)
-        try:
-            self._aead.decrypt_into(_nonce(i), self.sealed(i), _aad(i), payload[offset : offset + n])
-        except Exception as e:  # cryptography's InvalidTag
-            if type(e).__name__ != "InvalidTag":
-                raise
-            raise AuthenticationError(
-                f"piece {i} of version {self.version} failed its check: it is not that piece of that sealing "
-                "(replayed from another version, reordered, mixed in or altered on the way)"
-            ) from None
+        why = (
+            f"piece {i} of version {self.version} failed its check: it is not that piece of that sealing "
+            "(replayed from another version, reordered, mixed in or altered on the way)"
+        )
+        open_checked(self._aead, _nonce(i), self.sealed(i), _aad(i), payload[offset : offset + n], why)
         self.ready = i + 1
 
     def release(self) -> None:

@@ -114,6 +114,17 @@ def _derive(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> tuple[by
     return okm[:32], okm[32:]
 
 
+def open_checked(aead: Any, nonce: bytes, sealed: memoryview, aad: bytes, into: memoryview, why: str) -> None:
+    """Decrypt ``sealed`` into ``into``; AuthenticationError(``why``) if it fails its check (then
+    ``into`` may hold bytes: the cipher writes as it checks)."""
+    try:
+        aead.decrypt_into(nonce, sealed, aad, into)
+    except Exception as e:  # cryptography's InvalidTag
+        if type(e).__name__ != "InvalidTag":
+            raise
+        raise AuthenticationError(why) from None
+
+
 def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
 
@@ -476,15 +487,11 @@ class Link:
         """Check and decrypt the sealed payload just received (the first ``n + TAG_BYTES`` bytes
         of the receive buffer) into ``view``."""
         with memoryview(self._in)[: n + TAG_BYTES] as sealed:
-            try:
-                self.keys.recv.decrypt_into(self.keys.next_recv_nonce(), sealed, FRAME.pack(kind, n), view)
-            except Exception as e:  # cryptography's InvalidTag
-                if type(e).__name__ != "InvalidTag":
-                    raise
-                raise AuthenticationError(
-                    f"a {kind.decode(errors='replace')} frame from {self.peer} failed its check: it was altered, "
-                    "replayed or cut on the way (or the peer is not who proved the secret)"
-                ) from None
+            why = (
+                f"a {kind.decode(errors='replace')} frame from {self.peer} failed its check: it was altered, "
+                "replayed or cut on the way (or the peer is not who proved the secret)"
+            )
+            open_checked(self.keys.recv, self.keys.next_recv_nonce(), sealed, FRAME.pack(kind, n), view, why)
 
     def recv_json(self, allowed: dict[bytes, int], timeout: float | None = None) -> tuple[bytes, Any]:
         """The next frame, whose payload is a JSON document of at most ``allowed[kind]`` bytes."""
