@@ -90,8 +90,8 @@ class SealedVersion:
 
     Example:
         >>> secret = b"a relay secret of at least 32 bytes!"
-        >>> payload = memoryview(bytearray(b"weights" * 100))
-        >>> sent = SealedVersion.sealing(secret, version=3, nbytes=len(payload), piece=256)
+        >>> payload = memoryview(bytearray(b"weights" * 2000))  # 14,000 bytes
+        >>> sent = SealedVersion.sealing(secret, version=3, nbytes=len(payload), piece=4096)
         >>> sent.seal_upto(sent.count - 1, payload)
         >>> got = SealedVersion.receiving(secret, sent.header(), nbytes=len(payload), whole=False)
         >>> out = memoryview(bytearray(len(payload)))
