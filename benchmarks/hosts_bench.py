@@ -75,12 +75,18 @@ def _host(host_dir: str, port: int, index: int, seen, reps: int, encrypt: bool, 
     relay.close()
 
 
+WARMUP = 4  # versions published first, not timed: every slot and buffer has its pages by then
+
+
 def bench_tree(nbytes: int, hosts: int, fanout: int, reps: int, encrypt: bool = True) -> dict:
-    """publish() to visible on every host of a tree, and the trainer's bytes sent per publish."""
+    """publish() to visible on every host of a tree, and the trainer's bytes sent per publish,
+    over ``reps`` versions after :data:`WARMUP` untimed ones (a training run publishes thousands:
+    the first versions' page faults are not what it sees)."""
     from shmsync import WeightStore
     from shmsync.relay import RelaySender
 
     ctx = mp.get_context("spawn")
+    timed, reps = reps, reps + WARMUP
     seen = ctx.Array("q", hosts * (reps + 1), lock=False)
     source = weights(nbytes)
     store = WeightStore.create(source, num_slots=max(3, fanout + 2))
@@ -97,9 +103,10 @@ def bench_tree(nbytes: int, hosts: int, fanout: int, reps: int, encrypt: bool = 
                     raise RuntimeError(f"host {i}'s relay did not start")
                 parent.recv()
             time.sleep(0.2)
-            sent_before = sum(sender.bytes_sent.values())
             started, publish = {}, []
             for v in range(1, reps + 1):
+                if v == WARMUP + 1:
+                    sent_before, started, publish = sum(sender.bytes_sent.values()), {}, []
                 source["w"].fill_(v)
                 started[v] = time.monotonic_ns()
                 store.publish(source, version=v)
@@ -125,7 +132,7 @@ def bench_tree(nbytes: int, hosts: int, fanout: int, reps: int, encrypt: bool = 
         "fanout": fanout,
         "first": [min(t) for t in per_version],
         "last": [max(t) for t in per_version],
-        "bytes_per_publish": sent / reps,
+        "bytes_per_publish": sent / timed,
         "publish": publish,
     }
 
@@ -205,7 +212,12 @@ def _raw_peer(kind: str, rank: int, port: int, pair: int, nbytes: int, reps: int
 
 
 def bench_raw(kind: str, nbytes: int, pairs: int, reps: int) -> list[float]:
-    """``pairs`` raw sends of ``nbytes`` started together, until the last completes, ``reps`` times."""
+    """``pairs`` raw sends of ``nbytes`` started together, until the last completes, ``reps`` times
+    after :data:`WARMUP` untimed ones (as the trees)."""
+    return _bench_raw(kind, nbytes, pairs, reps + WARMUP)[WARMUP:]
+
+
+def _bench_raw(kind: str, nbytes: int, pairs: int, reps: int) -> list[float]:
     ctx = mp.get_context("spawn")
     port = free_port()
     tcp = None
