@@ -36,7 +36,7 @@ import struct
 import threading
 
 from shmsync.errors import ProtocolError
-from shmsync.relay.wire import open_checked
+from shmsync.relay.wire import aead_class, derive_key, open_checked
 
 INFO = b"shmsync relay 5 seal"
 SALT_BYTES = 32
@@ -70,12 +70,8 @@ def _give_back(buffer: bytearray) -> None:
 
 
 def _key(secret: bytes, salt: bytes, version: int, nbytes: int, piece: int):
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
     info = INFO + struct.pack(">qQQ", version, nbytes, piece)
-    return AESGCM(HKDF(hashes.SHA256(), 32, salt=salt, info=info).derive(secret))
+    return aead_class()(derive_key(secret, salt, info))
 
 
 class SealedVersion:

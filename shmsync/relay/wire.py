@@ -81,7 +81,7 @@ class Keys:
     """The two AES-256-GCM keys of one connection and the frame counters of each direction."""
 
     def __init__(self, send_key: bytes, recv_key: bytes) -> None:
-        aead = _aead()
+        aead = aead_class()
         self.send, self.recv = aead(send_key), aead(recv_key)
         self.sent = self.received = 0
 
@@ -94,7 +94,8 @@ class Keys:
         return nonce
 
 
-def _aead():
+def aead_class():
+    """cryptography's AES-GCM, or an ImportError that says how to get it."""
     try:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     except ImportError:  # pragma: no cover - depends on the environment
@@ -105,12 +106,17 @@ def _aead():
     return AESGCM
 
 
-def _derive(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> tuple[bytes, bytes]:
-    """(client-to-server key, server-to-client key) of one connection."""
+def derive_key(secret: bytes, salt: bytes, info: bytes, length: int = 32) -> bytes:
+    """HKDF-SHA256 of the secret: ``length`` bytes of key material for ``salt`` and ``info``."""
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-    okm = HKDF(hashes.SHA256(), 64, salt=server_nonce + client_nonce, info=KEY_INFO).derive(secret)
+    return HKDF(hashes.SHA256(), length, salt=salt, info=info).derive(secret)
+
+
+def _derive(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> tuple[bytes, bytes]:
+    """(client-to-server key, server-to-client key) of one connection."""
+    okm = derive_key(secret, server_nonce + client_nonce, KEY_INFO, 64)
     return okm[:32], okm[32:]
 
 
