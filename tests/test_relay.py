@@ -451,25 +451,20 @@ def _admit(link, description, path=("0123456789abcdef",)):
     return link.recv_json({b"HAVE": 4096, b"MISM": 4096}, 5)[1]
 
 
-def _version(link, version, nbytes, pieces, *, salt=None, first=0):
+def _version(link, version, nbytes, pieces):
     """A version as a trainer sends it: VERS, then ``pieces`` as DATA frames (on an encrypted link
-    each sealed as :mod:`shmsync.relay.sealing` seals it, the first under index ``first``, all of
-    them in pieces of the first one's size); returns the sealing's salt."""
+    each sealed as :mod:`shmsync.relay.sealing` seals it, in pieces of the first one's size)."""
     import struct
 
     if link.keys is None:
         link.send(b"VERS", struct.pack(">qQ", version, nbytes))
         for piece in pieces:
             link.send(b"DATA", piece)
-        return None
-    salt = salt or os.urandom(sealing.SALT_BYTES)
-    size = len(pieces[0]) if pieces and pieces[0] else nbytes
-    link.send(b"VERS", sealing.HEADER.pack(version, nbytes, size, salt))
+        return
+    salt, size = os.urandom(sealing.SALT_BYTES), len(pieces[0]) if pieces and pieces[0] else nbytes
     aead = sealing._key(SECRET.encode(), salt, version, nbytes, size)
-    for i, piece in enumerate(pieces, first):
-        frame = aead.encrypt(sealing._nonce(i), piece, sealing._aad(i)) if piece else b""
-        link.send_or_keep(b"DATA", frame, sealed=True)
-    return salt
+    frames = [aead.encrypt(sealing._nonce(i), p, sealing._aad(i)) if p else b"" for i, p in enumerate(pieces)]
+    _send_sealed(link, version, nbytes, size, salt, frames)
 
 
 def _relay_against(fake, host, timeout=3.0):
