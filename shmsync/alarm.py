@@ -85,6 +85,10 @@ class ReaderAlarm:
             :class:`~shmsync.errors.StaleReaderError` at :meth:`raise_pending`: the trainer's
             next publish) or a function called with each :class:`StaleEvent`.
 
+    Attributes:
+        stopped: True until :meth:`start`, and again after :meth:`stop` (or once the table could
+            no longer be read).
+
     Raises:
         ValueError: a limit out of range, or an unknown ``on_stale``.
     """
@@ -107,6 +111,7 @@ class ReaderAlarm:
         self._suspect: set[tuple] = set()  # found stale at the last check, not named yet
         self._named: dict[tuple, ReaderRow] = {}
         self._lock = threading.Lock()
+        self.stopped = True  # until start()
 
     @property
     def stale(self) -> list[ReaderRow]:
@@ -197,11 +202,15 @@ class ReaderAlarm:
     def start(self) -> ReaderAlarm:
         """Check twice a second on the alarm thread (one for the whole process) until
         :meth:`stop`, or until the table can no longer be read."""
+        self.stopped = False
         _ticker().add(self)
         return self
 
     def stop(self) -> None:
-        _ticker().discard(self)
+        """Stop checking: the alarm thread checks this alarm no more once its current check, if
+        any, ends. Takes no lock, so a finalizer may call it on any thread, the alarm thread
+        included (a collector or scheme garbage-collected there stops its alarm)."""
+        self.stopped = True
 
 
 def check_settings(stale_after: Any, max_lag: Any, on_stale: Any) -> None:
@@ -217,7 +226,13 @@ def check_settings(stale_after: Any, max_lag: Any, on_stale: Any) -> None:
 
 
 class _Ticker:
-    """The one thread of a process that runs every started alarm's check."""
+    """The one thread of a process that runs every started alarm's check.
+
+    Only :meth:`add` and the thread take :attr:`lock`; stopping an alarm sets its flag and the
+    thread drops it at its next tick. Garbage collection may run a finalizer on the thread while
+    it holds the lock (any allocation can collect), and a finalizer that stops an alarm must not
+    wait for that lock: the thread would wait for itself.
+    """
 
     def __init__(self) -> None:
         self.alarms: weakref.WeakSet[ReaderAlarm] = weakref.WeakSet()
@@ -231,24 +246,27 @@ class _Ticker:
                 self.thread = threading.Thread(target=self._run, name="shmsync-alarm", daemon=True)
                 self.thread.start()
 
-    def discard(self, alarm: ReaderAlarm) -> None:
-        with self.lock:
-            self.alarms.discard(alarm)
-
     def _run(self) -> None:
         while True:
             time.sleep(TICK)
             with self.lock:
-                alarms = list(self.alarms)
+                alarms = []
+                for alarm in list(self.alarms):
+                    if alarm.stopped:
+                        self.alarms.discard(alarm)
+                    else:
+                        alarms.append(alarm)
                 if not alarms:
                     self.thread = None
                     return
             for alarm in alarms:
+                if alarm.stopped:  # stopped since the list was taken
+                    continue
                 try:
                     alarm.check()
                 except Exception as e:  # a closed store, a report that broke: this alarm ends
                     log.debug("shmsync: a reader alarm stopped: %s", e)
-                    self.discard(alarm)
+                    alarm.stopped = True
 
 
 _TICKER: _Ticker | None = None

@@ -16,7 +16,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 # id(parameter) -> (the parameter, its name, the store's name, its requires_grad before).
 _VIEWING: dict[int, tuple[weakref.ref, str, str, bool]] = {}
-_LOCK = threading.Lock()
+# Re-entrant: a zero-copy reader's finalizer unmarks its parameters, and garbage collection can
+# run it on a thread that is inside mark() or unmark() (any allocation can collect).
+_LOCK = threading.RLock()
 _HOOKED = False
 
 

@@ -1,15 +1,18 @@
 """The stale-reader alarm: readers in real processes that fall behind, freeze, wait for work,
 recover or die, and what the alarm says of each."""
 
+import gc
 import logging
 import os
 import signal
+import threading
 import time
 
 import pytest
 from torch import nn
 
 from shmsync import ShmWeightSyncScheme, StaleReaderError, WeightReader
+from shmsync import alarm as alarm_module
 from shmsync.alarm import ReaderAlarm
 
 from helpers import make_env, make_policy, wait_for
@@ -129,6 +132,32 @@ def test_on_stale_raise_stops_the_next_publish_and_publishes_nothing():
         assert store.version == 2, "the error is raised once"
     finally:
         scheme.shutdown()
+
+
+def test_a_scheme_collected_on_the_alarm_thread_while_it_holds_its_lock_stops_its_alarm():
+    """Garbage collection runs finalizers on whichever thread allocates, the alarm thread inside
+    its lock included: a scheme collected there shuts down (stopping its alarm) without waiting
+    for a lock its own thread holds."""
+    scheme = ShmWeightSyncScheme(stale_after=30)
+    scheme.init_on_sender(model=nn.Linear(8, 4), devices=["cpu"], model_id="policy")
+    alarm, store = scheme.alarm, scheme.store
+    assert alarm is not None and not alarm.stopped
+    scheme.cycle = scheme  # only the cyclic collector frees it, wherever it next runs
+    del scheme
+    ticker, finished = alarm_module._ticker(), threading.Event()
+
+    def collect_holding_the_lock() -> None:
+        with ticker.lock:  # as the alarm thread does while it lists the alarms
+            gc.collect()
+        finished.set()
+
+    threading.Thread(target=collect_holding_the_lock, daemon=True).start()
+    try:
+        assert finished.wait(10), "the collected scheme's shutdown waited for the alarm thread's lock"
+        assert alarm.stopped and store.closed
+        wait_for(lambda: alarm not in set(ticker.alarms), timeout=10, what="the alarm thread to drop the alarm")
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize(
