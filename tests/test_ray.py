@@ -13,7 +13,7 @@ import torch
 from shmsync import ShmWeightSyncScheme
 from shmsync.torchrl.compat import TORCHRL_VERSION
 
-from helpers import fill, make_marked_pendulum, make_pendulum, make_probe_policy
+from helpers import fill, make_marked_pendulum, make_pendulum, make_probe_policy, wait_for
 
 ray = pytest.importorskip("ray")
 
@@ -63,6 +63,37 @@ def actor_pids(collector) -> set[int]:
     return set(ray.get([rc.__ray_call__.remote(lambda actor: os.getpid()) for rc in collector.remote_collectors]))
 
 
+def semaphores_of(pids: set[int]) -> set[str]:
+    """The named multiprocessing semaphores (``/dev/shm/sem.mp-*``) the processes ``pids`` and
+    their descendants hold open: their collectors' queues and locks."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs += [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+    found = set()
+    for proc in procs:
+        try:
+            found |= {m.path for m in proc.memory_maps(grouped=True) if m.path.startswith("/dev/shm/sem.mp-")}
+        except psutil.Error:
+            continue
+    return found
+
+
+def remove_orphaned(semaphores: set[str]) -> None:
+    """Remove those of ``semaphores`` no live process holds open (their owners were killed)."""
+    held = semaphores_of({p.pid for p in __import__("psutil").process_iter()})
+    for path in semaphores - held:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def stores_of(pids: set[int]) -> list[str]:
     from shmsync.testing import stores_created_by
 
@@ -84,6 +115,7 @@ def test_every_frame_carries_the_trainers_version_and_no_store_is_left(cluster):
     collector = ray_collector(policy, sync=True, scheme=scheme)
     pids = actor_pids(collector)
     workers = ray.get([rc.__ray_call__.remote(lambda actor: actor.num_workers) for rc in collector.remote_collectors])
+    semaphores = semaphores_of(pids)
     seen = []
     try:
         for i, batch in enumerate(collector):
@@ -99,6 +131,9 @@ def test_every_frame_carries_the_trainers_version_and_no_store_is_left(cluster):
         collector.shutdown()
     assert seen == [[i] for i in range(len(seen))] and len(seen) == 6, seen
     assert stores_of(pids) == [], "a remote collector's store outlived its actor"
+    # The actors exit rather than being killed: their collectors' semaphores go with them.
+    assert semaphores
+    wait_for(lambda: not [s for s in semaphores if os.path.exists(s)], timeout=10, what="the actors' semaphores to go")
 
 
 def test_a_push_to_some_actors_only_still_carries_the_trainers_number(cluster):
@@ -129,13 +164,17 @@ def test_killed_actors_and_a_ray_shutdown_leave_no_store(cluster):
     pids = actor_pids(collector)
     it = iter(collector)
     next(it)
-    # Killed as Ray kills them (with their workers), in the middle of a run: nothing to clean up.
-    ray.kill(collector.remote_collectors[0])
-    with pytest.raises(ray.exceptions.RayError):
-        for _ in range(5):
-            next(it)
-    ray.shutdown()  # the other actor, with no shutdown() first
-    assert stores_of(pids) == []
+    semaphores = semaphores_of(pids)
+    try:
+        # Killed as Ray kills them (with their workers), in the middle of a run: nothing to clean up.
+        ray.kill(collector.remote_collectors[0])
+        with pytest.raises(ray.exceptions.RayError):
+            for _ in range(5):
+                next(it)
+        ray.shutdown()  # the other actor, with no shutdown() first
+        assert stores_of(pids) == []
+    finally:
+        remove_orphaned(semaphores)  # multiprocessing's, left by the killed actor's collector
 
 
 def test_torchrls_own_ray_collector_with_a_shmsync_local_leg_is_refused_at_once(cluster):

@@ -52,12 +52,14 @@ from shmsync.torchrl.legs import (
     decode_report,
     name_push,
     published_version,
+    shut_down,
 )
 from shmsync.torchrl.scheme import claim_remote_legs
 
 log = logging.getLogger("shmsync.torchrl.distributed")
 READY_TIMEOUT_S = 60.0  # how long the first push waits for every node's store
 CONFIRM_TIMEOUT_S = 60.0  # how long the trainer waits for the actors' answers after a push
+EXIT_TIMEOUT_S = 10.0  # how long the actors have to shut down and exit before they are killed
 
 
 class _NumberedPushes:
@@ -302,6 +304,14 @@ class RayCollector(torchrl_distributed.RayCollector):
             self._shmsync_heard(i, report)
         return result
 
+    def stop_remote_collectors(self) -> None:
+        """Ask each actor to shut its collector down and exit, and wait for them (at most
+        ``EXIT_TIMEOUT_S``), before TorchRL kills them (``ray.kill``): an actor that exits runs its
+        process's cleanup, where a killed actor leaves its collector's multiprocessing semaphores
+        in ``/dev/shm``. An actor still busy then is killed, as TorchRL does."""
+        end_actors(list(self.remote_collectors), EXIT_TIMEOUT_S)
+        super().stop_remote_collectors()
+
     def _shmsync_heard(self, actor: int, report: bytes | None) -> None:
         """An actor's readers' table, as it answered after a push (Ray runs an actor's calls one at a
         time: asking a busy actor would wait for its batch, so the trainer's table is as of the push)."""
@@ -321,6 +331,25 @@ class RayCollector(torchrl_distributed.RayCollector):
             return list(enumerate(actors))
         ids = worker_ids if isinstance(worker_ids, (list, tuple)) else [worker_ids]
         return [(int(i), actors[int(i)]) for i in ids]
+
+
+def end_actors(actors: list[Any], timeout: float) -> None:
+    """Shut down each actor's collector, then end the actor as Ray ends one gracefully
+    (``__ray_terminate__``: its exit handlers run); returns once every actor is exiting, or
+    ``timeout`` passed. Ray runs an actor's calls in order: a busy actor answers after its batch."""
+    if not actors:
+        return
+    import ray
+
+    deadline = time.monotonic() + timeout
+    closing = [actor.__ray_call__.remote(shut_down) for actor in actors]
+    ray.wait(closing, num_returns=len(closing), timeout=timeout)
+    for actor in actors:
+        actor.__ray_terminate__.remote()
+    # A call after it fails once the actor is exiting: its exit handlers then run, and Ray lets
+    # them finish (a kill after that point leaves the exit as it is).
+    gone = [actor.__ray_call__.remote(shut_down) for actor in actors]
+    ray.wait(gone, num_returns=len(gone), timeout=max(0.0, deadline - time.monotonic()))
 
 
 __all__ = ["DistributedCollector", "DistributedSyncCollector", "RayCollector"]

@@ -200,6 +200,13 @@ def name_push(actor: Any, number: int) -> None:
         glue.leg.name(number)
 
 
+def shut_down(actor: Any) -> None:
+    """Inside an actor about to exit: shut its collector down (its workers end, its stores close)."""
+    shutdown = getattr(actor, "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+
+
 def published_version(actor: Any) -> tuple[int | None, bytes | None]:
     """Inside an actor: the newest version its stores hold (None without shmsync), and its readers'
     table as a report (None without shmsync)."""
