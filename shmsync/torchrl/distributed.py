@@ -309,7 +309,10 @@ class RayCollector(torchrl_distributed.RayCollector):
         ``EXIT_TIMEOUT_S``), before TorchRL kills them (``ray.kill``): an actor that exits runs its
         process's cleanup, where a killed actor leaves its collector's multiprocessing semaphores
         in ``/dev/shm``. An actor still busy then is killed, as TorchRL does."""
-        end_actors(list(self.remote_collectors), EXIT_TIMEOUT_S)
+        try:
+            end_actors(list(self.remote_collectors), EXIT_TIMEOUT_S)
+        except Exception as e:  # say, Ray shut down first: TorchRL's kill decides what happens
+            log.debug("shmsync: the actors could not be ended gracefully: %s", e)
         super().stop_remote_collectors()
 
     def _shmsync_heard(self, actor: int, report: bytes | None) -> None:
