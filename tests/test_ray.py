@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -66,8 +67,6 @@ def actor_pids(collector) -> set[int]:
 def semaphores_of(pids: set[int]) -> set[str]:
     """The named multiprocessing semaphores (``/dev/shm/sem.mp-*``) the processes ``pids`` and
     their descendants hold open: their collectors' queues and locks."""
-    import psutil
-
     procs = []
     for pid in pids:
         try:
@@ -75,6 +74,10 @@ def semaphores_of(pids: set[int]) -> set[str]:
             procs += [root, *root.children(recursive=True)]
         except psutil.Error:
             continue
+    return _mapped_semaphores(procs)
+
+
+def _mapped_semaphores(procs) -> set[str]:
     found = set()
     for proc in procs:
         try:
@@ -86,8 +89,7 @@ def semaphores_of(pids: set[int]) -> set[str]:
 
 def remove_orphaned(semaphores: set[str]) -> None:
     """Remove those of ``semaphores`` no live process holds open (their owners were killed)."""
-    held = semaphores_of({p.pid for p in __import__("psutil").process_iter()})
-    for path in semaphores - held:
+    for path in semaphores - _mapped_semaphores(psutil.process_iter()):
         try:
             os.unlink(path)
         except FileNotFoundError:

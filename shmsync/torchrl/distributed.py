@@ -347,12 +347,10 @@ def end_actors(actors: list[Any], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     closing = [actor.__ray_call__.remote(shut_down) for actor in actors]
     ray.wait(closing, num_returns=len(closing), timeout=timeout)
-    for actor in actors:
-        actor.__ray_terminate__.remote()
-    # A call after it fails once the actor is exiting: its exit handlers then run, and Ray lets
-    # them finish (a kill after that point leaves the exit as it is).
-    gone = [actor.__ray_call__.remote(shut_down) for actor in actors]
-    ray.wait(gone, num_returns=len(gone), timeout=max(0.0, deadline - time.monotonic()))
+    # Each answers once its actor is exiting; the exit handlers then run to their end (a kill
+    # after that point leaves the exit as it is).
+    exits = [actor.__ray_terminate__.remote() for actor in actors]
+    ray.wait(exits, num_returns=len(exits), timeout=max(0.0, deadline - time.monotonic()))
 
 
 __all__ = ["DistributedCollector", "DistributedSyncCollector", "RayCollector"]
