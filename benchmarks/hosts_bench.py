@@ -55,7 +55,6 @@ def _host(host_dir: str, port: int, index: int, seen, reps: int, encrypt: bool, 
 
     torch.set_num_threads(1)
     from shmsync.core import segment
-    from shmsync.raw_versions import add_publish_listener
     from shmsync.relay import Relay
 
     segment.SHM_DIR = host_dir
@@ -69,7 +68,7 @@ def _host(host_dir: str, port: int, index: int, seen, reps: int, encrypt: bool, 
         if 0 < version <= reps:
             seen[index * (reps + 1) + version] = time.monotonic_ns()
 
-    add_publish_listener(relay.store, visible)  # runs as the version commits: no polling
+    relay.store.writer.add_listener(visible)  # runs as the version commits: no polling
     conn.send(("ready", relay.parent, relay.serving))
     runner.join()
     relay.close()

@@ -204,7 +204,7 @@ def bench_parallel_publish(sizes: dict[str, int], quick: bool) -> list[dict]:
     """publish() with its copy on one thread and split across the cores (the default), against
     plain copies into the same slots on one thread and on as many threads."""
     from shmsync import WeightStore
-    from shmsync.core.copies import copy_all, copy_threads
+    from shmsync.writer.copies import copy_all, copy_threads
 
     threads = copy_threads()
     results = []

@@ -109,7 +109,7 @@ def bench_alarm_cost(quick: bool) -> list[dict]:
     """poll() and publish() with the alarm thread reading a 64-reader table, and without, in
     alternating blocks."""
     from shmsync import WeightReader, WeightStore
-    from shmsync.alarm import ReaderAlarm
+    from shmsync.watch.alarm import ReaderAlarm
 
     out = []
     for label, nbytes in (("4 KB", 4 << 10), ("1 MB", 1 << 20)):

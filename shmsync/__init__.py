@@ -22,21 +22,21 @@ __version__ = "0.1.0"
 registration.install()
 
 _LAZY = {
-    "WeightStore": "shmsync.store",
-    "Snapshot": "shmsync.store",
-    "WeightReader": "shmsync.reader",
+    "WeightStore": "shmsync.writer.store",
+    "Snapshot": "shmsync.writer.store",
+    "WeightReader": "shmsync.reader.reader",
     "WeightSender": "shmsync.torchrl.sender",
     "UpdateWeights": "shmsync.torchrl.hooks",
     "LogLag": "shmsync.torchrl.hooks",
-    "lag_stats": "shmsync.frames",
-    "ReaderTable": "shmsync.table",
-    "ReaderRow": "shmsync.table",
-    "ReaderAlarm": "shmsync.alarm",
+    "lag_stats": "shmsync.watch.frames",
+    "ReaderTable": "shmsync.watch.table",
+    "ReaderRow": "shmsync.watch.table",
+    "ReaderAlarm": "shmsync.watch.alarm",
     "StaleReaderError": "shmsync.errors",
     "ShmWeightSyncScheme": "shmsync.torchrl.scheme",
-    "staleness": "shmsync.frames",
-    "tag_versions": "shmsync.frames",
-    "exit_with_parent": "shmsync.lifetime",
+    "staleness": "shmsync.watch.frames",
+    "tag_versions": "shmsync.watch.frames",
+    "exit_with_parent": "shmsync.core.processes",
     "ShmSyncError": "shmsync.errors",
     "StoreNotFoundError": "shmsync.errors",
     "NotLoadedError": "shmsync.errors",
@@ -49,7 +49,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from shmsync.alarm import ReaderAlarm
+    from shmsync.core.processes import exit_with_parent
     from shmsync.errors import (
         NotLoadedError,
         ReloadTimeoutError,
@@ -61,15 +61,15 @@ if TYPE_CHECKING:
         WriterBusyError,
         WriterGoneError,
     )
-    from shmsync.frames import lag_stats, staleness, tag_versions
-    from shmsync.lifetime import exit_with_parent
-    from shmsync.reader import WeightReader
-    from shmsync.store import Snapshot, WeightStore
-    from shmsync.table import ReaderRow, ReaderTable
+    from shmsync.reader.reader import WeightReader
     from shmsync.torchrl.compat import TorchRLChangedError
     from shmsync.torchrl.hooks import LogLag, UpdateWeights
     from shmsync.torchrl.scheme import ShmWeightSyncScheme
     from shmsync.torchrl.sender import WeightSender
+    from shmsync.watch.alarm import ReaderAlarm
+    from shmsync.watch.frames import lag_stats, staleness, tag_versions
+    from shmsync.watch.table import ReaderRow, ReaderTable
+    from shmsync.writer.store import Snapshot, WeightStore
 
 
 def __getattr__(name: str) -> Any:

@@ -56,7 +56,7 @@ class WriterGoneError(ShmSyncError):
 
 
 class StaleReaderError(ShmSyncError):
-    """A reader fell behind or froze (see :mod:`shmsync.alarm`), raised in the trainer at its next
+    """A reader fell behind or froze (see :mod:`shmsync.watch.alarm`), raised in the trainer at its next
     publish when the alarm's ``on_stale`` is ``"raise"``. ``event`` says which reader and how.
     Nothing was published by the call that raised it."""
 

@@ -83,7 +83,7 @@ def live_children() -> list[psutil.Process]:
 @pytest.fixture
 def store_factory() -> Iterator[Callable[..., Any]]:
     """``store_factory(source, **kwargs)`` -> a new :class:`~shmsync.WeightStore`, removed after the test."""
-    from shmsync.store import WeightStore  # here, not at import: the plugin loads in every pytest run
+    from shmsync.writer.store import WeightStore  # here, not at import: the plugin loads in every pytest run
 
     made: list[WeightStore] = []
 
@@ -174,8 +174,8 @@ def stop_mid_publish(store: Any, fill: float = -1.0) -> int:
     """Start a publish into ``store`` and stop halfway through its copy (half the tensors of the
     slot filled with ``fill``, the slot marked being written), as a writer killed there leaves
     it; returns the slot. The write stays open in this process: kill it next."""
-    write = store.memory.protocol.begin_write()
-    views = store.memory.slots[write.slot]
+    write = store.writer.role.begin_write()
+    views = store.memory.map_slots()[write.slot]
     for view in views[: len(views) // 2]:
         view.fill_(fill)
     return write.slot
@@ -193,33 +193,33 @@ def read_with(
     slot's tensors, in layout order), by the protocol a reader follows (``pinned``: at once by
     its bounded fallback, as a reader slower than the writer does; ``steal_after``: seconds before
     it looks whether the reader holding the token is stopped); returns the version."""
-    memory = store.memory
+    slots = store.memory.map_slots()
 
     def run(slot: int) -> None:
-        copy(slot, memory.slots[slot])
+        copy(slot, slots[slot])
 
     if pinned:
-        return memory.protocol.read_pinned(run, time.monotonic() + timeout, steal_after=steal_after)
-    return memory.protocol.read(run, timeout=timeout)
+        return store.reader.read_pinned(run, time.monotonic() + timeout, steal_after=steal_after)
+    return store.reader.read(run, timeout=timeout)
 
 
 @contextlib.contextmanager
 def hold_table_lock(store: Any) -> Iterator[None]:
     """Hold ``store``'s reader-table lock (through this mapping), as a reader stopped in the middle
     of a lease would."""
-    with store.memory.protocol.locks.table(None):
+    with store.memory.locks.table(None):
         yield
 
 
 def slot_views(store: Any, private: bool = False) -> list[list[Any]]:
     """Per slot, a view of every tensor of ``store`` (``private``: a reader's private mapping's)."""
-    return store.memory.private_slots() if private else store.memory.slots
+    return store.memory.private_slots() if private else store.memory.map_slots()
 
 
 def ordering_of(store: Any) -> str:
     """``"tso"`` or ``"weak"``: the memory ordering ``store``'s protocol runs with here."""
-    protocol = store.memory.protocol
-    return "weak" if protocol.fence is protocol.full_fence else "tso"
+    words = store.memory.host
+    return "weak" if words.fence is words.full_fence else "tso"
 
 
 def page_locked(store: Any) -> bool:

@@ -400,7 +400,6 @@ def tree_relay(host_dir: str, port: int, name: str, conn) -> None:
     import threading
 
     use_store_dir(host_dir)
-    from shmsync.raw_versions import add_publish_listener
     from shmsync.relay import Relay
 
     relay = Relay("127.0.0.1", port, store=name, secret=SECRET, timeout=30)
@@ -426,7 +425,7 @@ def tree_relay(host_dir: str, port: int, name: str, conn) -> None:
             if relay.store is not None and listening is not relay.store:
                 listening = relay.store
                 published.append((relay.store.version, True))  # the first version made the store
-                add_publish_listener(relay.store, on_publish)
+                relay.store.writer.add_listener(on_publish)
             if conn.poll(0.02) and conn.recv() == "report":
                 say("versions", list(published))
 

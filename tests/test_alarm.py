@@ -12,8 +12,8 @@ import pytest
 from torch import nn
 
 from shmsync import ShmWeightSyncScheme, StaleReaderError, WeightReader
-from shmsync import alarm as alarm_module
-from shmsync.alarm import ReaderAlarm
+from shmsync.watch import alarm as alarm_module
+from shmsync.watch.alarm import ReaderAlarm
 
 from helpers import make_env, make_policy, wait_for
 
@@ -102,7 +102,7 @@ def test_warnings_are_logged_once_by_the_alarm_thread(store_factory, caplog):
     reader = WeightReader(store, nn.Linear(8, 4), worker=5)
     reader.poll()
     store.publish(policy)
-    with caplog.at_level(logging.WARNING, logger="shmsync.alarm"):
+    with caplog.at_level(logging.WARNING, logger="shmsync.watch.alarm"):
         alarm = ReaderAlarm(store.readers, stale_after=0.3).start()
         try:
             wait_for(lambda: "worker 5 (pid" in caplog.text, timeout=10, what="the alarm's warning")
@@ -199,7 +199,7 @@ def test_a_frozen_async_worker_is_named_within_t_and_again_when_it_recovers(capl
         workers = {row.worker: row.pid for row in scheme.readers()}
         assert sorted(workers) == [0, 1, 2], f"every worker is in the table: {scheme.readers()}"
         victim = workers[1]
-        with caplog.at_level(logging.WARNING, logger="shmsync.alarm"):
+        with caplog.at_level(logging.WARNING, logger="shmsync.watch.alarm"):
             os.kill(victim, signal.SIGSTOP)
             try:
                 stopped_at = time.monotonic()

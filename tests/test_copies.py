@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from shmsync.core.copies import PARALLEL_MIN_BYTES, copy_all, copy_threads
+from shmsync.writer.copies import PARALLEL_MIN_BYTES, copy_all, copy_threads
 
 
 @pytest.mark.parametrize("threads", [2, 3, 7])

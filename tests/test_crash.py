@@ -11,7 +11,7 @@ import pytest
 
 from shmsync import WeightReader, WeightStore, WriterGoneError
 from shmsync.core import segment
-from shmsync.core.header import W_SEQ
+from shmsync.core.header import B_SEQ, HOST, bank_word
 from shmsync.testing import read_header_word
 
 from helpers import (
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _odd_slots(store):
-    return [i for i in range(store.num_slots) if read_header_word(store, W_SEQ + i) & 1]
+    return [i for i in range(store.num_slots) if read_header_word(store, bank_word(HOST, B_SEQ + i)) & 1]
 
 
 def test_writer_killed_mid_publish(store_factory, start):

@@ -12,20 +12,28 @@ import torch
 from shmsync import StoreNotFoundError, WeightReader, WeightStore
 from shmsync.core import segment
 from shmsync.core.header import (
+    B_LATEST,
+    B_LEASES,
+    B_PIN_SLOT,
+    B_SLOT_VERSION,
+    B_VERSION,
+    DEVICE,
+    FORMAT,
     HEADER_BYTES,
+    HOST,
+    R_DEVICE_LEASE,
+    R_LEASE,
     W_DATA_OFFSET,
+    W_DEVICE,
     W_FORMAT,
-    W_LATEST,
     W_LAYOUT_BYTES,
     W_LAYOUT_OFFSET,
-    W_LEASES,
     W_MAGIC,
     W_NUM_SLOTS,
     W_PAYLOAD_BYTES,
-    W_PIN_SLOT,
     W_SLOT_BYTES,
-    W_SLOT_VERSION,
     W_VERSION,
+    bank_word,
     row_base,
 )
 from shmsync.errors import ShmSyncError, StoreCorruptError
@@ -81,13 +89,19 @@ def _refused(path, error, match):
         (W_LAYOUT_BYTES, 0, r"layout_bytes is 0"),
         (W_PAYLOAD_BYTES, 0, r"payload_bytes is 0"),
         (W_PAYLOAD_BYTES, 1 << 50, r"payload_bytes is 1125899906842624"),
-        (W_LATEST, -1, r"latest is -1"),
-        (W_LATEST, 4, r"latest is 4: it indexes one of the 4 slots"),
+        (bank_word(HOST, B_LATEST), -1, r"host latest is -1"),
+        (bank_word(HOST, B_LATEST), 4, r"host latest is 4: it indexes one of the 4 slots"),
+        (bank_word(DEVICE, B_LATEST), 4, r"device latest is 4: it indexes one of the 4 slots"),
         (W_VERSION, -2, r"version is -2"),
-        (W_SLOT_VERSION + 1, -7, r"slot_version\[1\] is -7"),
-        (W_PIN_SLOT, 99, r"pin_slot is 99"),
-        (W_LEASES, -1, r"leases\[0\] is -1"),
-        (row_base(0) + 4, 77, r"reader row 0 lease is 77"),
+        (bank_word(DEVICE, B_VERSION), -5, r"device version is -5"),
+        (bank_word(HOST, B_SLOT_VERSION + 1), -7, r"host slot_version\[1\] is -7"),
+        (bank_word(HOST, B_PIN_SLOT), 99, r"host pin_slot is 99"),
+        (bank_word(DEVICE, B_PIN_SLOT), 16, r"device pin_slot is 16"),
+        (bank_word(HOST, B_LEASES), -1, r"host leases\[0\] is -1"),
+        (bank_word(DEVICE, B_LEASES + 3), 10**6, r"device leases\[3\] is 1000000"),
+        (row_base(0) + R_LEASE, 77, r"reader row 0 host lease is 77"),
+        (row_base(0) + R_DEVICE_LEASE, -9, r"reader row 0 device lease is -9"),
+        (W_DEVICE, -1, r"device is -1"),
     ],
 )
 def test_a_header_word_out_of_range_is_refused_naming_it(store_file, word, value, match):
@@ -97,7 +111,7 @@ def test_a_header_word_out_of_range_is_refused_naming_it(store_file, word, value
 
 def test_another_format_and_no_magic_are_told_apart(store_file):
     _set_word(store_file, W_FORMAT, 3)
-    _refused(store_file, ShmSyncError, r"has format 3, this shmsync reads 5")
+    _refused(store_file, ShmSyncError, rf"has format 3, this shmsync reads {FORMAT}")
     _set_word(store_file, W_MAGIC, 0)
     _refused(store_file, StoreNotFoundError, r"not a shmsync store, or it is still being created")
 
@@ -165,10 +179,10 @@ def test_a_header_word_that_turns_bad_later_is_refused_where_it_is_used(store_fa
     store = store_factory(torch.nn.Linear(4, 2))
     reader = WeightReader(WeightStore.attach(store.name), torch.nn.Linear(4, 2))
     assert reader.poll()
-    write_header_word(store, W_LATEST, 99)  # a process of this user wrote it after the reader attached
+    write_header_word(store, bank_word(HOST, B_LATEST), 99)  # a process of this user wrote it after the reader attached
     with pytest.raises(StoreCorruptError, match=r"latest is 99, not a slot index \(0 to 3\)"):
         reader.reload()
-    write_header_word(store, W_LATEST, 0)
+    write_header_word(store, bank_word(HOST, B_LATEST), 0)
     assert store.publish(torch.nn.Linear(4, 2)) == 1 and reader.poll() and reader.version == 1
 
 
@@ -177,7 +191,7 @@ def test_a_layout_holding_more_lists_than_its_tensors_could_is_refused_before_it
     import time
     import tracemalloc
 
-    from shmsync.core.layout import Layout
+    from shmsync.writer.layout import Layout
 
     raw = b'{"destinations":null,"entries":[' + b"[]," * (10 << 20) + b"[]]}"
     tracemalloc.start()
@@ -192,7 +206,7 @@ def test_a_layout_holding_more_lists_than_its_tensors_could_is_refused_before_it
 
 
 def test_a_layout_past_one_tebibyte_is_refused_naming_the_entry():
-    from shmsync.core.layout import Layout
+    from shmsync.writer.layout import Layout
 
     rows = [[["w"], [(1 << 38) + 1], "float32", 0, ((1 << 38) + 1) * 4]]
     raw = json.dumps({"destinations": None, "entries": rows}).encode()

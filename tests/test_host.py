@@ -13,14 +13,16 @@ import torch
 from shmsync import WeightReader, WeightStore
 from shmsync.core import segment
 from shmsync.core.header import (
+    B_LEASES,
+    B_SEQ,
+    B_TOKEN_PID,
+    HOST,
     MAX_READERS,
     R_LEASE,
     W_CREATOR_PID,
     W_CREATOR_START,
-    W_LEASES,
-    W_SEQ,
-    W_TOKEN_PID,
     W_WRITER_PID,
+    bank_word,
     row_base,
 )
 from shmsync.testing import read_header_word, read_with, write_header_word
@@ -98,7 +100,7 @@ def test_a_reader_in_another_pid_namespace_keeps_its_lease(store_dir, start, ctx
         (row,) = [r for r in range(MAX_READERS) if read_header_word(store, row_base(r))]
         leased = read_header_word(store, row_base(row) + R_LEASE) - 1
         write_header_word(store, row_base(row), _dead_pid(ctx))  # its pid, as this namespace sees it: nobody
-        before = read_header_word(store, W_SEQ + leased)
+        before = read_header_word(store, bank_word(HOST, B_SEQ + leased))
         # Two more zero-copy readers on two newer slots: the third distinct leased slot is one
         # too many, so the table is recounted, which must keep the live reader's lease.
         store.publish(torch.nn.Linear(64, 64))
@@ -109,8 +111,10 @@ def test_a_reader_in_another_pid_namespace_keeps_its_lease(store_dir, start, ctx
         assert third.poll() and not third.viewing, "the recount dropped a live reader's lease"
         for _ in range(20):
             store.publish(torch.nn.Linear(64, 64))
-        assert read_header_word(store, W_SEQ + leased) == before, "the writer rewrote the slot a live reader views"
-        assert read_header_word(store, W_LEASES + leased) >= 1
+        assert read_header_word(store, bank_word(HOST, B_SEQ + leased)) == before, (
+            "the writer rewrote the slot a live reader views"
+        )
+        assert read_header_word(store, bank_word(HOST, B_LEASES + leased)) >= 1
         assert sorted(r.zero_copy for r in store.readers()) == [False, True, True]
     finally:
         store.close()
@@ -124,7 +128,7 @@ def test_pids_in_a_header_are_never_signalled(store_dir, start):
     try:
         reader = WeightReader(WeightStore.attach("policy"), torch.nn.Linear(64, 64))
         reader.poll()
-        for word in (W_CREATOR_PID, W_WRITER_PID, W_TOKEN_PID, row_base(1)):  # row 1: nobody holds it
+        for word in (W_CREATOR_PID, W_WRITER_PID, bank_word(HOST, B_TOKEN_PID), row_base(1)):  # row 1: nobody holds it
             write_header_word(store, word, pid)
         env = {**os.environ, "SHMSYNC_DIR": store_dir}
         cli("ls", env=env)

@@ -1,9 +1,11 @@
 """The import graph of shmsync follows its folders: no circle, and nothing low imports anything higher.
 
-shmsync/core/        the memory core (with shmsync/errors.py): imports nothing of shmsync above it
-shmsync/*.py         the store layer (store, reader, table, alarm...): the core and itself
-shmsync/tools/       the shmsync command: the store layer and below
-shmsync/torchrl/     TorchRL's guest          \\ the store layer and below, never each other
+shmsync/core/        the memory protocol (with shmsync/errors.py): no torch, nothing of shmsync above it
+shmsync/watch/       the operators' view of the header's rows (the readers' table, the alarm): the core
+shmsync/writer/      a store and publishing into it: the layers above
+shmsync/reader/      loading a store's versions: the layers above
+shmsync/tools/       the shmsync command and the pytest plugin (shmsync/testing.py): the layers above
+shmsync/torchrl/     TorchRL's guest          \\ the layers above, never each other
 shmsync/relay/       several hosts            /
 workers/             worker processes: anything
 """
@@ -17,7 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-RANK = {"core": 0, "store": 1, "tools": 2, "torchrl": 3, "relay": 3, "workers": 4}
+RANK = {"core": 0, "watch": 1, "writer": 2, "reader": 3, "tools": 4, "torchrl": 5, "relay": 5, "workers": 6}
+TOP = {"errors": "core", "testing": "tools"}  # the modules at the top of shmsync/, and their layers
 
 
 def _modules() -> dict[str, Path]:
@@ -36,9 +39,7 @@ def _modules() -> dict[str, Path]:
 
 def _folder(module: str) -> str:
     parts = module.split(".")
-    if parts[1] == "errors":
-        return "core"
-    return parts[1] if len(parts) > 2 else "store"
+    return parts[1] if len(parts) > 2 else TOP[parts[1]]
 
 
 def _imports(path: Path, module: str, known: set[str]) -> set[str]:
@@ -71,6 +72,20 @@ def _graph() -> dict[str, set[str]]:
 def test_every_module_lives_in_a_folder_of_the_house():
     assert {_folder(m) for m in _modules()} <= set(RANK)
     assert {m for m in _modules() if _folder(m) == "core"} >= {"shmsync.core.protocol", "shmsync.core.header"}
+    loose = sorted(p.name for p in (ROOT / "shmsync").glob("*.py"))
+    assert loose == ["__init__.py", "__main__.py", "errors.py", "testing.py"], loose
+
+
+def test_the_memory_protocol_imports_no_torch():
+    """shmsync/core/ is torch-free: the protocol can be checked (and read) without it."""
+    found = []
+    for name, path in _modules().items():
+        if _folder(name) == "core":
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                found += [f"{name}: {n}" for n in names if n.split(".")[0] in ("torch", "tensordict", "torchrl")]
+    assert found == []
 
 
 def test_nothing_imports_a_higher_folder():
@@ -113,9 +128,9 @@ def test_the_import_graph_has_no_circle():
 
 def test_the_check_sees_an_upward_import(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("from shmsync.torchrl import compat\nfrom ..store import WeightStore\n")
-    known = {"shmsync.torchrl.compat", "shmsync.store", "shmsync.core.x"}
-    assert _imports(module, "shmsync.core.x", known) == {"shmsync.torchrl.compat", "shmsync.store"}
+    module.write_text("from shmsync.torchrl import compat\nfrom ..writer.store import WeightStore\n")
+    known = {"shmsync.torchrl.compat", "shmsync.writer.store", "shmsync.core.x"}
+    assert _imports(module, "shmsync.core.x", known) == {"shmsync.torchrl.compat", "shmsync.writer.store"}
 
 
 MAX_CLASS_LINES = 300

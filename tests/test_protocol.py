@@ -8,21 +8,40 @@ import threading
 import time
 
 import pytest
+from parties import Party, WriterParty
 
 from shmsync.core.header import (
+    B_LATEST,
+    B_LEASES,
+    B_PIN_GRANT,
+    B_PIN_RELEASE,
+    B_PIN_REQUEST,
+    B_PIN_SLOT,
+    B_SLOT_VERSION,
     HEADER_WORDS,
+    HOST,
     MAX_READERS,
-    W_LATEST,
-    W_LEASES,
-    W_PIN_GRANT,
-    W_PIN_RELEASE,
-    W_PIN_REQUEST,
-    W_PIN_SLOT,
-    W_SLOT_VERSION,
+    R_LEASE,
     W_VERSION,
+    bank_word,
+    row_base,
 )
-from shmsync.core.protocol import LocalLocks, Protocol, initialize, lease_word
+from shmsync.core.protocol import LocalLocks, initialize
 from shmsync.errors import ReloadTimeoutError, ShmSyncError
+
+# The host bank's words, as these tests poke them.
+W_LATEST = bank_word(HOST, B_LATEST)
+W_LEASES = bank_word(HOST, B_LEASES)
+W_PIN_GRANT = bank_word(HOST, B_PIN_GRANT)
+W_PIN_RELEASE = bank_word(HOST, B_PIN_RELEASE)
+W_PIN_REQUEST = bank_word(HOST, B_PIN_REQUEST)
+W_PIN_SLOT = bank_word(HOST, B_PIN_SLOT)
+W_SLOT_VERSION = bank_word(HOST, B_SLOT_VERSION)
+
+
+def lease_word(row: int) -> int:
+    return row_base(row) + R_LEASE
+
 
 ORDERINGS = ["tso", "weak"]  # "weak" runs the real fences of non-x86 CPUs, on any CPU
 
@@ -36,11 +55,11 @@ class Store:
         self.locks = LocalLocks()
         self.slots = [[None, None] for _ in range(num_slots)]
         self.ordering = ordering
-        self.writer = Protocol(self.h, self.locks, ordering=ordering, pid=1)
+        self.writer = WriterParty(self.h, self.locks, ordering=ordering, pid=1)
         self.publish(0)
 
-    def protocol(self, pid: int, **kwargs) -> Protocol:
-        return Protocol(self.h, self.locks, ordering=self.ordering, pid=pid, **kwargs)
+    def protocol(self, pid: int, **kwargs) -> Party:
+        return Party(self.h, self.locks, ordering=self.ordering, pid=pid, **kwargs)
 
     def publish_steps(self, version: int):
         """A publish of ``version`` as a generator: one step per store into shared memory."""
@@ -183,7 +202,7 @@ def test_a_reader_slower_than_the_writer_loads_in_one_copy_once_it_knows():
     )
 
 
-def _token_holder_in_copy(store: Store, a: Protocol, during):
+def _token_holder_in_copy(store: Store, a: Party, during):
     """Reader ``a`` takes the token, and its next publish pins the slot ``a`` copies; in the
     middle of that copy ``during()`` runs and the writer publishes twice more. Returns
     (a's version, the words it copied last, what ``during`` returned)."""
@@ -320,7 +339,7 @@ def test_a_lease_taken_while_the_writer_starts_on_that_slot_is_refused_or_seen()
             store.publish(1)  # the leased slot is no longer latest
             writes.append(store.writer.begin_write())
 
-    reader = Protocol(store.h, Hooked(writer_moves), pid=2)
+    reader = Party(store.h, Hooked(writer_moves), pid=2)
     row = reader.claim_row()
     armed.append(True)
     leased = reader.lease_latest(row)

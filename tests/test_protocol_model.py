@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import pytest
 from interleavings import Accept, Choose, Fail, Fence, Load, Lock, Mark, Store, Unlock
+from parties import WriterParty
 from protocol_model import (
     CELLS,
     GIVEN_BACK,
@@ -24,7 +25,17 @@ from protocol_model import (
 )
 
 from shmsync.core import header as H
-from shmsync.core.protocol import LocalLocks, Protocol, initialize, lease_word
+from shmsync.core.protocol import LocalLocks, initialize
+
+
+def lease_word(row: int) -> int:
+    return H.row_base(row) + H.R_LEASE
+
+
+def bank(word: int) -> int:
+    """A word of the host bank (the one the model stands for)."""
+    return H.bank_word(H.HOST, word)
+
 
 ZERO_COPY_STORES = frozenset({"row", "leases"})
 
@@ -33,20 +44,22 @@ def header_index(word) -> int | None:
     """The header word the model's ``word`` stands for (None: a slot's contents)."""
     if isinstance(word, tuple):
         name, *index = word
-        base = {"seq": H.W_SEQ, "ver": H.W_SLOT_VERSION, "leases": H.W_LEASES}.get(name)
+        base = {"seq": bank(H.B_SEQ), "ver": bank(H.B_SLOT_VERSION), "leases": bank(H.B_LEASES)}.get(name)
         if name == "row":
             return lease_word(index[0])
         return None if base is None else base + index[0]
-    return {
-        "version": H.W_VERSION,
-        "latest": H.W_LATEST,
-        "publish_count": H.W_PUBLISH_COUNT,
-        "token_pid": H.W_TOKEN_PID,
-        "pin_request": H.W_PIN_REQUEST,
-        "pin_grant": H.W_PIN_GRANT,
-        "pin_slot": H.W_PIN_SLOT,
-        "pin_release": H.W_PIN_RELEASE,
-    }[word]
+    return bank(
+        {
+            "version": H.B_VERSION,
+            "latest": H.B_LATEST,
+            "publish_count": H.B_PUBLISH_COUNT,
+            "token_pid": H.B_TOKEN_PID,
+            "pin_request": H.B_PIN_REQUEST,
+            "pin_grant": H.B_PIN_GRANT,
+            "pin_slot": H.B_PIN_SLOT,
+            "pin_release": H.B_PIN_RELEASE,
+        }[word]
+    )
 
 
 class Recorded(list):
@@ -79,14 +92,14 @@ class RecordedLocks(LocalLocks):
     def __init__(self, locks: LocalLocks, log: list) -> None:
         self.inner, self.log = locks, log
 
-    def try_token(self) -> bool:
-        got = self.inner.try_token()
+    def try_token(self, bank: int = 0) -> bool:
+        got = self.inner.try_token(bank)
         self.log.append(("lock", "token", got))
         return got
 
-    def release_token(self) -> None:
+    def release_token(self, bank: int = 0) -> None:
         self.log.append(("unlock", "token"))
-        self.inner.release_token()
+        self.inner.release_token(bank)
 
     @contextmanager
     def table(self, patience):
@@ -165,15 +178,16 @@ class Pair:
             k = header_index(word)
             if k is not None:
                 self.h[k] = value
+        self.h[H.W_VERSION] = self.memory["version"]  # the store's version: its one bank's
         self.names = {header_index(w): w for w in self.memory if header_index(w) is not None}
         self.slots = [[0] * CELLS] + [[-1] * CELLS for _ in range(slots - 1)]
         self.locks = LocalLocks()
-        self.writer = Protocol(self.h, self.locks, ordering="tso", pid=1)
-        self.zero_copy_row = Protocol(self.h, self.locks, ordering="tso", pid=3).claim_row()
+        self.writer = WriterParty(self.h, self.locks, ordering="tso", pid=1)
+        self.zero_copy_row = WriterParty(self.h, self.locks, ordering="tso", pid=3).claim_row()
         assert self.zero_copy_row == 0  # the model's zero-copy reader has row 0
 
-    def protocol(self, pid: int, log: list, on_store=None) -> Protocol:
-        p = Protocol(Recorded(self.h, self.names, log, on_store), RecordedLocks(self.locks, log), pid=pid)
+    def protocol(self, pid: int, log: list, on_store=None) -> WriterParty:
+        p = WriterParty(Recorded(self.h, self.names, log, on_store), RecordedLocks(self.locks, log), pid=pid)
         p.fence = lambda: log.append(("fence", False))
         p.full_fence = lambda: log.append(("fence", True))
         return p
@@ -185,9 +199,9 @@ class Pair:
         model, _ = run_model(writer(self.o, 1), self.memory)
         return relevant(code, WRITER_STORES), relevant(model, WRITER_STORES)
 
-    def _publish_code(self, p: Protocol) -> None:
+    def _publish_code(self, p: WriterParty) -> None:
         write = p.begin_write()
-        version = self.h[H.W_VERSION] + 1
+        version = self.h[bank(H.B_VERSION)] + 1
         self.slots[write.slot] = [version] * CELLS
         p.commit(write)
         p.reclaim(
@@ -219,7 +233,7 @@ class Pair:
         """A reader that asks for a pin at once; the writer publishes as soon as the ticket is in
         (and so grants it), out of the log, on each side."""
         code: list = []
-        quiet = Protocol(self.h, self.locks, ordering="tso", pid=1)  # the writer, unrecorded
+        quiet = WriterParty(self.h, self.locks, ordering="tso", pid=1)  # the writer, unrecorded
         quiet.writing = None
 
         def grant_code(word):
@@ -235,7 +249,7 @@ class Pair:
                 run_model(writer(self.o, 1), self.memory)
 
         model, _ = run_model(reader(self.o, outpaced=True), self.memory, grant_model)
-        assert version == self.h[H.W_SLOT_VERSION + self.h[H.W_PIN_SLOT]]
+        assert version == self.h[bank(H.B_SLOT_VERSION) + self.h[bank(H.B_PIN_SLOT)]]
         return relevant(code, READER_STORES), relevant(model, READER_STORES)
 
     def same_words(self) -> None:

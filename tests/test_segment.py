@@ -14,7 +14,7 @@ import torch
 from shmsync import WeightStore
 from shmsync.core import segment
 from shmsync.errors import StoreUntrustedError
-from shmsync.raw_versions import create_from_bytes
+from shmsync.relay.raw_versions import create_from_bytes
 
 from helpers import open_fds
 

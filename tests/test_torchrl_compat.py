@@ -336,10 +336,17 @@ CHANGES = [
         "ok",
     ),
     Change(
+        # The scheme's stores exist before the collector: nothing looks up the collector's schemes.
         "a scheme made before its collector, the collector's schemes renamed",
         "multisync_preinitialized",
         renamed("_weight_sync_schemes", *ALL),
-        (compat.CONNECT, compat.SCHEMES),
+        "ok",
+    ),
+    Change(
+        "a scheme made before its collector, never handed the collector",
+        "multisync_preinitialized",
+        edited("torchrl.collectors._multi_base", "if not scheme.initialized_on_sender:", "if False:"),
+        compat.CONNECT,
     ),
     # -- the trainer hook (every torchrl minor) --
     Change("the hook's interval state renamed", "hook", renamed("_last_update_count", "torchrl.trainers"), "ok"),

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from shmsync.core import secret_file
 from shmsync.errors import AuthenticationError, ProtocolError
 from shmsync.relay import wire
+from shmsync.tools import secret_file
 
 from helpers import cli, wait_for
 

@@ -67,7 +67,7 @@ def _collect(worker_id: int, config: WorkerConfig, queue: Any, stopping: threadi
     from torchrl.collectors import Collector
 
     from shmsync import WeightReader, WeightStore
-    from shmsync.frames import tag_versions
+    from shmsync.watch.frames import tag_versions
 
     store = WeightStore.attach(config.store)
     try:

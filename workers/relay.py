@@ -24,7 +24,6 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from shmsync.core.secret_file import read_secret_file, resolve_secret
 from shmsync.errors import (
     AuthenticationError,
     ProtocolError,
@@ -34,6 +33,7 @@ from shmsync.errors import (
     TrainerGoneError,
     WeightMismatchError,
 )
+from shmsync.tools.secret_file import read_secret_file, resolve_secret
 
 if TYPE_CHECKING:
     from shmsync.relay import Relay

@@ -1,7 +1,8 @@
 /* Memory fences for shmsync's slot protocol, from the C11 atomics the compiler provides.
  *
  * full_fence(): atomic_thread_fence(memory_order_seq_cst): mfence on x86-64, dmb ish on aarch64,
- * sync on POWER. load_word(buffer, index): an 8-byte relaxed atomic load of word `index` of a
+ * sync on POWER. compiler_fence(): atomic_signal_fence(memory_order_seq_cst), no instruction at all:
+ * what a TSO CPU needs between two stores or two loads. load_word(buffer, index): an 8-byte relaxed atomic load of word `index` of a
  * buffer, for measuring header access against a memoryview's (see benchmarks/fences_bench.py).
  * No executable memory is made at run time: this is compiled when the package is built.
  */
@@ -12,6 +13,11 @@
 
 static PyObject *full_fence(PyObject *self, PyObject *unused) {
     atomic_thread_fence(memory_order_seq_cst);
+    Py_RETURN_NONE;
+}
+
+static PyObject *compiler_fence(PyObject *self, PyObject *unused) {
+    atomic_signal_fence(memory_order_seq_cst);
     Py_RETURN_NONE;
 }
 
@@ -39,6 +45,7 @@ static PyObject *load_word(PyObject *self, PyObject *const *args, Py_ssize_t nar
 
 static PyMethodDef methods[] = {
     {"full_fence", full_fence, METH_NOARGS, "A sequentially consistent memory fence."},
+    {"compiler_fence", compiler_fence, METH_NOARGS, "A compiler barrier (no instruction)."},
     {"load_word", (PyCFunction)(void (*)(void))load_word, METH_FASTCALL, "A relaxed atomic load of an 8-byte word."},
     {NULL, NULL, 0, NULL},
 };

@@ -4,8 +4,9 @@ Two orderings are supported, chosen by the CPU (or forced with ``SHMSYNC_ORDERIN
 
 ``"tso"`` (x86-64, i386): stores become visible in program order and loads are not reordered
     with other loads, which is all the protocol needs except between a store and a later load
-    (the lease handshake). :func:`ordering` gives a no-op ``fence`` and, as ``full_fence``, a
-    sequentially consistent fence (``mfence``).
+    (the lease handshake). :func:`ordering` gives, as ``fence``, a compiler barrier (no
+    instruction; the extension's, else a Python no-op) and, as ``full_fence``, a sequentially
+    consistent fence (``mfence``).
 ``"weak"`` (aarch64, ppc64le, any other CPU): both are that full fence (``dmb ish`` on aarch64,
     ``sync`` on POWER), as the exhaustive checker's weak model assumes.
 
@@ -59,12 +60,23 @@ def _lock_round_trip() -> None:
         pass
 
 
-def _extension_fence() -> Fence | None:
+def _extension() -> object | None:
     try:
         from shmsync.core import _atomics
     except ImportError:  # built without a compiler: the next source
         return None
-    return _atomics.full_fence
+    return _atomics
+
+
+def _extension_fence() -> Fence | None:
+    atomics = _extension()
+    return None if atomics is None else atomics.full_fence
+
+
+def _compiler_fence() -> Fence:
+    """The TSO ``fence``: the extension's compiler barrier (a C call, no instruction), else a no-op."""
+    atomics = _extension()
+    return _noop if atomics is None else atomics.compiler_fence
 
 
 def _libatomic_fence() -> Fence | None:
@@ -159,4 +171,4 @@ def ordering(kind: str | None = None) -> tuple[Fence, Fence]:
     if kind not in ("tso", "weak"):
         raise ValueError(f"ordering must be 'tso' or 'weak', got {kind!r}")
     full, _ = _full_fence()
-    return (_noop if kind == "tso" else full), full
+    return (_compiler_fence() if kind == "tso" else full), full

@@ -1,4 +1,18 @@
-"""The header of a segment: 48 KiB of int64 words at its start (no torch needed to read it)."""
+"""The header of a segment: 136 KiB of int64 words at its start (no torch needed to read it).
+
+Layout of the words::
+
+    [0, 64)        the store's own words: identity, sizes, the newest version, the promised one
+    [64, 128)      bank 0, the host slots: their versions, sequence numbers, leases and pin
+    [128, 192)     bank 1, the device slots (a store published from CUDA), the same words
+    [192, 960)     one record per device slot: how another process maps it (CUDA IPC)
+    [1024, ...)    the reader table: one row of 16 words per reader
+
+A *bank* is one set of slots under the slot protocol (:mod:`shmsync.core.protocol`): the host
+bank's slots are pages of the store's file, the device bank's live in the trainer's GPU memory.
+A store published from CPU tensors has only the host bank; one published from CUDA versions its
+device slots first, and fills host slots from them for the readers that need host memory.
+"""
 
 from __future__ import annotations
 
@@ -8,65 +22,99 @@ from collections.abc import Callable
 from shmsync.errors import ShmSyncError, StoreCorruptError, StoreNotFoundError
 
 MAGIC = 0x534D5359_4E433031  # "SMSYNC01"
-FORMAT = 5  # 5: reader rows of 8 words (worker, flags, process start), 72 KiB header
-HEADER_BYTES = 72 * 1024  # mostly the reader table: room for 1,136 readers
-HEADER_WORDS = HEADER_BYTES // 8
+FORMAT = 6  # 6: two banks of slots (host, device), the promised version, rows of 16 words
 MAX_SLOTS = 16
 ALIGN = 64
 PAGE = 4096
 MAX_LAYOUT_BYTES = 64 << 20  # the layout JSON: ~60 bytes per tensor, so about a million tensors
 
-# Header word indices.
+# The store's own words.
 W_MAGIC = 0
 W_FORMAT = 1
-W_VERSION = 2  # last completed version
-W_LATEST = 3  # slot holding it
-W_NUM_SLOTS = 4
+W_VERSION = 2  # the newest complete version in any bank: the store's version
+W_NUM_SLOTS = 4  # slots per bank
 W_CREATOR_PID = 5
 W_CREATOR_START = 6  # creator's process start time (ns), tells a reused pid apart
 W_WRITER_PID = 7
-W_PUBLISH_NS = 8  # wall-clock time of the last completed publish
+W_PUBLISH_NS = 8  # wall-clock time of the last publish that made a new version
 W_CREATE_NS = 9
-W_PIN_REQUEST = 10  # pin protocol, see _protocol.py
-W_PIN_GRANT = 11
-W_PIN_SLOT = 12
-W_PIN_RELEASE = 13
 W_LAYOUT_OFFSET = 14
 W_LAYOUT_BYTES = 15
 W_DATA_OFFSET = 16
 W_SLOT_BYTES = 17
 W_PAYLOAD_BYTES = 18
-W_PUBLISH_COUNT = 19
+W_PUBLISH_COUNT = 19  # new versions published
 W_CREATOR_PPID = 20  # lets a test's leak check find stores made by its children
-W_TOKEN_PID = 21  # pid of the reader holding the starvation token, 0 if none (see _protocol.py)
-W_PUBLISH_INTERVAL = 22  # ns between the last two publishes: tells a slow reader to ask for a pin at once
-W_ROWS = 23  # rows of the reader table ever claimed: the table is read up to there (see shmsync.table)
+W_ROWS = 23  # rows of the reader table ever claimed: the table is read up to there (see shmsync.watch.table)
 W_STORE_FLAGS = 24  # STORE_* bits below, only ever set
-STORE_PAGE_LOCKED = 1  # a process page-locked the slots for CUDA copies: their memory is never given back
+STORE_PAGE_LOCKED = 1  # a process page-locked the host slots for CUDA copies: their memory is never given back
 W_GIVE_BACK_BEGUN = 25  # give-backs the writer began, and
-W_GIVE_BACK_DONE = 26  # ended (see StoreMemory.pin_for_cuda)
-W_SEQ = 32  # W_SEQ + i: slot i's sequence number, odd while it is being written
-W_SLOT_VERSION = 64  # W_SLOT_VERSION + i: the version slot i holds
-W_LEASES = 96  # W_LEASES + i: readers whose modules view slot i in place (see _protocol.py)
-# Reader table: one row per attached reader, each row written only by its own reader
-# (and its lease word also by whoever reclaims a dead reader's row).
-W_READERS = 128
-READER_WORDS = 8
-MAX_READERS = (HEADER_WORDS - W_READERS) // READER_WORDS
-# The words of a row. Only R_LEASE takes part in the slot protocol (see _protocol.py); the others
-# are what the readers' table shows (see shmsync.table), written by the row's reader alone.
+W_GIVE_BACK_DONE = 26  # ended (see shmsync.writer.memory.StoreMemory.pin_for_cuda)
+W_PROMISED = 27  # the newest version a publish has promised: >= W_VERSION, reached once it lands
+W_DEVICE = 28  # the device bank's CUDA device index + 1; 0: the store has no device bank
+W_DEVICE_BYTES = 29  # bytes of device memory the device bank holds now (the writer's GPU)
+W_HOST_WANTED = 30  # bumped by a reader of the host bank that finds it behind: fill it
+
+# Banks: 64 words each, from W_BANKS.
+W_BANKS = 64
+BANK_WORDS = 64
+HOST, DEVICE = 0, 1
+NUM_BANKS = 2
+B_VERSION = 0  # the bank's last completed version
+B_LATEST = 1  # the slot holding it
+B_PIN_REQUEST = 2  # pin protocol, see shmsync.core.protocol
+B_PIN_GRANT = 3
+B_PIN_SLOT = 4
+B_PIN_RELEASE = 5
+B_TOKEN_PID = 6  # pid of the reader holding the bank's starvation token, 0 if none
+B_PUBLISH_COUNT = 7  # commits into the bank
+B_PUBLISH_INTERVAL = 8  # ns between the last two commits: tells a slow reader to ask for a pin at once
+B_PUBLISH_NS = 9
+B_PROGRESS = 10  # bytes of the write in flight that have landed (the host bank, filled from the device)
+B_SEQ = 16  # B_SEQ + i: slot i's sequence number, odd while it is being written
+B_SLOT_VERSION = 32  # B_SLOT_VERSION + i: the version slot i holds
+B_LEASES = 48  # B_LEASES + i: readers whose modules view slot i in place
+
+# Device slots: how another process maps each (see shmsync.writer.device_slots).
+W_DEVICE_RECORDS = 192
+DEVICE_RECORD_WORDS = 48
+
+# Reader table: one row per attached reader, each row written only by its own reader (and its
+# lease words also by whoever reclaims a dead reader's row).
+W_READERS = 1024
+READER_WORDS = 16
+MAX_READERS = 1024
+HEADER_WORDS = W_READERS + READER_WORDS * MAX_READERS
+HEADER_BYTES = HEADER_WORDS * 8  # 136 KiB, mostly the reader table
+# The words of a row. Only the lease words take part in the slot protocol; the others are what
+# the readers' table shows, written by the row's reader alone.
 R_PID = 0
 R_VERSION = 1  # the version loaded, -1 before the first load
 R_RELOADS = 2
 R_RELOAD_NS = 3  # wall-clock time of the last reload
-R_LEASE = 4  # leased slot + 1, negative while being decided, 0 if none
+R_LEASE = 4  # leased host slot + 1, negative while being decided, 0 if none
 R_WORKER = 5  # the worker index its collector gave it, + 1 (0: none)
 R_FLAGS = 6  # ROW_* bits below
 R_START_NS = 7  # its process's start time: tells a reused pid, or one of another namespace, apart
+R_DEVICE_LEASE = 8  # leased device slot + 1, as R_LEASE
+R_DEVICE_BYTES = 9  # bytes of device memory the reader holds of its own (a private device copy)
 ROW_WAITING = 1  # between rollouts: waiting for work, not running stale weights
 ROW_ZERO_COPY = 2  # asked to view the store in place (zero_copy=True)
-ROW_DEVICE = 4  # loads into an accelerator's memory (a private device copy by necessity)
+ROW_DEVICE = 4  # loads into an accelerator's memory
 ROW_LINK = 8  # a relay's link sending versions to another host (leases to send from; loads nothing)
+ROW_DEVICE_BANK = 16  # reads the device bank (a GPU reader beside the trainer's GPU)
+
+LEASE_COLUMNS = (R_LEASE, R_DEVICE_LEASE)  # per bank
+
+
+def bank_base(bank: int) -> int:
+    """The first header word of bank ``bank`` (:data:`HOST` or :data:`DEVICE`)."""
+    return W_BANKS + bank * BANK_WORDS
+
+
+def bank_word(bank: int, word: int) -> int:
+    """Header index of a bank's word (a ``B_*`` constant, plus a slot index for the per-slot ones)."""
+    return W_BANKS + bank * BANK_WORDS + word
 
 
 def header_view(buf) -> memoryview:
@@ -93,7 +141,7 @@ def reader_column(h, field: int) -> list[int]:
 def reader_rows(h) -> list[tuple[int, list[int]]]:
     """``(row, words)`` for every claimed row of the reader table in header words ``h`` (a
     memoryview or an int64 array), up to its high-water mark, ``words`` indexed by the ``R_*``
-    constants; pids may be dead. The flags are read before the rest (see :mod:`shmsync.table`)."""
+    constants; pids may be dead. The flags are read before the rest (see :mod:`shmsync.watch.table`)."""
     rows = min(max(int(h[W_ROWS]), 0), MAX_READERS)
     end = W_READERS + rows * READER_WORDS
     flags = h[W_READERS + R_FLAGS : end : READER_WORDS]
@@ -141,7 +189,14 @@ def check_words(h, file_size: int, name: str) -> tuple[int, int]:
     if not 2 <= n <= MAX_SLOTS:
         raise bad("num_slots", n, f"it must be between 2 and {MAX_SLOTS}")
     lo, ln = _check_sizes(h, n, file_size, bad)
-    _check_slots(h, n, bad)
+    if h[W_VERSION] < -1:
+        raise bad("version", h[W_VERSION], "versions are -1 (none yet) or more")
+    if not 0 <= h[W_ROWS] <= MAX_READERS:
+        raise bad("rows", h[W_ROWS], f"a count of reader-table rows, 0 to {MAX_READERS}")
+    if not 0 <= h[W_DEVICE] <= 1 << 16:
+        raise bad("device", h[W_DEVICE], "a CUDA device index + 1, or 0 for none")
+    for bank in range(NUM_BANKS):
+        _check_bank(h, bank, n, bad)
     return lo, ln
 
 
@@ -169,25 +224,29 @@ def _check_sizes(h, n: int, file_size: int, bad: Callable) -> tuple[int, int]:
     return lo, ln
 
 
-def _check_slots(h, n: int, bad: Callable) -> None:
-    """The words that index slots or count readers: versions, latest, leases, the pin, the rows."""
-    version, latest = h[W_VERSION], h[W_LATEST]
+def _check_bank(h, bank: int, n: int, bad: Callable) -> None:
+    """The words of one bank that index slots or count readers: versions, latest, leases, the pin,
+    and every row's lease word of that bank."""
+    where = "host" if bank == HOST else "device"
+    version, latest = h[bank_word(bank, B_VERSION)], h[bank_word(bank, B_LATEST)]
     if version < -1:
-        raise bad("version", version, "versions are -1 (none yet) or more")
+        raise bad(f"{where} version", version, "versions are -1 (none yet) or more")
     if not 0 <= latest < n:
-        raise bad("latest", latest, f"it indexes one of the {n} slots")
+        raise bad(f"{where} latest", latest, f"it indexes one of the {n} slots")
     for i in range(n):
-        if h[W_SLOT_VERSION + i] < -1:
-            raise bad(f"slot_version[{i}]", h[W_SLOT_VERSION + i], "versions are -1 (empty) or more")
-        if not 0 <= h[W_LEASES + i] <= MAX_READERS:
-            raise bad(f"leases[{i}]", h[W_LEASES + i], f"a count of readers, 0 to {MAX_READERS}")
-    if not 0 <= h[W_ROWS] <= MAX_READERS:
-        raise bad("rows", h[W_ROWS], f"a count of reader-table rows, 0 to {MAX_READERS}")
-    if not 0 <= h[W_PIN_SLOT] < n:
-        raise bad("pin_slot", h[W_PIN_SLOT], f"it indexes one of the {n} slots")
-    for row, lease in enumerate(reader_column(h, R_LEASE)):
+        if h[bank_word(bank, B_SLOT_VERSION + i)] < -1:
+            raise bad(f"{where} slot_version[{i}]", h[bank_word(bank, B_SLOT_VERSION + i)], "-1 (empty) or more")
+        if not 0 <= h[bank_word(bank, B_LEASES + i)] <= MAX_READERS:
+            raise bad(
+                f"{where} leases[{i}]", h[bank_word(bank, B_LEASES + i)], f"a count of readers, 0 to {MAX_READERS}"
+            )
+    if not 0 <= h[bank_word(bank, B_PIN_SLOT)] < n:
+        raise bad(f"{where} pin_slot", h[bank_word(bank, B_PIN_SLOT)], f"it indexes one of the {n} slots")
+    for row, lease in enumerate(reader_column(h, LEASE_COLUMNS[bank])):
         if not -n <= lease <= n:
-            raise bad(f"reader row {row} lease", lease, f"a slot + 1, negative while being decided, -{n} to {n}")
+            raise bad(
+                f"reader row {row} {where} lease", lease, f"a slot + 1, negative while being decided, -{n} to {n}"
+            )
 
 
 def slot_index(value: int, num_slots: int, field: str, name: str) -> int:

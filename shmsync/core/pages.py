@@ -7,8 +7,7 @@ a SIGBUS in the middle of a copy.
 
 Readers map the slots privately (``MAP_PRIVATE``): they read the store's own pages, shared
 with every other process, and a write of theirs copies the page for them alone (it never
-reaches the store). :func:`private_pages` counts such copies through ``/proc/self/pagemap``,
-and :func:`discard_private` drops them, so that the mapping shows the store's pages again.
+reaches the store: :mod:`shmsync.reader.in_place` finds and drops such copies).
 
 No torch here: these are byte ranges of a file and of this process's address space.
 """
@@ -22,18 +21,10 @@ import os
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
-MADV_DONTNEED = 4
 _PAGE = mmap.PAGESIZE
-# pagemap entries: bit 63 "present", bit 61 "file page or shared anonymous". A present page
-# of a private file mapping without bit 61 is this process's own copy. In each entry's top
-# byte (little-endian: its 8th), those are 0x80 and 0x20.
-_OWN_COPY = bytes(1 if b & 0xA0 == 0x80 else 0 for b in range(256))
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_pagemap: int | None = None
-_pagemap_pid = 0
 
 
 def reserve(fd: int, offset: int, length: int, what: str) -> None:
@@ -84,30 +75,6 @@ def address_of(buffer: mmap.mmap) -> int:
         return ctypes.addressof(anchor)
     finally:
         del anchor  # the export would keep the mapping from closing
-
-
-def private_pages(address: int, length: int) -> int | None:
-    """How many pages of ``[address, address + length)`` (a private file mapping of this
-    process) are this process's own copies, written since mapped; None if ``/proc/self/pagemap``
-    cannot be read here."""
-    global _pagemap, _pagemap_pid
-    if _pagemap is None or _pagemap_pid != os.getpid():
-        try:
-            _pagemap, _pagemap_pid = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC), os.getpid()
-        except OSError:
-            return None
-    first, last = address // _PAGE, (address + length - 1) // _PAGE
-    entries = os.pread(_pagemap, (last - first + 1) * 8, first * 8)
-    return entries[7::8].translate(_OWN_COPY).count(1)
-
-
-def discard_private(address: int, length: int) -> None:
-    """Drop this process's own copies of pages in ``[address, address + length)`` (a private file
-    mapping): the mapping shows the file's pages again."""
-    start = address - address % _PAGE
-    if _libc.madvise(start, address + length - start, MADV_DONTNEED) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"madvise(MADV_DONTNEED) failed: {os.strerror(err)}")
 
 
 def human_bytes(n: float) -> str:

@@ -1,30 +1,34 @@
-"""The protocol between one writer and many readers of a store's slots (no torch here).
+"""The protocol between one writer and many readers of a bank of slots (no torch here).
 
-Everything works on header words ``h`` (see :mod:`shmsync.core.header`) and on ``copy(slot)``
-callbacks that move the bytes, so the interleavings below can be driven step by step in
-tests, on a plain list of ints, without processes or torch.
+Three roles work on the shared words of one bank (:class:`Words`): the :class:`Writer`, a
+:class:`Reader` and the :class:`Table` of readers. Each holds the words; the writer also holds a
+table, to ask about leases. Nothing here moves bytes: a caller copies between its own calls (the
+writer between :meth:`Writer.begin_write` and :meth:`Writer.commit`, a reader inside the
+``copy(slot)`` it hands to :meth:`Reader.read`), so every interleaving below can be driven step by
+step in tests, on a plain list of ints, without processes or torch.
 
 Slots and words
 ---------------
-A store has ``N >= 2`` slots (3 by default), each a full copy of the weights. The header
-holds ``version`` (the last completed version), ``latest`` (the slot holding it), and per
-slot a sequence number ``seq[i]`` (odd while it is being written) and the version it holds.
+A bank has ``N >= 2`` slots (4 by default), each a full copy of the weights. Its words hold
+``version`` (the last completed version), ``latest`` (the slot holding it), and per slot a
+sequence number ``seq[i]`` (odd while it is being written) and the version it holds. A store has
+one bank of host slots, and, once published from CUDA, a second one of device slots: the same
+protocol on each (see :mod:`shmsync.core.header`).
 
 Writer (one process at a time, enforced by a kernel lock the store takes)::
 
     target = a slot that is neither `latest`, nor pinned, nor leased (one holding a version
              first, the least recently written)
     seq[target] += 1            # odd: being written; then a full fence, and back off if leased
-    copy the weights into target                                   (Protocol.begin_write)
+    copy the weights into target                                   (Writer.begin_write)
     slot_version[target] = v; fence; seq[target] += 1   # even: complete
-    latest = target; version = v                                   (Protocol.commit)
+    latest = target; version = v                                   (Writer.commit)
 
 The writer never reads anything a reader writes except three pin words and the per-slot
 lease counts, and never waits: publishing is a copy plus a handful of word stores. One
-process has at most one write open at a time (a second ``begin_write`` raises), so a CPU
-publish cannot pick the slot a CUDA publish of the same process is still filling.
+writer has at most one write open at a time (a second ``begin_write`` raises).
 
-Reader, optimistic path (seqlock validation, :meth:`Protocol.try_read`)::
+Reader, optimistic path (seqlock validation, :meth:`Reader.try_read`)::
 
     s = seq[latest]; fence; v = slot_version[latest]; copy the slot; fence; valid iff seq is still s
 
@@ -33,17 +37,17 @@ publish and start the next while one reader copy runs before that copy is invali
 retries are rare. Validation guarantees that a reader never *accepts* a mixed copy, whatever
 the timing.
 
-Memory given back (:meth:`Protocol.reclaim`): after a publish, the writer gives back the
+Memory given back (:meth:`Writer.idle_slots`): after a publish, the writer gives back the
 pages of every slot that is neither latest, nor pinned, nor leased, but one: the slot its
 next write takes. That is the one holding a version, least recently written (empty slots are
 written last: their pages would have to come back first). While nobody leases, the writer so
 alternates between two slots, and the others hold no memory. Giving a slot back is a write
-of zeros, made like any write: marked odd through the write handshake, then aborted (its
-version -1). So a reader leasing it meanwhile keeps it, and an optimistic copy of it fails
-validation.
+of zeros, made like any write: marked odd through the write handshake (:meth:`Writer.mark`),
+then aborted (its version -1). So a reader leasing it meanwhile keeps it, and an optimistic
+copy of it fails validation.
 
-Reader, bounded fallback (slot pinning, :meth:`Protocol.read_pinned`): after
-``max_attempts`` failed optimistic copies a reader takes the store's single reader token
+Reader, bounded fallback (slot pinning, :meth:`Reader.read_pinned`): after
+``max_attempts`` failed optimistic copies a reader takes the bank's single reader token
 (a kernel lock, released if the reader dies) and asks the writer to pin a slot by writing
 a fresh ticket into ``pin_request``. At the start of its next publish the writer sets
 ``pin_slot = latest`` (or a slot leased by a zero-copy reader, already safe from it) and
@@ -55,9 +59,9 @@ copy cannot be invalidated: it completes in one copy. A writer that is idle gran
 optimistic copy succeeds, so the reader keeps trying those while it waits. A reader that
 dies while pinned only costs the writer one slot until the next ticket replaces its pin.
 A reader whose last copy took longer than the writer, publishing at its current pace, leaves
-a slot alone (one publish interval, from ``publish_interval`` in the header)
+a slot alone (one publish interval, from ``publish_interval``)
 skips the optimistic copies that would only fail and asks for a pin at once: it loads in one
-copy (:meth:`Protocol.outpaced`).
+copy (:meth:`Reader.outpaced`).
 
 The token bounds the wait of the others: its holder's pinned copy completes, so the next
 reader waits at most one copy for it. A holder that is *stopped* (SIGSTOP, a debugger)
@@ -67,12 +71,12 @@ reader's copy, if it ever resumes, fails validation and is retried. A holder tha
 however slowly, keeps its pin: two slow readers taking the pin off each other would never
 finish.
 
-Leases (zero-copy readers, :meth:`Protocol.lease_latest`)
----------------------------------------------------------
+Leases (zero-copy readers, :meth:`Table.lease_latest`)
+------------------------------------------------------
 A zero-copy reader points its module's parameters at the read-only memory of one slot and
 holds a *lease* on it; the writer never writes a leased slot. Leases are recorded in the
-reader table (each row's lease word: ``slot + 1``, or ``-(slot + 1)`` while the lease is
-being decided) and summed per slot into ``leases[i]``, which is what the writer reads
+reader table (each row's lease word of the bank: ``slot + 1``, or ``-(slot + 1)`` while the
+lease is being decided) and summed per slot into ``leases[i]``, which is what the writer reads
 first. A lease is taken in two steps, each ended by a full fence:
 
 1. *decided*: under the table lock, the row's lease word turns negative and the counts move
@@ -123,18 +127,27 @@ that read ``latest`` just before a publish and a writer granting a pin just afte
 hold three slots of three between them, and the writer would have to write into the pin
 (both found by ``tests/protocol_model.py``, the exhaustive checker of this protocol).
 
+The promise
+-----------
+A publish that returns before its version is visible (a background copy, a CUDA copy) first
+*promises* the version (:meth:`Writer.promise`, the store's ``promised`` word). A reader that must
+run the newest weights at the start of its next batch waits until its bank's version reaches the
+promise; a publish that fails withdraws it. The promise is a hint for liveness, never for safety:
+what a reader accepts is decided by the words above alone.
+
 Ordering
 --------
 ``fence`` orders stores with stores and loads with loads; ``full_fence`` also a store
-before a later load. On x86-64 the former is free (see :mod:`shmsync.core.fences`); elsewhere
-both are a real barrier. A store that ends the use of shared memory (a pin or lease
-release) is preceded by a fence so the copy's loads cannot drift after it.
+before a later load. On x86-64 the former is only a compiler barrier (see
+:mod:`shmsync.core.fences`); elsewhere both are a real barrier. A store that ends the use of
+shared memory (a pin or lease release) is preceded by a fence so the copy's loads cannot drift
+after it.
 
 Crashes
 -------
 A writer killed in the middle of a copy leaves ``seq[target]`` odd and ``latest``
 untouched: readers keep loading the last complete version, and the next writer rewrites
-that slot from scratch. A copy that raises is aborted (:meth:`Protocol.abort`): the slot is
+that slot from scratch. A copy that raises is aborted (:meth:`Writer.abort`): the slot is
 marked empty, and nobody reads it.
 """
 
@@ -149,32 +162,39 @@ from typing import NamedTuple
 from typing import Protocol as Interface
 
 from shmsync.core import fences
-from shmsync.core.fences import Fence
 from shmsync.core.header import (
+    B_LATEST,
+    B_LEASES,
+    B_PIN_GRANT,
+    B_PIN_RELEASE,
+    B_PIN_REQUEST,
+    B_PIN_SLOT,
+    B_PROGRESS,
+    B_PUBLISH_COUNT,
+    B_PUBLISH_INTERVAL,
+    B_PUBLISH_NS,
+    B_SEQ,
+    B_SLOT_VERSION,
+    B_TOKEN_PID,
+    B_VERSION,
+    HOST,
+    LEASE_COLUMNS,
+    NUM_BANKS,
     R_FLAGS,
-    R_LEASE,
     R_PID,
     R_RELOAD_NS,
     R_RELOADS,
     R_START_NS,
     R_VERSION,
     R_WORKER,
-    W_LATEST,
-    W_LEASES,
     W_NUM_SLOTS,
-    W_PIN_GRANT,
-    W_PIN_RELEASE,
-    W_PIN_REQUEST,
-    W_PIN_SLOT,
+    W_PROMISED,
     W_PUBLISH_COUNT,
-    W_PUBLISH_INTERVAL,
     W_PUBLISH_NS,
     W_ROWS,
-    W_SEQ,
-    W_SLOT_VERSION,
-    W_TOKEN_PID,
     W_VERSION,
     W_WRITER_PID,
+    bank_base,
     reader_column,
     row_base,
     slot_index,
@@ -182,20 +202,17 @@ from shmsync.core.header import (
 from shmsync.core.processes import own_start_ns, pid_stopped
 from shmsync.errors import ReloadTimeoutError, ShmSyncError
 
-Words = MutableSequence[int]
 CopyFn = Callable[[int], None]  # copies out of (or into) the slot with that index
-
-LEASE = R_LEASE  # a reader row's lease word: leased slot + 1, 0 if none
 
 
 class Locks(Interface):
-    """The locks readers take (the writer takes none of them): the token, the table's lock, and
-    one per row of the reader table, held by that row's reader for as long as it lives."""
+    """The locks readers take (the writer takes none of them): a token per bank, the table's lock,
+    and one per row of the reader table, held by that row's reader for as long as it lives."""
 
-    def try_token(self) -> bool:
-        """Take the reader token if it is free (never waits)."""
+    def try_token(self, bank: int = HOST) -> bool:
+        """Take bank ``bank``'s reader token if it is free (never waits)."""
 
-    def release_token(self) -> None: ...
+    def release_token(self, bank: int = HOST) -> None: ...
 
     def table(self, patience: float | None) -> AbstractContextManager[bool]:
         """Hold the reader table's lock; yields whether it was taken within ``patience`` s."""
@@ -214,15 +231,15 @@ class LocalLocks:
     a store uses :class:`shmsync.core.segment.SegmentLocks`)."""
 
     def __init__(self) -> None:
-        self.token = threading.Lock()
+        self.tokens = [threading.Lock() for _ in range(NUM_BANKS)]
         self.table_lock = threading.Lock()
         self.rows: set[int] = set()  # rows whose reader lives; a test "kills" one by discarding it
 
-    def try_token(self) -> bool:
-        return self.token.acquire(blocking=False)
+    def try_token(self, bank: int = HOST) -> bool:
+        return self.tokens[bank].acquire(blocking=False)
 
-    def release_token(self) -> None:
-        self.token.release()
+    def release_token(self, bank: int = HOST) -> None:
+        self.tokens[bank].release()
 
     @contextmanager
     def table(self, patience: float | None) -> Iterator[bool]:
@@ -247,390 +264,113 @@ class LocalLocks:
 
 
 class Write(NamedTuple):
-    """A write in progress: the slot and the odd sequence number it carries meanwhile."""
+    """A write in progress: the slot, the odd sequence number it carries meanwhile, and whether
+    the slot was empty (its memory may have been given back: reserve it before copying)."""
 
     slot: int
     seq: int
+    cold: bool = False
 
 
-def initialize(h: Words, num_slots: int) -> None:
-    """Set the protocol's words of a fresh header: no version yet, every slot empty."""
+def initialize(h: MutableSequence[int], num_slots: int) -> None:
+    """Set the protocol's words of a fresh header: no version yet, every slot of every bank empty."""
     h[W_VERSION] = -1
-    h[W_LATEST] = 0
+    h[W_PROMISED] = -1
     h[W_NUM_SLOTS] = num_slots
-    for i in range(num_slots):
-        h[W_SLOT_VERSION + i] = -1
+    for bank in range(NUM_BANKS):
+        base = bank_base(bank)
+        h[base + B_VERSION] = -1
+        h[base + B_LATEST] = 0
+        for i in range(num_slots):
+            h[base + B_SLOT_VERSION + i] = -1
 
 
-def lease_word(row: int) -> int:
-    return row_base(row) + LEASE
+class Words:
+    """The shared words of one bank of slots, as this process reaches them: the header ``h`` (a
+    memoryview of int64 in a store; any list of ints in tests), the indices of the bank's words,
+    the store's name (for errors) and the fences.
+
+    Args:
+        h: the header words.
+        bank: :data:`~shmsync.core.header.HOST` (0) or :data:`~shmsync.core.header.DEVICE` (1).
+        name: the store's name, for error messages.
+        ordering: ``"tso"`` or ``"weak"`` (see :mod:`shmsync.core.fences`); default: this CPU's.
+
+    Examples:
+        >>> h = [0] * 20480
+        >>> initialize(h, 3)
+        >>> words = Words(h)
+        >>> words.num_slots, h[words.version]
+        (3, -1)
+    """
+
+    def __init__(self, h: MutableSequence[int], bank: int = HOST, *, name: str = "store", ordering: str | None = None):
+        self.h = h
+        self.bank = bank
+        self.name = name
+        self.num_slots = n = int(h[W_NUM_SLOTS])
+        self.fence, self.full_fence = fences.ordering(ordering)
+        base = bank_base(bank)
+        self.version, self.latest, self.progress = base + B_VERSION, base + B_LATEST, base + B_PROGRESS
+        self.pin_request, self.pin_grant = base + B_PIN_REQUEST, base + B_PIN_GRANT
+        self.pin_slot, self.pin_release, self.token_pid = base + B_PIN_SLOT, base + B_PIN_RELEASE, base + B_TOKEN_PID
+        self.publish_count, self.publish_interval = base + B_PUBLISH_COUNT, base + B_PUBLISH_INTERVAL
+        self.publish_ns = base + B_PUBLISH_NS
+        # Per slot, the index of each of its words.
+        self.seq = tuple(base + B_SEQ + i for i in range(n))
+        self.slot_version = tuple(base + B_SLOT_VERSION + i for i in range(n))
+        self.leases = tuple(base + B_LEASES + i for i in range(n))
+        self.lease = LEASE_COLUMNS[bank]  # a row's lease word of this bank
+
+    def lease_word(self, row: int) -> int:
+        """The header index of row ``row``'s lease word of this bank."""
+        return row_base(row) + self.lease
 
 
-class _Writer:
-    """The writer's side of :class:`Protocol` (one process at a time)."""
+class Table:
+    """The reader table: each reader's row, and the leases of zero-copy readers on one bank.
 
-    h: Words
-    num_slots: int
-    locks: Locks
-    name: str
-    fence: Fence
-    full_fence: Fence
-    pid: int
-    clock: Callable[[], int]
-    writing: Write | None
-    listeners: list[Callable[[int], None]]
-    on_cold: Callable[[int], None] | None
-    replaced: int
-    seen_latest: int
+    Args:
+        words: the bank's words (rows are shared by the banks; leases are the bank's).
+        locks: the table's and the rows' locks.
+        pid: this process's id as written into a row; start_ns: its start time, beside it.
+        clock: wall-clock time in ns (the time of a reload, shown in the readers' table).
+    """
 
-    def begin_write(self) -> Write:
-        """Choose a slot and mark it being written. Never waits.
-
-        Raises:
-            ShmSyncError: this process already has a write open (say, a CUDA publish in flight).
-        """
-        if self.writing is not None:
-            raise ShmSyncError(
-                f"store {self.name!r}: this process is still writing slot {self.writing.slot}; "
-                "one publish at a time (wait for the pending one)"
-            )
-        backed_off: tuple[int, ...] = ()
-        for _ in range(1000):
-            target = self.choose_target(backed_off)
-            if target is None:
-                if not backed_off:  # at most num_slots - 2 slots are leased: unreachable
-                    raise ShmSyncError(f"store {self.name!r}: every slot but the latest is leased by a reader")
-                backed_off = ()  # those leases may have been brief: look again
-                continue
-            write = self._mark(target)
-            if write is not None:
-                self.writing = write
-                if self.h[W_SLOT_VERSION + target] < 0 and self.on_cold is not None:
-                    try:
-                        self.on_cold(target)  # its memory may have been given back: reserve it again
-                    except BaseException:
-                        self.abort(write)
-                        raise
-                return write
-            backed_off += (target,)
-        raise ShmSyncError(f"store {self.name!r}: readers kept leasing every free slot")
-
-    def _mark(self, target: int) -> Write | None:
-        """The writer's half of the write handshake: mark ``target`` odd, then, after a full fence,
-        look for a confirmed lease on it. Returns the write, or None if a reader leased it meanwhile
-        (the slot is left untouched, its sequence moved on to the next even number)."""
-        h = self.h
-        seq = h[W_SEQ + target]
-        odd = seq + 2 if seq & 1 else seq + 1  # odd already: a writer died mid-copy
-        h[W_SEQ + target] = odd
-        self.full_fence()  # the store above before the lease loads below
-        if not h[W_LEASES + target] or not self.row_leased(target, confirmed=True):
-            return Write(target, odd)
-        h[W_SEQ + target] = odd + 1
-        return None
-
-    def commit(self, write: Write, version: int | None = None) -> int:
-        """Make the written slot the latest, complete version; returns that version
-        (default: one more than the last)."""
-        h = self.h
-        if version is None:
-            version = h[W_VERSION] + 1
-        h[W_SLOT_VERSION + write.slot] = version
-        self.fence()  # the copy's stores and the version before the sequence
-        h[W_SEQ + write.slot] = write.seq + 1
-        self.replaced = self.seen_latest  # reclaim's hint: readers leave that slot next
-        h[W_LATEST] = write.slot
-        h[W_VERSION] = version
-        now, last = self.clock(), h[W_PUBLISH_NS]
-        h[W_PUBLISH_INTERVAL] = now - last if last else 0
-        h[W_PUBLISH_NS] = now
-        h[W_WRITER_PID] = self.pid
-        h[W_PUBLISH_COUNT] += 1
-        self.writing = None
-        for listener in self.listeners:
-            listener(version)
-        return version
-
-    def abort(self, write: Write) -> None:
-        """Give up a write whose copy failed: the slot is left empty (never latest, never read)."""
-        h = self.h
-        h[W_SLOT_VERSION + write.slot] = -1
-        self.fence()
-        h[W_SEQ + write.slot] = write.seq + 1
-        self.writing = None
-
-    def choose_target(self, backed_off: tuple[int, ...] = ()) -> int | None:
-        """Serve a pending pin request, then pick the slot to write (None if every slot but
-        the latest is leased or backed off from). Never waits."""
-        h = self.h
-        self.serve_pin_request()
-        pinned = h[W_PIN_SLOT] if h[W_PIN_RELEASE] < h[W_PIN_GRANT] else -1
-        latest = h[W_LATEST] if h[W_VERSION] >= 0 else -1
-        self.seen_latest = latest  # only the writer moves it: still the latest at the commit
-        others = [s for s in range(self.num_slots) if s != latest and s not in backed_off]
-        candidates = self._writable(others, pinned)
-        return min(candidates, key=lambda s: _warm_first(h[W_SLOT_VERSION + s])) if candidates else None
-
-    def reclaim(self, give_back: CopyFn, holds_pages: Callable[[int], bool] = lambda slot: True) -> list[int]:
-        """Give back the memory of every slot no reader can use, but one: the slot the next write
-        takes, kept so that a publish copies into memory that is already there (none is kept while
-        readers hold only the version this publish replaced: its slot is the next write's once
-        they reload). Returns the slots given back. Never waits.
-
-        A slot is given back as it is written: marked odd through the write handshake (so a
-        reader leasing it meanwhile keeps it, and an optimistic copy of it fails validation),
-        ``give_back(slot)``, then :meth:`abort` (empty, never read). ``holds_pages(slot)`` says
-        whether there is anything to give back. Does nothing while a write is open."""
-        if self.writing is not None:
-            return []
-        h = self.h
-        pinned = h[W_PIN_SLOT] if h[W_PIN_RELEASE] < h[W_PIN_GRANT] else -1
-        latest = h[W_LATEST]
-        idle, held = [], []
-        for s in range(self.num_slots):
-            if s != latest:
-                if h[W_LEASES + s] and self.row_leased(s):
-                    held.append(s)
-                elif s != pinned:
-                    idle.append(s)
-        versions = {s: h[W_SLOT_VERSION + s] for s in idle}  # only this writer changes them
-        warm = [s for s in idle if versions[s] >= 0]
-        # No slot is kept for the next write while readers hold only the version just replaced:
-        # they move on at their next reload, and its slot is then the next write's.
-        moving = held and all(s == self.replaced for s in held)
-        keep = min(warm, key=versions.__getitem__) if warm and not moving else -1
-        given = []
-        for s in idle:
-            if s == keep or not holds_pages(s):
-                continue
-            write = self._mark(s)
-            if write is None:
-                continue  # a reader leased it meanwhile
-            self.writing = write
-            try:
-                give_back(s)
-            finally:
-                self.abort(write)
-            given.append(s)
-        return given
-
-    def serve_pin_request(self) -> None:
-        """Grant a ticket that waits: pin a slot for the starving reader (see :meth:`pin_candidate`)."""
-        h = self.h
-        request = h[W_PIN_REQUEST]
-        if request != h[W_PIN_GRANT]:
-            self.fence()  # the ticket before the leases pin_candidate reads (see Handshakes)
-            h[W_PIN_SLOT] = self.pin_candidate()
-            self.fence()
-            h[W_PIN_GRANT] = request
-
-    def _writable(self, others: list[int], pinned: int) -> list[int]:
-        """Of ``others`` (every slot but the latest and those backed off from), the ones the writer
-        may write: neither leased nor pinned, or failing those, a lease still being decided."""
-        h = self.h
-        free = [s for s in others if not h[W_LEASES + s]]
-        if not free:  # a count may be too high: the rows tell
-            free = [s for s in others if not self.row_leased(s)]
-        candidates = [s for s in free if s != pinned]
-        if not candidates:  # a lease still being decided gives way (see Handshakes)
-            undecided = [s for s in others if not self.row_leased(s, confirmed=True)]
-            # With 2 slots, so does a pin: the pinned reader retries.
-            candidates = [s for s in undecided if s != pinned] or free or undecided
-        return candidates
-
-    def pin_candidate(self) -> int:
-        """The slot to pin for a starving reader: a slot leased by a zero-copy reader if there
-        is one besides the latest (it is already safe from the writer, so the pin costs no
-        slot; its version is older but complete), else the latest."""
-        h = self.h
-        latest = h[W_LATEST]
-        for s in range(self.num_slots):
-            if s != latest and h[W_LEASES + s] and not h[W_SEQ + s] & 1 and self.row_leased(s):
-                return s
-        return latest
-
-
-def _warm_first(version: int) -> tuple[bool, int]:
-    """The writer's order among slots it may write: those holding a version (their memory is
-    there) before empty ones (given back, or never written), each the least recently written first."""
-    return version < 0, version
-
-
-class _Reader:
-    """A reader's side of :class:`Protocol`: optimistic copies, and the pinned fallback."""
-
-    h: Words
-    num_slots: int
-    locks: Locks
-    name: str
-    fence: Fence
-    full_fence: Fence
-    pid: int
-    stopped: Callable[[int], bool]
-    clock: Callable[[], int]
-    timer: Callable[[], int]
-    retries: int
-    pinned_reads: int
-    copy_ns: int
-
-    def read(self, copy: CopyFn, *, max_attempts: int = 2, timeout: float = 60.0) -> int:
-        """Run ``copy(slot)`` on the newest complete slot until one copy validates; returns the
-        version copied. ``copy`` must have finished reading the slot when it returns.
-
-        Raises:
-            ReloadTimeoutError: no copy validated within ``timeout`` seconds.
-        """
-        if not self.outpaced():
-            for _ in range(max_attempts):
-                version = self.try_read(copy)
-                if version is not None:
-                    return version
-        return self.read_pinned(copy, time.monotonic() + timeout)
-
-    def outpaced(self) -> bool:
-        """Whether this reader's copies take longer than the writer, publishing now, surely
-        leaves the latest slot alone: an optimistic copy could fail, so the reader asks for a
-        pin at once and loads in one copy. A writer publishing back to back may rewrite that
-        slot at the second publish after it was written (it alternates between two slots while
-        nobody leases: see :meth:`choose_target`), and the reader finds it at any point of the
-        first interval: one interval is sure."""
-        h = self.h
-        interval = h[W_PUBLISH_INTERVAL]
-        if not interval or self.copy_ns <= interval:
-            return False
-        return self.clock() - h[W_PUBLISH_NS] < 4 * interval  # still publishing at that pace
-
-    def try_read(self, copy: CopyFn) -> int | None:
-        """One optimistic copy of the latest slot: its version, or None if it did not validate."""
-        h = self.h
-        slot = h[W_LATEST]
-        if not 0 <= slot < self.num_slots:
-            slot_index(slot, self.num_slots, "latest", self.name)  # raises, naming it
-        version = self.copy_validated(slot, copy)  # None: `latest` moved on, being rewritten
-        if version is None:
-            self.retries += 1
-        return version
-
-    def copy_validated(self, slot: int, copy: CopyFn) -> int | None:
-        """The seqlock read of one slot: ``copy(slot)`` between two loads of its sequence number;
-        the slot's version if both were the same even number, else None (it is being, or was,
-        rewritten meanwhile: the copy must not be used). None at once for an empty slot: one
-        given back after the reader took it for the latest, its sequence even again."""
-        h = self.h
-        seq = h[W_SEQ + slot]
-        if seq & 1:
-            return None
-        self.fence()  # the sequence before the version and the bytes
-        version = h[W_SLOT_VERSION + slot]
-        if version < 0:
-            return None  # given back (or a write aborted) since `slot` was read as latest: nothing to copy
-        began = self.timer()
-        copy(slot)
-        self.copy_ns = self.timer() - began
-        self.fence()  # the bytes before the sequence, again
-        return version if h[W_SEQ + slot] == seq else None
-
-    def read_pinned(self, copy: CopyFn, deadline: float, steal_after: float = 0.25) -> int:
-        """The bounded fallback: hold the reader token and copy a slot the writer pinned."""
-        h, locks = self.h, self.locks
-        self.pinned_reads += 1
-        waited_since = time.monotonic()
-        looked = 0.0
-        token = locks.try_token()
-        while not token:
-            # Another reader holds the token; it finishes in one copy. Keep trying meanwhile.
-            version = self.try_read(copy)
-            if version is not None:
-                return version
-            self._check_deadline(deadline, "waiting for the reader token")
-            now = time.monotonic()
-            if now - waited_since > steal_after and now - looked > 0.05:
-                looked = now
-                if self.stopped(h[W_TOKEN_PID]):
-                    break  # a stopped holder: take over its pin without the token (see above)
-            time.sleep(0.0005)
-            token = locks.try_token()
-        if token:
-            h[W_TOKEN_PID] = self.pid
-        try:
-            while True:
-                ticket = h[W_PIN_REQUEST] + 1
-                h[W_PIN_REQUEST] = ticket
-                try:
-                    version = self._await_pin(copy, ticket, deadline)
-                finally:
-                    self.fence()  # the copy's loads before the release
-                    h[W_PIN_RELEASE] = ticket  # a newer ticket's pin stays active: GRANT > this
-                if version is not None:
-                    return version
-        finally:
-            if token:
-                h[W_TOKEN_PID] = 0
-                locks.release_token()
-
-    def _await_pin(self, copy: CopyFn, ticket: int, deadline: float) -> int | None:
-        h = self.h
-        published = h[W_PUBLISH_COUNT]
-        waited_since = time.monotonic()
-        # A writer that publishes every `interval` grants within about that; only one that
-        # stays quiet longer is idle, and then an optimistic copy succeeds.
-        patience = max(0.002, 2e-9 * h[W_PUBLISH_INTERVAL]) if self.outpaced() else 0.002
-        while True:
-            if h[W_PIN_GRANT] == ticket:
-                self.fence()  # the grant before the pinned slot's words
-                slot = slot_index(h[W_PIN_SLOT], self.num_slots, "pin_slot", self.name)
-                return self.copy_validated(slot, copy)  # None: with 2 slots only
-            # No grant yet. A writer that has not published for `patience` is idle or in a
-            # long copy; an optimistic copy then succeeds (or at worst fails once). The wait
-            # counts from the writer's last publish, not from the request: a writer may publish
-            # once more without seeing the ticket, and then stop.
-            count = h[W_PUBLISH_COUNT]
-            if count != published:
-                published, waited_since = count, time.monotonic()
-            elif time.monotonic() - waited_since > patience:
-                version = self.try_read(copy)
-                if version is not None:
-                    return version
-                waited_since = time.monotonic()
-            self._check_deadline(deadline, "waiting for the writer to pin a slot")
-            time.sleep(0.0001)
-
-    def _check_deadline(self, deadline: float, doing: str) -> None:
-        if time.monotonic() > deadline:
-            raise ReloadTimeoutError(f"store {self.name!r}: no complete version could be read in time ({doing})")
-
-
-class _Table:
-    """The reader table: each reader's row, and the leases of zero-copy readers."""
-
-    h: Words
-    num_slots: int
-    locks: Locks
-    name: str
-    fence: Fence
-    full_fence: Fence
-    pid: int
-    start_ns: int
-    clock: Callable[[], int]
+    def __init__(
+        self,
+        words: Words,
+        locks: Locks,
+        *,
+        pid: int | None = None,
+        clock: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self.words = words
+        self.locks = locks
+        self.pid = os.getpid() if pid is None else pid
+        self.start_ns = own_start_ns() if pid is None else 0
+        self.clock = clock
 
     def claim_row(self, patience: float | None = 5.0, *, worker: int | None = None, flags: int = 0) -> int:
         """A free row of the reader table for this process, or -1 if the table is full or its
         lock stayed busy for ``patience`` seconds (the reader then copies, unlisted). ``worker``
         (the index a collector gave the reader) and ``flags`` (``ROW_*`` bits) are shown in the
         readers' table."""
-        h = self.h
+        h = self.words.h
         with self.locks.table(patience) as locked:
             if not locked:
                 return -1
             pids = reader_column(h, R_PID)
-            # Free rows first, then rows whose reader died (its lock is free; its lease stays
+            # Free rows first, then rows whose reader died (its lock is free; its leases stay
             # counted until a recount). The row's lock, not its pid, says who lives.
             candidates = [row for row, pid in enumerate(pids) if pid == 0]
             candidates += [row for row, pid in enumerate(pids) if pid != 0]
             for row in candidates:
                 if self.locks.hold_row(row):
                     base = row_base(row)
-                    h[base + R_VERSION], h[base + R_RELOADS], h[base + R_RELOAD_NS], h[base + LEASE] = -1, 0, 0, 0
+                    h[base + R_VERSION], h[base + R_RELOADS], h[base + R_RELOAD_NS] = -1, 0, 0
+                    for column in LEASE_COLUMNS:
+                        h[base + column] = 0
                     h[base + R_WORKER] = 0 if worker is None else worker + 1
                     h[base + R_FLAGS], h[base + R_START_NS] = flags, self.start_ns
                     h[base + R_PID] = self.pid
@@ -643,42 +383,44 @@ class _Table:
         """Record what reader ``row`` loaded (for ``shmsync ls`` and ``store.readers()``)."""
         if row >= 0:
             base = row_base(row)
-            h = self.h
+            h = self.words.h
             h[base + R_VERSION], h[base + R_RELOADS], h[base + R_RELOAD_NS] = version, reloads, self.clock()
 
-    def set_row_flags(self, row: int, flags: int) -> None:
-        """Set reader ``row``'s ``ROW_*`` flags (shown in the readers' table; no part of the protocol)."""
+    def set_row_word(self, row: int, field: int, value: int) -> None:
+        """Set word ``field`` (an ``R_*`` constant, not a lease) of reader ``row``'s row: its flags,
+        its device bytes (shown in the readers' table; no part of the protocol)."""
         if row >= 0:
-            self.h[row_base(row) + R_FLAGS] = flags
+            self.words.h[row_base(row) + field] = value
 
     def release_row(self, row: int) -> None:
         if row >= 0:
-            self.h[row_base(row)] = 0
+            self.words.h[row_base(row)] = 0
             self.locks.release_row(row)
 
     # -- leases ---------------------------------------------------------------------------------
     def row_leased(self, slot: int, confirmed: bool = False) -> bool:
         """Whether any row of the reader table leases ``slot`` (dead readers' rows included);
         ``confirmed``: only leases past their handshake count, not those still being decided."""
-        column = reader_column(self.h, LEASE)
+        column = reader_column(self.words.h, self.words.lease)
         return slot + 1 in column or (not confirmed and -(slot + 1) in column)
 
     def recount(self) -> set[int]:
         """Recompute the per-slot lease counts from the rows of live readers; the leased slots.
         Call with the table lock held."""
-        h = self.h
-        counts = [0] * self.num_slots
-        for row, lease in enumerate(reader_column(h, LEASE)):
+        w = self.words
+        h, n = w.h, w.num_slots
+        counts = [0] * n
+        for row, lease in enumerate(reader_column(h, w.lease)):
             if not lease:
                 continue
-            slot = slot_index(abs(lease) - 1, self.num_slots, f"reader row {row} lease", self.name)
+            slot = slot_index(abs(lease) - 1, n, f"reader row {row} lease", w.name)
             if self.locks.row_alive(row):
                 counts[slot] += 1
             else:
-                h[lease_word(row)] = 0  # a dead reader's lease
-        for slot, n in enumerate(counts):
-            h[W_LEASES + slot] = n
-        return {slot for slot, n in enumerate(counts) if n}
+                h[w.lease_word(row)] = 0  # a dead reader's lease
+        for slot, c in enumerate(counts):
+            h[w.leases[slot]] = c
+        return {slot for slot, c in enumerate(counts) if c}
 
     def lease_latest(self, row: int) -> tuple[int, int] | None:
         """Move ``row``'s lease to the latest slot. Returns ``(slot, version)``, or None if the
@@ -686,14 +428,17 @@ class _Table:
         rewritten at any moment: stop using it, and :meth:`release_lease` what is left."""
         if row < 0:
             return None  # the lease would live in the row: no row, no lease
-        h = self.h
+        w = self.words
+        h = w.h
         with self.locks.table(0.01) as locked:
             if not locked:
                 return None
-            slot = slot_index(h[W_LATEST], self.num_slots, "latest", self.name)
-            seq = h[W_SEQ + slot]
-            self.fence()  # the sequence before the version, as in try_read
-            version = h[W_SLOT_VERSION + slot]
+            slot = h[w.latest]
+            if not 0 <= slot < w.num_slots:
+                slot_index(slot, w.num_slots, "latest", w.name)  # raises, naming it
+            seq = h[w.seq[slot]]
+            w.fence()  # the sequence before the version, as in try_read
+            version = h[w.slot_version[slot]]
             if seq & 1 or version < 0:
                 return None  # `latest` moved on and that slot is already being rewritten
             if not self._move_lease(row, slot):
@@ -716,23 +461,24 @@ class _Table:
         """With the table lock held: lease ``slot`` for ``row``, for now as a lease being decided,
         instead of its previous slot, unless afterwards more than ``N - 2`` distinct slots would be
         leased or pinned, or a pin is being granted; refused, the row leases nothing."""
-        h, n = self.h, self.num_slots
-        word = lease_word(row)
+        w = self.words
+        h, n = w.h, w.num_slots
+        word = w.lease_word(row)
         previous = abs(h[word])
         h[word] = -(slot + 1)  # being decided: counted, pinned by a writer that sees it, not yet used
-        counts = [h[W_LEASES + s] for s in range(n)]
+        counts = [h[w.leases[s]] for s in range(n)]
         if previous:
-            counts[slot_index(previous - 1, n, f"reader row {row} lease", self.name)] -= 1
+            counts[slot_index(previous - 1, n, f"reader row {row} lease", w.name)] -= 1
         counts[slot] += 1
         leased = {s for s, c in enumerate(counts) if c > 0}
         if len(leased) > n - 2:
             leased = self.recount()  # dead readers' leases dropped (this row's new one counted)
         else:
             for s in {slot, previous - 1} - {-1}:
-                h[W_LEASES + s] = counts[s]
-        self.full_fence()  # the lease before the pin words (a pin against a lease, see Handshakes)
-        request, grant, release = h[W_PIN_REQUEST], h[W_PIN_GRANT], h[W_PIN_RELEASE]
-        pinned = {h[W_PIN_SLOT]} if release < grant else set()
+                h[w.leases[s]] = counts[s]
+        w.full_fence()  # the lease before the pin words (a pin against a lease, see Handshakes)
+        request, grant, release = h[w.pin_request], h[w.pin_grant], h[w.pin_release]
+        pinned = {h[w.pin_slot]} if release < grant else set()
         granting = request != grant and request != release  # a ticket waits: its slot is unknown
         if granting or len(leased | pinned) > n - 2:
             h[word] = 0
@@ -745,9 +491,10 @@ class _Table:
         is ``slot`` still at one of ``seqs``? A writer that starts on it from now on sees the
         confirmed lease; one that started before, or went through the lease while it was being
         decided, has already moved its sequence, and the lease is given up."""
-        self.h[lease_word(row)] = slot + 1
-        self.full_fence()  # the confirmed lease before the sequence load below
-        if self.h[W_SEQ + slot] in seqs:
+        w = self.words
+        w.h[w.lease_word(row)] = slot + 1
+        w.full_fence()  # the confirmed lease before the sequence load below
+        if w.h[w.seq[slot]] in seqs:
             return True
         self.release_lease(row)
         return False
@@ -757,71 +504,387 @@ class _Table:
         lease change to recompute: the writer avoids that slot a little longer, which is safe."""
         if row < 0:
             return
-        h = self.h
-        word = lease_word(row)
+        w = self.words
+        h = w.h
+        word = w.lease_word(row)
         if not h[word]:
             return
-        self.fence()  # the module's last loads from the slot before the release
+        w.fence()  # the module's last loads from the slot before the release
         with self.locks.table(0.01) as locked:
-            slot = slot_index(abs(h[word]) - 1, self.num_slots, f"reader row {row} lease", self.name)
+            slot = slot_index(abs(h[word]) - 1, w.num_slots, f"reader row {row} lease", w.name)
             h[word] = 0
             if locked:
-                h[W_LEASES + slot] = max(0, h[W_LEASES + slot] - 1)
+                h[w.leases[slot]] = max(0, h[w.leases[slot]] - 1)
 
 
-class Protocol(_Writer, _Reader, _Table):
-    """One process's side of the protocol on one store's header.
+class Writer:
+    """The writer of one bank (one process at a time: the store's writer lock).
 
     Args:
-        h: the header words (a memoryview of int64 in a store; any list of ints in tests).
-        locks: the reader token and the table lock (:class:`Locks`).
-        name: the store's name, for error messages.
-        stopped: whether a pid is a stopped process (its reader token may be taken over).
-        ordering: ``"tso"`` or ``"weak"`` (see :mod:`shmsync.core.fences`); default: this CPU's.
+        words: the bank's words.
+        table: the reader table, asked whether a slot is leased.
         pid: this process's id as written into the header.
-        clock: wall-clock time in ns (publish times, shared with other processes); timer: a
-            monotonic ns counter (how long a copy takes). Tests drive both by hand.
+        clock: wall-clock time in ns (publish times, shared with other processes).
 
     Examples:
-        >>> h = [0] * 6144
+        >>> h = [0] * 20480
         >>> initialize(h, 3)
-        >>> writer, reader = Protocol(h, LocalLocks()), Protocol(h, LocalLocks())
+        >>> words = Words(h)
+        >>> writer = Writer(words, Table(words, LocalLocks()))
+        >>> write = writer.begin_write()
+        >>> writer.commit(write), h[words.version]
+        (0, 0)
+    """
+
+    def __init__(
+        self, words: Words, table: Table, *, pid: int | None = None, clock: Callable[[], int] = time.time_ns
+    ) -> None:
+        self.words = words
+        self.table = table
+        self.pid = os.getpid() if pid is None else pid
+        self.clock = clock
+        self.writing: Write | None = None  # the write this writer has open
+        self.replaced = -1  # the slot that was latest before this writer's last commit
+        self.seen_latest = -1  # the latest slot as the open write's choice saw it
+
+    def begin_write(self) -> Write:
+        """Choose a slot and mark it being written. Never waits.
+
+        Raises:
+            ShmSyncError: this writer already has a write open (say, a CUDA publish in flight).
+        """
+        if self.writing is not None:
+            raise ShmSyncError(
+                f"store {self.words.name!r}: this process is still writing slot {self.writing.slot}; "
+                "one publish at a time (wait for the pending one)"
+            )
+        backed_off: tuple[int, ...] = ()
+        for _ in range(1000):
+            target = self.choose_target(backed_off)
+            if target is None:
+                if not backed_off:  # at most num_slots - 2 slots are leased: unreachable
+                    raise ShmSyncError(f"store {self.words.name!r}: every slot but the latest is leased by a reader")
+                backed_off = ()  # those leases may have been brief: look again
+                continue
+            write = self.mark(target)
+            if write is not None:
+                self.writing = write
+                return write
+            backed_off += (target,)
+        raise ShmSyncError(f"store {self.words.name!r}: readers kept leasing every free slot")
+
+    def mark(self, target: int) -> Write | None:
+        """The writer's half of the write handshake: mark ``target`` odd, then, after a full fence,
+        look for a confirmed lease on it. Returns the write, or None if a reader leased it meanwhile
+        (the slot is left untouched, its sequence moved on to the next even number)."""
+        w = self.words
+        h = w.h
+        seq = h[w.seq[target]]
+        odd = seq + 2 if seq & 1 else seq + 1  # odd already: a writer died mid-copy
+        h[w.seq[target]] = odd
+        w.full_fence()  # the store above before the lease loads below
+        if not h[w.leases[target]] or not self.table.row_leased(target, confirmed=True):
+            return Write(target, odd, h[w.slot_version[target]] < 0)
+        h[w.seq[target]] = odd + 1
+        return None
+
+    def commit(self, write: Write, version: int | None = None) -> int:
+        """Make the written slot the latest, complete version; returns that version
+        (default: one more than the store's last)."""
+        w = self.words
+        h, slot = w.h, write.slot
+        if version is None:
+            version = h[W_VERSION] + 1
+        h[w.slot_version[slot]] = version
+        w.fence()  # the copy's stores and the version before the sequence
+        h[w.seq[slot]] = write.seq + 1
+        self.replaced = self.seen_latest  # idle_slots' hint: readers leave that slot next
+        h[w.latest] = slot
+        h[w.version] = version
+        now, last = self.clock(), h[w.publish_ns]
+        h[w.publish_interval] = now - last if last else 0
+        h[w.publish_ns] = now
+        h[w.publish_count] += 1
+        if version > h[W_VERSION]:  # a new version of the store (a fill from another bank is not)
+            h[W_VERSION] = version
+            h[W_PUBLISH_NS] = now
+            h[W_PUBLISH_COUNT] += 1
+            h[W_WRITER_PID] = self.pid
+        self.writing = None
+        return version
+
+    def abort(self, write: Write) -> None:
+        """Give up a write whose copy failed: the slot is left empty (never latest, never read)."""
+        w = self.words
+        w.h[w.slot_version[write.slot]] = -1
+        w.fence()
+        w.h[w.seq[write.slot]] = write.seq + 1
+        self.writing = None
+
+    def promise(self, version: int) -> None:
+        """Say that ``version`` is on its way (a publish that returns before it is visible)."""
+        h = self.words.h
+        if version > h[W_PROMISED]:
+            h[W_PROMISED] = version
+
+    def withdraw(self) -> None:
+        """A promised version will not come (its publish failed): promise only what is there."""
+        h = self.words.h
+        h[W_PROMISED] = h[W_VERSION]
+
+    def choose_target(self, backed_off: tuple[int, ...] = ()) -> int | None:
+        """Serve a pending pin request, then pick the slot to write (None if every slot but
+        the latest is leased or backed off from). Never waits."""
+        w = self.words
+        h = w.h
+        request = h[w.pin_request]
+        if request != h[w.pin_grant]:
+            self.serve_pin_request(request)
+        pinned = h[w.pin_slot] if h[w.pin_release] < h[w.pin_grant] else -1
+        latest = h[w.latest] if h[w.version] >= 0 else -1
+        self.seen_latest = latest  # only the writer moves it: still the latest at the commit
+        others = [s for s in range(w.num_slots) if s != latest and s not in backed_off]
+        free = [s for s in others if not h[w.leases[s]]]
+        candidates = [s for s in free if s != pinned]
+        if not candidates:
+            candidates = self._writable(others, free, pinned)
+        # Slots holding a version (their memory is there) before empty ones, the oldest first.
+        versions = {s: h[w.slot_version[s]] for s in candidates}
+        return min(candidates, key=lambda s: (versions[s] < 0, versions[s])) if candidates else None
+
+    def _writable(self, others: list[int], free: list[int], pinned: int) -> list[int]:
+        """Of ``others`` (``free``: those no count says leased), when none of ``free`` may be written:
+        the ones the writer may write, asking the rows if every count says leased (a count may be too
+        high), or failing those, a lease still being decided."""
+        if not free:
+            free = [s for s in others if not self.table.row_leased(s)]
+        candidates = [s for s in free if s != pinned]
+        if not candidates:  # a lease still being decided gives way (see Handshakes)
+            undecided = [s for s in others if not self.table.row_leased(s, confirmed=True)]
+            # With 2 slots, so does a pin: the pinned reader retries.
+            candidates = [s for s in undecided if s != pinned] or free or undecided
+        return candidates
+
+    def idle_slots(self) -> list[int]:
+        """The slots whose memory may be given back: neither latest, nor pinned, nor leased, but
+        the one the next write takes (none is kept while readers hold only the version the last
+        commit replaced: its slot is the next write's once they reload). Empty while a write is
+        open. Give each back as it is written: :meth:`mark` it (None: a reader leased it
+        meanwhile, keep it), drop its pages, then :meth:`abort`. Never waits."""
+        if self.writing is not None:
+            return []
+        w = self.words
+        h = w.h
+        pinned = h[w.pin_slot] if h[w.pin_release] < h[w.pin_grant] else -1
+        latest = h[w.latest]
+        idle, held = [], []
+        for s in range(w.num_slots):
+            if s != latest:
+                if h[w.leases[s]] and self.table.row_leased(s):
+                    held.append(s)
+                elif s != pinned:
+                    idle.append(s)
+        versions = {s: h[w.slot_version[s]] for s in idle}  # only this writer changes them
+        warm = [s for s in idle if versions[s] >= 0]
+        # No slot is kept for the next write while readers hold only the version just replaced:
+        # they move on at their next reload, and its slot is then the next write's.
+        moving = held and all(s == self.replaced for s in held)
+        keep = min(warm, key=versions.__getitem__) if warm and not moving else -1
+        return [s for s in idle if s != keep]
+
+    def serve_pin_request(self, request: int) -> None:
+        """Grant ticket ``request``, which waits: pin a slot for the starving reader (see
+        :meth:`pin_candidate`)."""
+        w = self.words
+        h = w.h
+        w.fence()  # the ticket before the leases pin_candidate reads (see Handshakes)
+        h[w.pin_slot] = self.pin_candidate()
+        w.fence()
+        h[w.pin_grant] = request
+
+    def pin_candidate(self) -> int:
+        """The slot to pin for a starving reader: a slot leased by a zero-copy reader if there
+        is one besides the latest (it is already safe from the writer, so the pin costs no
+        slot; its version is older but complete), else the latest."""
+        w = self.words
+        h = w.h
+        latest = h[w.latest]
+        for s in range(w.num_slots):
+            if s != latest and h[w.leases[s]] and not h[w.seq[s]] & 1 and self.table.row_leased(s):
+                return s
+        return latest
+
+
+class Reader:
+    """A reader of one bank: optimistic copies, and the pinned fallback.
+
+    Args:
+        words: the bank's words.
+        locks: the bank's reader token is taken through them.
+        pid: this process's id as written into the header.
+        stopped: whether a pid is a stopped process (its reader token may be taken over).
+        clock: wall-clock time in ns (the writer's pace); timer: a monotonic ns counter (how long
+            a copy takes). Tests drive both by hand.
+
+    Examples:
+        >>> h = [0] * 20480
+        >>> initialize(h, 3)
+        >>> words = Words(h)
+        >>> writer = Writer(words, Table(words, LocalLocks()))
         >>> slots = [None] * 3
         >>> write = writer.begin_write()
         >>> slots[write.slot] = "weights v0"
         >>> writer.commit(write)
         0
         >>> got = []
-        >>> reader.try_read(lambda slot: got.append(slots[slot])), got
+        >>> Reader(words, LocalLocks()).try_read(lambda slot: got.append(slots[slot])), got
         (0, ['weights v0'])
     """
 
     def __init__(
         self,
-        h: Words,
+        words: Words,
         locks: Locks,
         *,
-        name: str = "store",
-        stopped: Callable[[int], bool] = pid_stopped,
-        ordering: str | None = None,
         pid: int | None = None,
+        stopped: Callable[[int], bool] = pid_stopped,
         clock: Callable[[], int] = time.time_ns,
         timer: Callable[[], int] = time.perf_counter_ns,
     ) -> None:
-        self.h = h
-        self.num_slots = int(h[W_NUM_SLOTS])
+        self.words = words
         self.locks = locks
-        self.name = name
-        self.stopped = stopped
-        self.fence, self.full_fence = fences.ordering(ordering)
         self.pid = os.getpid() if pid is None else pid
-        self.start_ns = own_start_ns() if pid is None else 0  # shown beside the pid in the readers' table
+        self.stopped = stopped
         self.clock, self.timer = clock, timer
-        self.writing: Write | None = None  # the write this process has open
-        self.on_cold: Callable[[int], None] | None = None  # called before writing an empty slot
-        self.replaced = -1  # the slot that was latest before this process's last commit
-        self.seen_latest = -1  # the latest slot as the open write's choice saw it
-        self.listeners: list[Callable[[int], None]] = []  # called with each version this process commits
         self.retries = 0  # optimistic copies that failed validation
         self.pinned_reads = 0  # reads that needed the pinned fallback
         self.copy_ns = 0  # how long this reader's last copy took
+
+    def read(self, copy: CopyFn, *, max_attempts: int = 2, timeout: float = 60.0) -> int:
+        """Run ``copy(slot)`` on the newest complete slot until one copy validates; returns the
+        version copied. ``copy`` must have finished reading the slot when it returns.
+
+        Raises:
+            ReloadTimeoutError: no copy validated within ``timeout`` seconds.
+        """
+        if not self.outpaced():
+            for _ in range(max_attempts):
+                version = self.try_read(copy)
+                if version is not None:
+                    return version
+        return self.read_pinned(copy, time.monotonic() + timeout)
+
+    def outpaced(self) -> bool:
+        """Whether this reader's copies take longer than the writer, publishing now, surely
+        leaves the latest slot alone: an optimistic copy could fail, so the reader asks for a
+        pin at once and loads in one copy. A writer publishing back to back may rewrite that
+        slot at the second publish after it was written (it alternates between two slots while
+        nobody leases: see :meth:`Writer.choose_target`), and the reader finds it at any point of the
+        first interval: one interval is sure."""
+        w = self.words
+        interval = w.h[w.publish_interval]
+        if not interval or self.copy_ns <= interval:
+            return False
+        return self.clock() - w.h[w.publish_ns] < 4 * interval  # still publishing at that pace
+
+    def try_read(self, copy: CopyFn) -> int | None:
+        """One optimistic copy of the latest slot: its version, or None if it did not validate."""
+        w = self.words
+        slot = w.h[w.latest]
+        if not 0 <= slot < w.num_slots:
+            slot_index(slot, w.num_slots, "latest", w.name)  # raises, naming it
+        version = self.copy_validated(slot, copy)  # None: `latest` moved on, being rewritten
+        if version is None:
+            self.retries += 1
+        return version
+
+    def copy_validated(self, slot: int, copy: CopyFn) -> int | None:
+        """The seqlock read of one slot: ``copy(slot)`` between two loads of its sequence number;
+        the slot's version if both were the same even number, else None (it is being, or was,
+        rewritten meanwhile: the copy must not be used). None at once for an empty slot: one
+        given back after the reader took it for the latest, its sequence even again."""
+        w = self.words
+        h = w.h
+        seq = h[w.seq[slot]]
+        if seq & 1:
+            return None
+        w.fence()  # the sequence before the version and the bytes
+        version = h[w.slot_version[slot]]
+        if version < 0:
+            return None  # given back (or a write aborted) since `slot` was read as latest: nothing to copy
+        began = self.timer()
+        copy(slot)
+        self.copy_ns = self.timer() - began
+        w.fence()  # the bytes before the sequence, again
+        return version if h[w.seq[slot]] == seq else None
+
+    def read_pinned(self, copy: CopyFn, deadline: float, steal_after: float = 0.25) -> int:
+        """The bounded fallback: hold the bank's reader token and copy a slot the writer pinned."""
+        w, locks, bank = self.words, self.locks, self.words.bank
+        h = w.h
+        self.pinned_reads += 1
+        waited_since = time.monotonic()
+        looked = 0.0
+        token = locks.try_token(bank)
+        while not token:
+            # Another reader holds the token; it finishes in one copy. Keep trying meanwhile.
+            version = self.try_read(copy)
+            if version is not None:
+                return version
+            self._check_deadline(deadline, "waiting for the reader token")
+            now = time.monotonic()
+            if now - waited_since > steal_after and now - looked > 0.05:
+                looked = now
+                if self.stopped(h[w.token_pid]):
+                    break  # a stopped holder: take over its pin without the token (see above)
+            time.sleep(0.0005)
+            token = locks.try_token(bank)
+        if token:
+            h[w.token_pid] = self.pid
+        try:
+            while True:
+                ticket = h[w.pin_request] + 1
+                h[w.pin_request] = ticket
+                try:
+                    version = self._await_pin(copy, ticket, deadline)
+                finally:
+                    w.fence()  # the copy's loads before the release
+                    h[w.pin_release] = ticket  # a newer ticket's pin stays active: GRANT > this
+                if version is not None:
+                    return version
+        finally:
+            if token:
+                h[w.token_pid] = 0
+                locks.release_token(bank)
+
+    def _await_pin(self, copy: CopyFn, ticket: int, deadline: float) -> int | None:
+        w = self.words
+        h = w.h
+        published = h[w.publish_count]
+        waited_since = time.monotonic()
+        # A writer that publishes every `interval` grants within about that; only one that
+        # stays quiet longer is idle, and then an optimistic copy succeeds.
+        patience = max(0.002, 2e-9 * h[w.publish_interval]) if self.outpaced() else 0.002
+        while True:
+            if h[w.pin_grant] == ticket:
+                w.fence()  # the grant before the pinned slot's words
+                slot = slot_index(h[w.pin_slot], w.num_slots, "pin_slot", w.name)
+                return self.copy_validated(slot, copy)  # None: with 2 slots only
+            # No grant yet. A writer that has not published for `patience` is idle or in a
+            # long copy; an optimistic copy then succeeds (or at worst fails once). The wait
+            # counts from the writer's last publish, not from the request: a writer may publish
+            # once more without seeing the ticket, and then stop.
+            count = h[w.publish_count]
+            if count != published:
+                published, waited_since = count, time.monotonic()
+            elif time.monotonic() - waited_since > patience:
+                version = self.try_read(copy)
+                if version is not None:
+                    return version
+                waited_since = time.monotonic()
+            self._check_deadline(deadline, "waiting for the writer to pin a slot")
+            time.sleep(0.0001)
+
+    def _check_deadline(self, deadline: float, doing: str) -> None:
+        if time.monotonic() > deadline:
+            raise ReloadTimeoutError(f"store {self.words.name!r}: no complete version could be read in time ({doing})")

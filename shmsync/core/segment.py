@@ -19,9 +19,10 @@ namespace), which are all that liveness rests on: pids in the header are only di
 * byte 0, shared by every process that has the segment open: lets ``gc`` tell
   whether any live process still holds a store;
 * byte 1, exclusive: the writer role;
-* byte 2, exclusive: the reader's starvation token (see :mod:`shmsync.core.protocol`);
+* byte 2, exclusive: the host bank's reader token (see :mod:`shmsync.core.protocol`);
 * byte 3, exclusive, held for microseconds: changing the reader table (rows, leases);
 * byte 4, exclusive: held by the creator while it has the store open;
+* byte 5, exclusive: the device bank's reader token;
 * byte ``ROW_LOCKS + r``, exclusive: held by the reader in row ``r`` of the reader table.
 """
 
@@ -56,6 +57,8 @@ WRITER_LOCK = 1
 TOKEN_LOCK = 2
 TABLE_LOCK = 3
 CREATOR_LOCK = 4
+DEVICE_TOKEN_LOCK = 5
+TOKEN_LOCKS = (TOKEN_LOCK, DEVICE_TOKEN_LOCK)  # per bank
 ROW_LOCKS = 64  # row r of the reader table: byte ROW_LOCKS + r
 
 _F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
@@ -373,7 +376,7 @@ class Segment:
         self.tracked = False  # multiprocessing's resource tracker unlinks it if we die first
         # This process's threads, beside the OFD locks (which do not exclude threads sharing
         # one file description): per lock byte.
-        self.thread_locks = {TOKEN_LOCK: threading.Lock(), TABLE_LOCK: threading.Lock()}
+        self.thread_locks = {byte: threading.Lock() for byte in (*TOKEN_LOCKS, TABLE_LOCK)}
         self._locks: set[int] = set()
         # Every holder takes a shared lock so gc can see the segment is in use. Nobody takes
         # it exclusively, so a conflict means someone is in the way on purpose.
@@ -508,23 +511,25 @@ class Segment:
 class SegmentLocks:
     """The reader token, the reader table's lock and the rows' locks of a segment, excluding
     other processes (kernel locks, dropped if the holder dies) and this process's other threads
-    alike. What :class:`shmsync.core.protocol.Protocol` takes as ``locks``."""
+    alike. What the roles of :mod:`shmsync.core.protocol` take as ``locks``."""
 
     def __init__(self, segment: Segment) -> None:
         self.segment = segment
 
-    def try_token(self) -> bool:
-        threads = self.segment.thread_locks[TOKEN_LOCK]
+    def try_token(self, bank: int = 0) -> bool:
+        byte = TOKEN_LOCKS[bank]
+        threads = self.segment.thread_locks[byte]
         if not threads.acquire(blocking=False):
             return False
-        if self.segment.lock(TOKEN_LOCK, exclusive=True, wait=False):
+        if self.segment.lock(byte, exclusive=True, wait=False):
             return True
         threads.release()
         return False
 
-    def release_token(self) -> None:
-        self.segment.unlock(TOKEN_LOCK)
-        self.segment.thread_locks[TOKEN_LOCK].release()
+    def release_token(self, bank: int = 0) -> None:
+        byte = TOKEN_LOCKS[bank]
+        self.segment.unlock(byte)
+        self.segment.thread_locks[byte].release()
 
     @contextlib.contextmanager
     def table(self, patience: float | None) -> Iterator[bool]:

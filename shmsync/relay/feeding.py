@@ -42,8 +42,8 @@ class Feeder:
         finally:
             store, row = self.store, self.row
             if store is not None and row >= 0 and not store.closed:
-                store.memory.protocol.release_lease(row)
-                store.memory.protocol.release_row(row)
+                store.table.release_lease(row)
+                store.table.release_row(row)
             with server.changed:
                 server.children.pop(child.id, None)  # its place and its address go with it
             child.link.close()
@@ -62,9 +62,9 @@ class Feeder:
             self._sent(child.link.send_or_keep(PING))  # idle: the relay can tell this node lives
             return True
         self.store = store
-        protocol = store.memory.protocol
+        table = store.table
         if self.row < 0:
-            self.row = protocol.claim_row(flags=ROW_LINK)  # not a reader: left out of the readers' table
+            self.row = table.claim_row(flags=ROW_LINK)  # not a reader: left out of the readers' table
         in_flight = fwd is not None and fwd.state != "cancelled" and fwd.version > store.version
         if in_flight and fwd.version > child.sent:
             self._forward(store, fwd)
@@ -88,13 +88,13 @@ class Feeder:
 
     def _forward(self, store: Any, fwd: Forwarding) -> None:
         """A version still arriving (or not committed yet): forward what is there, then follow."""
-        protocol = store.memory.protocol
-        if protocol.lease_written(self.row, fwd.write):
+        table = store.table
+        if table.lease_written(self.row, fwd.write):
             try:
                 with store.memory.slot_buffer(fwd.write.slot) as view:
                     self._send(fwd.version, view, fwd)
             finally:
-                protocol.release_lease(self.row)
+                table.release_lease(self.row)
             return
         server = self.server  # no lease to be had: wait for the commit, then send it whole
         with server.changed:
@@ -103,8 +103,8 @@ class Feeder:
 
     def _send_latest(self, store: Any) -> bool:
         """Send the store's latest version from its leased slot; False if no slot could be leased."""
-        protocol = store.memory.protocol
-        leased = protocol.lease_latest(self.row)
+        table = store.table
+        leased = table.lease_latest(self.row)
         try:
             if leased is None:
                 return False
@@ -114,7 +114,7 @@ class Feeder:
                     return self._send(version, view, None)
             return True
         finally:
-            protocol.release_lease(self.row)
+            table.release_lease(self.row)
 
     def _sent(self, whole: bool) -> bool:
         """Note whether a frame went whole; if not, the relay stalls from now on."""

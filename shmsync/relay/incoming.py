@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from shmsync.errors import ProtocolError
-from shmsync.raw_versions import create_from_bytes, publish_bytes
 from shmsync.relay import wire
 from shmsync.relay.messages import (
     BYE,
@@ -23,6 +22,7 @@ from shmsync.relay.messages import (
     VERSION,
     Forwarding,
 )
+from shmsync.relay.raw_versions import create_from_bytes, publish_bytes
 from shmsync.relay.sealing import HEADER, TAG_BYTES, SealedVersion
 
 
@@ -81,7 +81,7 @@ def _receive_into_store(relay: Any, link: wire.Link, version: int, sealed: Seale
     def fill(buffer: memoryview) -> None:
         fwd = None
         if relay.server is not None and relay.store is not None:
-            fwd = relay.server.begin(version, len(buffer), relay.store.memory.protocol.writing, sealed)
+            fwd = relay.server.begin(version, len(buffer), relay.store.writer.role.writing, sealed)
         try:
             _fill(relay, link, buffer, fwd, sealed)
         except Cancelled:

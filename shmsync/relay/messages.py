@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shmsync.core.layout import key_str
 from shmsync.core.protocol import Write
 from shmsync.errors import ProtocolError
 from shmsync.relay import wire
 from shmsync.relay.sealing import SealedVersion
+from shmsync.writer.layout import key_str
 
 log = logging.getLogger("shmsync.relay")
 

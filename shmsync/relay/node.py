@@ -9,7 +9,6 @@ import time
 from typing import Any
 
 from shmsync.core.header import MAX_LAYOUT_BYTES
-from shmsync.core.layout import Layout
 from shmsync.errors import (
     AuthenticationError,
     ProtocolError,
@@ -41,8 +40,9 @@ from shmsync.relay.messages import (
 )
 from shmsync.relay.reports import Reporter
 from shmsync.relay.server import Server
-from shmsync.remote_rows import HostRows, ReportBook, own_rows
-from shmsync.store import WeightStore
+from shmsync.watch.remote_rows import HostRows, ReportBook, own_rows
+from shmsync.writer.layout import Layout
+from shmsync.writer.store import WeightStore
 
 
 class Relay:

@@ -4,9 +4,9 @@ relays below it, to its parent, so the trainer's table lists every reader on eve
 A report is one ``RPRT`` frame a relay sends its parent about once a second, on the link it
 receives versions from (the only frames a relay sends upstream once it joined): small (about
 60 bytes a reader), bounded (:data:`MAX_REPORT_BYTES`), checked field by field like every other
-input (:func:`shmsync.remote_rows.report_from_wire`). Nothing rides on the publish path: a relay
+input (:func:`shmsync.watch.remote_rows.report_from_wire`). Nothing rides on the publish path: a relay
 reads its host's table on a thread of its own, and a server reads each link's reports on another.
-What a node heard is kept in a :class:`~shmsync.remote_rows.ReportBook`.
+What a node heard is kept in a :class:`~shmsync.watch.remote_rows.ReportBook`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from shmsync.errors import ProtocolError
 from shmsync.relay import wire
-from shmsync.remote_rows import (
+from shmsync.watch.remote_rows import (
     MAX_REPORT_BYTES,
     REPORT_EVERY,
     HostRows,

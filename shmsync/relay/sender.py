@@ -9,9 +9,9 @@ from typing import Any
 from shmsync.relay import wire
 from shmsync.relay.messages import BUCKET_BYTES, MAX_FANOUT, STOP, choose_fanout
 from shmsync.relay.server import Server
-from shmsync.remote_rows import ReportBook
-from shmsync.store import WeightStore
-from shmsync.table import add_remote, remove_remote
+from shmsync.watch.remote_rows import ReportBook
+from shmsync.watch.table import add_remote, remove_remote
+from shmsync.writer.store import WeightStore
 
 
 class RelaySender:

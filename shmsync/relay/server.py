@@ -12,7 +12,6 @@ from typing import Any
 
 from shmsync.core.protocol import Write
 from shmsync.errors import AuthenticationError, ProtocolError, RelayError
-from shmsync.raw_versions import add_publish_listener, remove_publish_listener
 from shmsync.relay import wire
 from shmsync.relay.acceptor import Acceptor
 from shmsync.relay.feeding import Feeder
@@ -42,8 +41,8 @@ from shmsync.relay.messages import (
 )
 from shmsync.relay.reports import listen
 from shmsync.relay.sealing import SealedShelf, SealedVersion
-from shmsync.remote_rows import ReportBook
-from shmsync.store import WeightStore
+from shmsync.watch.remote_rows import ReportBook
+from shmsync.writer.store import WeightStore
 
 
 class Server:
@@ -110,7 +109,7 @@ class Server:
                 return
             self.store = store
             self.changed.notify_all()
-        add_publish_listener(store, self.notify)
+        store.writer.add_listener(self.notify)
 
     def notify(self, *_: Any) -> None:
         with self.changed:
@@ -329,7 +328,7 @@ class Server:
             self.changed.notify_all()
             children, store = list(self.children.values()), self.store
         if store is not None:
-            remove_publish_listener(store, self.notify)
+            store.writer.remove_listener(self.notify)
         if self._accept is not None:
             self._accept.join(max(0.0, min(0.5, deadline - time.monotonic())))
         self.sock.close()

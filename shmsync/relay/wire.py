@@ -54,14 +54,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shmsync.core.secret_file import (  # noqa: F401 (re-exported: the relay's callers read secrets from here)
+from shmsync.errors import AuthenticationError, ProtocolError, RelayError
+from shmsync.tools.secret_file import (  # noqa: F401 (re-exported: the relay's callers read secrets from here)
     MIN_SECRET_BYTES,
     SECRET_ENV,
     SECRET_FILE_ENV,
     read_secret_file,
     resolve_secret,
 )
-from shmsync.errors import AuthenticationError, ProtocolError, RelayError
 
 PROTOCOL = 5
 MAGIC = b"SHMSYNC-RELAY/%d\n" % PROTOCOL

@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 
 from shmsync.core.pages import human_bytes
-from shmsync.core.secret_file import write_secret_file
 from shmsync.core.segment import PREFIX
 from shmsync.errors import ShmSyncError, StoreNotFoundError
 from shmsync.tools.host import collect_garbage, collect_side_files, is_garbage, is_orphaned, scan, table
+from shmsync.tools.secret_file import write_secret_file
 
 NOT_FOUND, BAD_STORE = 3, 4
 

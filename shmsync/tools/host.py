@@ -29,8 +29,8 @@ from shmsync.core.header import (
     reader_column,
 )
 from shmsync.errors import ShmSyncError, StoreNotFoundError, StoreUntrustedError
-from shmsync.remote_rows import read_report_file
-from shmsync.table import ReaderTable, assemble, local_rows
+from shmsync.watch.remote_rows import read_report_file
+from shmsync.watch.table import ReaderTable, assemble, local_rows
 
 
 @dataclass

@@ -68,10 +68,10 @@ class Internal:
 # Entry names, as errors, tests and the docs name them.
 SCHEMES = "BaseCollector._weight_sync_schemes"
 METHODS = "MultiCollector.update_policy_weights_ / shutdown / load_state_dict / iterator, wrapped on the instance"
-CONNECT = "the call stack of MultiCollector.connect"
+CONNECT = "WeightSyncScheme.initialized_on_sender, asked by the collector before init_on_sender(context=...)"
+NEXT_BATCH = "MultiSyncCollector's next batch runs the weights update_policy_weights_() sent"
 WORKERS_SET_UP = "WeightSyncScheme.init_on_receiver and connect, in every worker"
 ROLLOUT = "Collector.rollout, shadowed on the worker's instance"
-WORKER_INIT = "the call stack of the worker's Collector.__init__"
 TRACKER = "BaseCollector.policy_version_tracker"
 OPTIM_COUNT = "Trainer._optim_count"
 TRAINER_MODULES = "Trainer._modules"
@@ -112,10 +112,21 @@ CATALOGUE: dict[str, Internal] = {
             CONNECT,
             "0.11-0.14",
             "a scheme initialized before its collector (`init_on_sender(model=...)`) is handed no collector when "
-            "TorchRL connects it; the collector is found among the callers of `connect()`",
-            "a caller of `connect()` is a collector that holds the scheme",
+            "TorchRL connects it: it reports `initialized_on_sender` False until one hands itself over, and the "
+            "collector initializes every scheme that reports so with `context=collector` before connecting it",
+            "at `connect()`, a collector handed itself over",
             "TorchRLChangedError at `connect()`, before the first batch",
             "`connect()` (or `init_on_sender`) handing every scheme its collector as `context`",
+        ),
+        Internal(
+            NEXT_BATCH,
+            "0.11-0.14",
+            "`MultiSyncCollector` (`MultiSyncDataCollector` before 0.13) sends its workers the word for their next "
+            "batch after `update_policy_weights_()` returns, and that batch runs the weights sent: its workers wait at "
+            "the start of a rollout for a version the trainer promised (a copy still in flight). Found by its class",
+            "the collector is an instance of that class (no attribute is relied on)",
+            "a renamed class: the workers run the newest version that landed, each frame tagged with it",
+            "a collector attribute saying whether its next batch runs the weights just sent",
         ),
         Internal(
             WORKERS_SET_UP,
@@ -134,15 +145,6 @@ CATALOGUE: dict[str, Internal] = {
             "missing, or called another way: the policy's own check loads every version at every call, and the "
             "trainer fills `('next', key)` from each frame's tag",
             "a list of per-rollout hooks on the worker's collector, or the scheme told of each rollout",
-        ),
-        Internal(
-            WORKER_INIT,
-            "0.11-0.12",
-            "torchrl 0.11 and 0.12 hand the receiver no collector (0.13 and later set the scheme's `context`)",
-            "the worker's collector is a caller of the receiver's first load",
-            "the worker runs without the rollout shadow: its policy checks at every call, the trainer fills "
-            "`('next', key)`",
-            "(done in 0.13: `register_scheme_receiver` sets `context`)",
         ),
         Internal(
             TRACKER,
@@ -270,12 +272,25 @@ def wrap_on_instance(obj: Any, method: str, wrapper: Callable[[Callable], Callab
     setattr(obj, method, wrapper(original))
 
 
-def collector_connecting(scheme: Any) -> Any:
-    """The collector among the callers of ``scheme.connect()``: TorchRL hands a scheme initialized
-    before its collector no reference to it."""
-    owner = _caller_owning(lambda owner: _holds(owner, scheme), CONNECT)
-    check(CONNECT, owner is not None, "connect() was called, but no caller is a collector holding the scheme")
-    return owner
+def check_collector_handed_over(handed_over: bool) -> None:
+    """At ``connect()`` of a scheme initialized before any collector: a collector handed itself over."""
+    check(
+        CONNECT,
+        handed_over,
+        "connect() was called, but no collector initialized the scheme with context= first",
+    )
+
+
+def runs_sent_weights_next(collector: Any) -> bool:
+    """Whether ``collector``'s next batch runs the weights ``update_policy_weights_()`` just sent
+    (a synchronous multi-process collector), so that its workers wait for a promised version."""
+    import torchrl.collectors as collectors
+
+    sync = tuple(
+        c for c in (getattr(collectors, n, None) for n in ("MultiSyncCollector", "MultiSyncDataCollector")) if c
+    )
+    check(NEXT_BATCH, bool(sync), "torchrl.collectors has neither MultiSyncCollector nor MultiSyncDataCollector")
+    return isinstance(collector, sync)
 
 
 def update_request(args: tuple, kwargs: dict) -> tuple[dict[str, Any], Any]:
@@ -339,18 +354,6 @@ def shadow_rollout(collector: Any, rollout: Callable) -> None:
     instance = getattr(collector, "__dict__", None)
     check(ROLLOUT, isinstance(instance, dict), f"{type(collector).__name__} has no instance dictionary")
     instance["rollout"] = rollout
-
-
-HANDS_WORKERS_THEIR_COLLECTOR = TORCHRL_VERSION >= (0, 13)
-
-
-def worker_collector_on_stack() -> Any:
-    """torchrl <= 0.12: the worker's collector, found among the callers of the receiver's first
-    load; None if it is not there (the worker then works without the rollout shadow)."""
-    return _caller_owning(
-        lambda owner: callable(getattr(owner, "rollout", None)) and callable(getattr(owner, "iterator", None)),
-        WORKER_INIT,
-    )
 
 
 def tracker_of(collector: Any) -> Any:

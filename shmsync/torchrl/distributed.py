@@ -40,8 +40,6 @@ import torch
 from torchrl.collectors import distributed as torchrl_distributed
 
 from shmsync.errors import ShmSyncError
-from shmsync.remote_rows import ReportBook
-from shmsync.table import HostReport, ReaderRow, add_remote
 from shmsync.torchrl import compat
 from shmsync.torchrl.legs import (
     ERROR,
@@ -55,6 +53,8 @@ from shmsync.torchrl.legs import (
     shut_down,
 )
 from shmsync.torchrl.scheme import claim_remote_legs
+from shmsync.watch.remote_rows import ReportBook
+from shmsync.watch.table import HostReport, ReaderRow, add_remote
 
 log = logging.getLogger("shmsync.torchrl.distributed")
 READY_TIMEOUT_S = 60.0  # how long the first push waits for every node's store
@@ -90,7 +90,7 @@ class _NumberedPushes:
         return self.count
 
     def remote_rows(self, latest: int) -> tuple[list[HostReport], list[ReaderRow]]:
-        """The nodes' last reports (``shmsync.table.RemoteRows``): read from the TCPStore, where each
+        """The nodes' last reports (``shmsync.watch.table.RemoteRows``): read from the TCPStore, where each
         node rewrites its table about once a second, at most twice a second; never a message to a node."""
         now = time.monotonic()
         if now - self._looked > 0.5 and self.stores:

@@ -9,9 +9,9 @@ from typing import Any, Literal
 from tensordict import TensorDict
 from torchrl.trainers import UpdateWeights as _TorchRLUpdateWeights
 
-from shmsync.attribute_paths import resolve_path
-from shmsync.frames import lag_stats
 from shmsync.torchrl import compat
+from shmsync.torchrl.attribute_paths import resolve_path
+from shmsync.watch.frames import lag_stats
 
 HOOK_TAKES_SENDER = compat.hook_takes_sender(_TorchRLUpdateWeights)
 
@@ -211,7 +211,7 @@ class LogLag:
     """A TorchRL trainer hook that logs the policy lag of each batch, and of the workers now.
 
     Registered on a :class:`torchrl.trainers.Trainer`, it reports once per collected batch (the
-    ``"pre_steps_log"`` stage) what :func:`shmsync.frames.lag_stats` computes: how many
+    ``"pre_steps_log"`` stage) what :func:`shmsync.watch.frames.lag_stats` computes: how many
     versions behind the trainer each frame of the batch was collected (mean, min, max) and how
     far behind each live worker is now (mean, min, max, and how many). The trainer's logger
     (TensorBoard, W&B, CSV...) records every figure; the progress bar shows the largest lag of

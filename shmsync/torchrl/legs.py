@@ -30,11 +30,17 @@ from typing import Any
 import torch
 
 from shmsync.errors import ShmSyncError
-from shmsync.remote_rows import MAX_REPORT_BYTES, REPORT_EVERY, HostRows, own_rows, report_from_wire, report_to_wire
-from shmsync.table import merge
 from shmsync.torchrl import compat
-from shmsync.torchrl.glue import CollectorGlue
-from shmsync.torchrl.push_numbers import Announced
+from shmsync.torchrl.publishing import Publisher
+from shmsync.watch.remote_rows import (
+    MAX_REPORT_BYTES,
+    REPORT_EVERY,
+    HostRows,
+    own_rows,
+    report_from_wire,
+    report_to_wire,
+)
+from shmsync.watch.table import merge
 
 VERSION_KEY = "shmsync/version"  # the trainer's number of its latest push
 PUBLISHED_KEY = "shmsync/published/{rank}"  # what a node published last, or what went wrong
@@ -139,6 +145,32 @@ def _client(host: str, port: int) -> torch.distributed.Store:
     return torch.distributed.TCPStore(host, port, is_master=False, timeout=STORE_TIMEOUT)
 
 
+class Announced:
+    """The trainer's number of the next push, named by the trainer just before it pushes
+    (``RayCollector``: in a call Ray runs before the push). Each number is taken by one push: a
+    second push with no new number is refused rather than given the old one. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._number: int | None = None
+
+    def name(self, number: int) -> None:
+        with self._lock:
+            self._number = int(number)
+
+    def take(self) -> int:
+        with self._lock:
+            number, self._number = self._number, None
+        if number is None:
+            raise ShmSyncError(
+                "a push of the trainer's weights reached this collector, but the trainer named no version for it "
+                "(a collector that does not number its pushes, or a push that went around the numbering): use "
+                "shmsync.torchrl.distributed.RayCollector, shmsync.torchrl.distributed.DistributedSyncCollector or "
+                "shmsync.torchrl.distributed.DistributedCollector"
+            )
+        return number
+
+
 class ActorLeg(Announced):
     """A Ray actor of shmsync's ``RayCollector``: the trainer names each push's number first."""
 
@@ -167,8 +199,8 @@ def make_leg(kind: str, collector: Any, model_id: str) -> NodeLeg | ActorLeg:
 
 def collector_rows(collector: Any, node: str) -> HostRows | None:
     """This host's entry of a report: the readers of ``collector``'s stores (None once they closed)."""
-    glue = CollectorGlue.of(collector)
-    groups = glue.live_groups() if glue is not None else []
+    publisher = Publisher.of(collector)
+    groups = publisher.live_groups() if publisher is not None else []
     if not groups:
         return None
     table = merge([g.readers(processes=True, memory=False) for g in groups])
@@ -195,9 +227,9 @@ def decode_report(raw: bytes) -> tuple[int, list[HostRows]]:
 
 def name_push(actor: Any, number: int) -> None:
     """Inside an actor: the next push is the trainer's number ``number``."""
-    glue = CollectorGlue.of(actor)
-    if glue is not None and isinstance(glue.leg, ActorLeg):
-        glue.leg.name(number)
+    publisher = Publisher.of(actor)
+    if publisher is not None and isinstance(publisher.leg, ActorLeg):
+        publisher.leg.name(number)
 
 
 def shut_down(actor: Any) -> None:
@@ -210,11 +242,11 @@ def shut_down(actor: Any) -> None:
 def published_version(actor: Any) -> tuple[int | None, bytes | None]:
     """Inside an actor: the newest version its stores hold (None without shmsync), and its readers'
     table as a report (None without shmsync)."""
-    glue = CollectorGlue.of(actor)
-    groups = glue.live_groups() if glue is not None else []
+    publisher = Publisher.of(actor)
+    groups = publisher.live_groups() if publisher is not None else []
     if not groups:
         return None, None
-    leg = glue.leg
+    leg = publisher.leg
     node = leg.node if isinstance(leg, ActorLeg) else secrets.token_hex(8)
     try:
         entry = collector_rows(actor, node)

@@ -19,20 +19,17 @@ store lives exactly as long as the processes mapping it, whatever kills them.
 
 from __future__ import annotations
 
-import copy
 import secrets
 from collections.abc import Callable
 from typing import Any
 
 from tensordict import TensorDictBase
 from torch import nn
-from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 
-from shmsync.errors import ShmSyncError
-from shmsync.frames import tag_all, tag_next, tag_versions
-from shmsync.reader import WeightReader
-from shmsync.store import WeightStore
+from shmsync.reader.reader import WeightReader
 from shmsync.torchrl import compat
+from shmsync.watch.frames import tag_all, tag_next, tag_versions
+from shmsync.writer.store import WeightStore
 
 
 class Receiver:
@@ -47,6 +44,7 @@ class Receiver:
 
     def __init__(self, scheme: Any, store_name: str, expected_readers: int | None = None) -> None:
         self.scheme = scheme
+        self.exact = bool(getattr(scheme, "exact", False))  # a collector whose next batch runs the weights sent
         self.store = WeightStore.attach(store_name)
         self.reader: WeightReader | None = None
         self.token = secrets.token_hex(4)
@@ -65,13 +63,12 @@ class Receiver:
         model = self.scheme.model
         if self.reader is None or self.reader.module is not model:
             # The collector may replace the policy (say, a copy moved to its device).
-            on_gpu = any(t.is_cuda for t in (*model.parameters(), *model.buffers()))
             first = self.reader is None
             self.reader = WeightReader(
                 self.store,
                 model,
                 destination=self.scheme.model_id,
-                zero_copy=False if on_gpu else self.scheme.zero_copy,
+                zero_copy=self.scheme.zero_copy,
                 worker=getattr(self.scheme, "worker_idx", None),
             )
             self.reader.private_on_write = True  # TorchRL's load_state_dict writes the policy's weights
@@ -87,7 +84,12 @@ class Receiver:
             self.store.unlink()  # every reader holds its mapping: the name is no longer needed
 
     def poll(self) -> bool:
-        reloaded = self.current().poll()
+        """Load the newest version; in a worker of a collector whose next batch runs the weights
+        just sent (``MultiSyncCollector``), wait for a version the trainer promised to land."""
+        if self.collector is None and self.scheme.context is not None:
+            self.bind(self.scheme.context)  # TorchRL handed the worker's collector over since
+        reader = self.current()
+        reloaded = reader.poll_promised(reader.timeout) if self.exact else reader.poll()
         if reloaded and self.collector is not None:
             # The first load may come while the worker's collector is still being built.
             compat.set_policy_version(self.collector, self.version, built=False)
@@ -133,108 +135,6 @@ class Receiver:
         self.store.close()
 
 
-class WorkerSide:
-    """The worker's side of :class:`~shmsync.ShmWeightSyncScheme` (a part of it, not used alone):
-    TorchRL sets the scheme up in each worker (``init_on_receiver``, then ``connect``), and its
-    :class:`Receiver` loads each version into the worker's model."""
-
-    _store_names: list[str]
-    _expected_readers: int | None
-    _receiver: Receiver | None
-
-    def _init_on_receiver_impl(
-        self, model_id: str, context: Any = None, model: Any = None, worker_idx: int | None = None, **kwargs: Any
-    ) -> None:
-        if not self._store_names:
-            raise RuntimeError("this ShmWeightSyncScheme was never initialized on a sender (no store to attach to)")
-        if len(self._store_names) > 1 and worker_idx is None:
-            raise RuntimeError("per_worker_weights: the receiver needs its worker_idx to pick its store")
-        self.model_id = model_id
-        self.worker_idx = worker_idx
-        if model is not None:
-            self.model = model
-        name = self._store_names[worker_idx if len(self._store_names) > 1 else 0]
-        self._receiver = Receiver(self, name, self._expected_readers)
-        if context is not None:
-            self.context = context
-
-    @property
-    def context(self) -> Any | None:
-        """The collector: the main one on the sender side, the worker's own on the receiver side."""
-        return WeightSyncScheme.context.fget(self)
-
-    @context.setter
-    def context(self, context: Any) -> None:
-        WeightSyncScheme.context.fset(self, context)
-        # TorchRL hands the worker's collector over after building it: poll before its rollouts.
-        receiver = getattr(self, "_receiver", None)
-        if receiver is not None and context is not None:
-            receiver.bind(context)
-
-    @property
-    def model(self) -> Any | None:
-        """The module this scheme loads into (worker side) or was built from (sender side)."""
-        if getattr(self, "_receiver", None) is None and self._store_names and not self.initialized_on_sender:
-            # A worker's copy of the scheme that TorchRL never set up (init_on_receiver): it would
-            # run its first weights forever.
-            raise compat.changed(compat.WORKERS_SET_UP, "TorchRL uses the scheme in a worker it never set it up in")
-        return WeightSyncScheme.model.fget(self)
-
-    @model.setter
-    def model(self, model: Any) -> None:
-        WeightSyncScheme.model.fset(self, model)
-
-    def _setup_connection_and_weights_on_receiver_impl(self, *, worker_idx: int | None = None) -> None:
-        if self._receiver.collector is None and self.context is None:
-            self._receiver.bind(find_worker_collector())  # torchrl 0.11 and 0.12 hand none over
-        self._receiver.poll()  # first load (the policy may still be on the meta device)
-
-    def receive(self, timeout: float | None = None) -> None:
-        """Load the newest version if it changed (cheap otherwise). Weights never travel by message."""
-        if self._receiver is not None:
-            self._receiver.poll()
-        return None
-
-    def poll(self) -> bool:
-        """Worker side: reload if a new version was published. True if reloaded."""
-        return self._receiver.poll() if self._receiver is not None else False
-
-    # -- sent to the workers (pickled, by spawn) ------------------------------------------------
-    def _state(self) -> dict:
-        state = super().__getstate__()
-        state["source"] = None  # the trainer's module stays with the trainer
-        state["_group"] = None
-        state["_receiver"] = None
-        settings = state.get("alarm_settings")
-        if settings is not None and callable(settings["on_stale"]):
-            # A function of the trainer's (say, a lambda) need not travel: a node's alarm warns.
-            state["alarm_settings"] = {**settings, "on_stale": "warn"}
-        return state
-
-    def __getstate__(self) -> dict:
-        if not self._store_names and self._leg is None and not self.initialized_on_receiver:
-            raise ShmSyncError(
-                "a ShmWeightSyncScheme that no collector initialized is being sent to another process: it is in the "
-                "collector_kwargs of one of TorchRL's remote collectors (DistributedSyncCollector, "
-                "DistributedCollector, RayCollector), which carry no trainer version to their nodes. Use "
-                "shmsync.torchrl.distributed.DistributedSyncCollector, "
-                "shmsync.torchrl.distributed.DistributedCollector or shmsync.torchrl.distributed.RayCollector: "
-                "the same classes, with each push numbered by the trainer"
-            )
-        return self._state()
-
-    def __copy__(self) -> Any:
-        clone = type(self).__new__(type(self))
-        clone.__setstate__(self._state())
-        return clone
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        clone = type(self).__new__(type(self))
-        memo[id(self)] = clone
-        clone.__setstate__(copy.deepcopy(self._state(), memo))
-        return clone
-
-
 class PollingRollout:
     """Stands in for a worker collector's ``rollout``: poll, roll out, tag ``("next", key)``."""
 
@@ -278,11 +178,6 @@ class PollingRollout:
                 tag_all(batch, key, version)
             tag_next(batch, key)
         return batch
-
-
-def find_worker_collector() -> Any:
-    """The worker's own collector, when TorchRL does not hand it over (torchrl 0.11, 0.12)."""
-    return None if compat.HANDS_WORKERS_THEIR_COLLECTOR else compat.worker_collector_on_stack()
 
 
 # Hooks are closures, not bound methods: deep-copying a module copies its hooks, and a

@@ -1,21 +1,20 @@
 """``ShmWeightSyncScheme``: TorchRL's multi-process collectors on shmsync stores.
 
-Sender (main process): the collector's models for every key that uses this scheme go
-into one :class:`~shmsync.WeightStore` (one per worker with ``per_worker_weights``);
-``update_policy_weights_()`` publishes into it and returns, with no message to and no
-acknowledgement from any worker. All keys sent by one ``update_policy_weights_`` call are
-published together as one version.
+Sender (main process): the collector's models for every key that uses this scheme go into one
+:class:`~shmsync.WeightStore` (one per worker with ``per_worker_weights``), held by the
+collector's :class:`~shmsync.torchrl.publishing.Publisher`; ``update_policy_weights_()`` publishes
+into it and returns, with no message to and no acknowledgement from any worker. All keys sent by
+one ``update_policy_weights_`` call are published together as one version.
 
-Receiver (each worker): attaches, loads the first weights into the (meta-device) policy,
-then checks the version before every rollout and at every policy call, and reloads only when
-it changed: whatever path TorchRL takes to run the policy, its next call runs the newest
-version. Each frame is tagged with the version of the weights that produced it, and TorchRL's
-``track_policy_version`` reports that version. Once every worker has attached, the store's name
-leaves the host: nothing can leak it, whatever kills the processes.
+Receiver (each worker): a :class:`~shmsync.torchrl.receiver.Receiver` attaches, loads the first
+weights into the (meta-device) policy, then checks the version before every rollout and at every
+policy call, and reloads only when it changed. Each frame is tagged with the version of the
+weights that produced it.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,71 +22,59 @@ from tensordict import TensorDictBase
 from torch import nn
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 
-from shmsync.alarm import STALE_AFTER, ReaderAlarm, StaleEvent, check_settings
-from shmsync.store import WeightStore
-from shmsync.table import ReaderTable, assemble, merge
+from shmsync.errors import ShmSyncError
 from shmsync.torchrl import compat
-from shmsync.torchrl.glue import CollectorGlue
 from shmsync.torchrl.legs import make_leg
-from shmsync.torchrl.models import models_without_collector
-from shmsync.torchrl.push_numbers import VersionSource
-from shmsync.torchrl.receiver import Receiver, WorkerSide
-from shmsync.torchrl.stores import SenderGroup, group_for
+from shmsync.torchrl.publishing import Publisher, StoreGroup, group_before_collector, join
+from shmsync.torchrl.receiver import Receiver
+from shmsync.watch.alarm import STALE_AFTER, ReaderAlarm, StaleEvent, check_settings
+from shmsync.watch.table import ReaderTable, assemble, merge
+from shmsync.writer.store import WeightStore
 
 
-class ShmWeightSyncScheme(WorkerSide, WeightSyncScheme):
+class ShmWeightSyncScheme(WeightSyncScheme):
     """Weight sync for ``MultiSyncCollector`` / ``MultiAsyncCollector`` through shared memory.
 
-    Workers never see half-written weights (each reload is one complete version), the
-    trainer never waits for workers, and workers run only published versions: an in-place
-    edit of the trainer's parameters reaches no worker until it is published. CPU workers
-    share the published memory (no copy of the weights per worker); GPU workers copy it
-    into their device.
+    Workers never see half-written weights (each reload is one complete version), the trainer
+    never waits for workers, and workers run only published versions: an in-place edit of the
+    trainer's parameters reaches no worker until it is published. Workers on the CPU, and on the
+    GPU the trainer publishes from, run on the published memory in place (no copy of the weights
+    per worker); others copy it into their device. Under ``MultiSyncCollector`` the batch after
+    ``update_policy_weights_()`` runs the weights just sent, even from a CUDA trainer that does
+    not synchronize, or a background copy still in flight: the workers wait for that version.
 
-    Every way TorchRL initializes a scheme works: by the collector (the usual way), or
-    before any collector exists with ``init_on_sender(model=..., devices=...)``,
-    ``init_on_sender(weights=..., devices=...)`` or ``init_on_sender(params_map={worker:
-    weights})``. A collector built from ``policy_factory`` alone takes the weights' layout
-    from the factory's model, built once in the main process.
+    Every way TorchRL initializes a scheme works: by the collector (the usual way), or before any
+    collector exists with ``init_on_sender(model=..., devices=...)``, ``init_on_sender(weights=...,
+    devices=...)`` or ``init_on_sender(params_map={worker: weights})``. A collector built from
+    ``policy_factory`` alone takes the weights' layout from the factory's model.
 
     Args:
         poll_every_steps: check for new weights at every this many-th policy call (and before
             each rollout). Default: at every call (a version check: see the Performance page).
         version_key: the key under which every collected frame records the version of the
-            weights that produced it (also written under ``("next", version_key)``); None
-            to write nothing.
-        num_slots: slots of shared memory (see :meth:`WeightStore.create`); a slot holds memory
-            only while it holds a version someone uses. Default: 4, so that every worker of a
-            ``MultiSyncCollector`` runs in place across a version change; a
-            ``MultiAsyncCollector`` needs ``workers + 2`` for all of them to (up to 16).
-        zero_copy: CPU workers run their policy on the store's shared memory in place (see
-            :class:`~shmsync.WeightReader`): a reload copies nothing, and no worker holds a copy
-            of the weights of its own. Default (None): on CPU workers, yes; workers on a GPU
-            copy into their device, always. False gives every worker a private copy: for a
-            policy that writes its own parameters (in place, such a write raises
-            :class:`~shmsync.errors.SharedWeightsWrittenError` at the next reload).
-        source: the trainer-side module for this key, when the collector cannot resolve it in
-            the main process (say, a key such as ``"env.transform[0]"`` that names a module
-            that exists only inside each worker). Default: ``collector.get_model(key)``, or
-            for ``"policy"`` without a policy, a model from the collector's ``policy_factory``.
-        per_worker_weights: give each worker its own weights and versions (one store per
-            worker), as TorchRL's argument of that name does:
-            ``update_policy_weights_({worker: weights})`` and ``worker_ids=`` then publish to
-            those workers only. Turned on by itself when a collector's ``policy_factory`` is a
-            list of distinct factories and it has no policy. Without it, an update aimed at some
-            workers only raises: all workers load one set of weights.
-        stale_after: seconds a worker may run at a version older than the newest publish (loading
-            nothing newer) before the stale-worker alarm names it (see :mod:`shmsync.alarm`): a
-            worker between rollouts is named only if its process is stopped. None turns this
-            limit off. Default: 30.
-        max_lag: versions a running worker may fall behind before the alarm names it (None: no
-            limit, the default; versions are the trainer's numbers).
-        on_stale: what the alarm does: ``"warn"`` (log a warning, the default), ``"raise"`` (log,
-            and raise :class:`~shmsync.errors.StaleReaderError` at the next
-            ``update_policy_weights_()``), a function called with each
-            :class:`~shmsync.alarm.StaleEvent`, or None for no alarm.
-        strategy: TorchRL's weight-extraction strategy name (kept for compatibility; weights
-            always travel as tensors in shared memory).
+            weights that produced it (also under ``("next", version_key)``); None: nothing.
+        num_slots: slots per store (see :meth:`WeightStore.create`); a slot holds memory only
+            while it holds a version someone uses. Default 4: every worker of a
+            ``MultiSyncCollector`` runs in place across a version change; a ``MultiAsyncCollector``
+            needs ``workers + 2`` for all of them to (up to 16).
+        zero_copy: workers run their policy on the store's memory in place (see
+            :class:`~shmsync.WeightReader`). Default (None): where they can. False gives every
+            worker a private copy, for a policy that writes its own parameters.
+        background: copy each CPU publish on a background thread (see :meth:`WeightStore.create`).
+            Default (None): under ``MultiSyncCollector``, whose next batch runs the weights just
+            sent (so the trainer writes them again only once the copy landed), from 16 MiB on.
+        source: the trainer-side module for this key, when the collector cannot resolve it in the
+            main process (a key such as ``"env.transform[0]"`` that exists only in each worker).
+        per_worker_weights: give each worker its own weights and versions (one store per worker),
+            as TorchRL's argument of that name does; turned on by itself for a list of distinct
+            ``policy_factory``. Without it, an update aimed at some workers only raises.
+        stale_after: seconds a running worker may stay at an old version before the stale-worker
+            alarm names it (see :mod:`shmsync.watch.alarm`); None: no limit. Default 30.
+        max_lag: versions a running worker may fall behind before the alarm names it (None).
+        on_stale: ``"warn"`` (default), ``"raise"`` (a :class:`~shmsync.errors.StaleReaderError`
+            at the next update), a function called with each
+            :class:`~shmsync.watch.alarm.StaleEvent`, or None for no alarm.
+        strategy: TorchRL's weight-extraction strategy name (weights always travel as tensors).
 
     Examples:
         >>> from torchrl.collectors import MultiSyncCollector  # doctest: +SKIP
@@ -115,6 +102,7 @@ class ShmWeightSyncScheme(WorkerSide, WeightSyncScheme):
         version_key: str | None = "policy_version",
         num_slots: int | None = None,
         zero_copy: bool | None = None,
+        background: bool | None = None,
         source: nn.Module | None = None,
         per_worker_weights: bool = False,
         stale_after: float | None = STALE_AFTER,
@@ -130,22 +118,32 @@ class ShmWeightSyncScheme(WorkerSide, WeightSyncScheme):
         )
         if source is not None and not isinstance(source, nn.Module):
             raise TypeError(f"source must be an nn.Module, got {type(source).__name__}")
-        self.source = source
         if poll_every_steps is not None and poll_every_steps < 1:
             raise ValueError(f"poll_every_steps must be >= 1 or None, got {poll_every_steps}")
+        self.source = source
         self.poll_every_steps = poll_every_steps
         self.version_key = version_key
         self.zero_copy = zero_copy
+        self.background = background
         self.num_slots = num_slots if num_slots is not None else 4
         self.per_worker_weights = per_worker_weights
+        self.exact = False  # its collector's next batch runs the weights just sent: workers wait for a promise
         self._store_names: list[str] = []
         self._expected_readers: int | None = None
-        self._group: SenderGroup | None = None
+        self.group: StoreGroup | None = None  # trainer side: the stores of this scheme's key
+        self.publisher: Publisher | None = None  # trainer side: the route of every publish
+        self._awaiting_collector = False  # initialized before any collector, none handed itself over yet
         self._receiver: Receiver | None = None
         self._leg: str | None = None  # "distributed" / "ray": the local leg of shmsync's remote collector
-        self._served = False  # a collector's glue serves the group
 
     # -- sender ---------------------------------------------------------------------------------
+    @property
+    def initialized_on_sender(self) -> bool:
+        """Whether TorchRL need not initialize it on a sender. A scheme initialized before any
+        collector says no until one does: the collector then hands itself over
+        (``init_on_sender(context=collector)``, see the catalogue's entry in ``compat``)."""
+        return WeightSyncScheme.initialized_on_sender.fget(self) and not getattr(self, "_awaiting_collector", False)
+
     def _init_on_sender_impl(
         self,
         *,
@@ -159,10 +157,13 @@ class ShmWeightSyncScheme(WorkerSide, WeightSyncScheme):
         device_map_fn: Callable[[int, TensorDictBase], TensorDictBase] | None = None,
         num_workers: int | None = None,
     ) -> None:
-        if context is not None:
-            given = {"model": model, "weights": weights, "params_map": params_map, "devices": devices}
-            given["device_map_fn"] = device_map_fn
-            extra = [k for k, v in given.items() if v is not None]
+        if context is None:
+            self.model_id = model_id if model_id is not None else "policy"
+            self.group = group_before_collector(self, model, weights, params_map, devices, device_map_fn, num_workers)
+            self._awaiting_collector = True  # TorchRL's collector hands itself over (initialized_on_sender)
+        else:
+            extra = [k for k, v in dict(model=model, weights=weights, params_map=params_map, devices=devices,
+                                        device_map_fn=device_map_fn).items() if v is not None]  # fmt: skip
             if extra:
                 raise ValueError(f"init_on_sender(context=...) takes model_id only, not {extra}")
             if model_id is None:
@@ -171,103 +172,51 @@ class ShmWeightSyncScheme(WorkerSide, WeightSyncScheme):
             self.context = context
             if self._leg is not None and not hasattr(context, "num_workers"):
                 return  # the trainer's single-process probe of a distributed collector: nothing to sync
-            self._group = self._join(context)
-        else:
-            self.model_id = model_id if model_id is not None else "policy"
-            models, workers, self.per_worker_weights = models_without_collector(
-                self.per_worker_weights, model, weights, params_map, devices, device_map_fn, num_workers
+            kind = self._leg
+            self.publisher, self.group = join(
+                self, context, lambda: make_leg(kind, context, model_id) if kind else None
             )
-            self._group = SenderGroup(
-                [{self.model_id: m} for m in models], num_slots=self.num_slots, num_workers=workers, devices=devices
-            )
-        self._store_names = self._group.store_names
-        self._expected_readers = self._group.expected_readers()
-        self._group.start_alarm(self.alarm_settings)
-
-    def _join(self, collector: Any) -> SenderGroup:
-        """The group of ``collector`` that holds this key; made for all its shmsync keys at once."""
-        served = CollectorGlue.group_with(collector, self.model_id)
-        if served is not None:
-            self._served = True
-            return served
-        if not hasattr(collector, "num_workers"):
-            raise TypeError(
-                f"ShmWeightSyncScheme syncs the worker processes of a multi-process collector "
-                f"(MultiSyncCollector, MultiAsyncCollector); {type(collector).__name__} runs the trainer's "
-                "policy in this process, so there is nothing to sync: drop weight_sync_schemes there "
-                "(shmsync.tag_versions(policy, ...) tags its frames if you need versions)"
-            )
-        schemes = {
-            k: s
-            for k, s in compat.schemes_of(collector).items()
-            if isinstance(s, ShmWeightSyncScheme) and s._group is None
-        }
-        schemes[self.model_id] = self
-        group = group_for(collector, schemes, self.num_slots)
-        try:
-            self._serve(collector, group)
-        except BaseException:
-            group.close()
-            raise
-        return group
-
-    def _serve(self, collector: Any, group: SenderGroup) -> None:
-        """Make ``group`` the stores of ``collector``'s shmsync keys."""
-        if group.per_worker and getattr(collector, "num_workers", group.num_workers) != group.num_workers:
-            raise ValueError(
-                f"this scheme holds per-worker weights for {group.num_workers} workers, "
-                f"the collector has {collector.num_workers}"
-            )
-        leg = make_leg(self._leg, collector, self.model_id) if self._leg is not None else None
-        glue = CollectorGlue.for_collector(collector, lambda: VersionSource(leg), leg)
-        glue.add(group, self.version_key)
-        self._served = True
-        if glue.leg is not None:
-            glue.leg.started()
+            self._awaiting_collector = False
+            self.exact = compat.runs_sent_weights_next(context)
+        self._store_names = self.group.store_names
+        self._expected_readers = self.group.expected_readers()
+        self.group.start_alarm(self.alarm_settings)
 
     def _setup_connection_and_weights_on_sender_impl(self, *, worker_idx: int | None = None, weights: Any = None):
-        if self._group is None:
+        if self.group is None:
             return  # the trainer's probe of a distributed collector
-        # Initialized before the collector existed: the collector calling connect() is ours.
-        if not self._served:
-            self._serve(compat.collector_connecting(self), self._group)
-        # The store already holds the initial weights: workers load them on their own.
+        # Initialized before any collector, and no collector handed itself over since.
+        compat.check_collector_handed_over(not self._awaiting_collector)
         if weights is not None:
-            self.send(weights)
+            self.send(weights)  # the store already holds the initial weights: workers load them alone
 
     def send(self, weights: Any = None, worker_ids: Any = None) -> None:
         """Publish ``weights`` for this key (default: the model the scheme was built from), at once.
 
-        Returns as soon as the store holds the new version. ``weights`` may be a module, a
-        TensorDict, a state dict, or ``{worker index: weights}`` with ``per_worker_weights``;
-        ``worker_ids`` (ints or devices) limits the update to those workers, which needs
-        ``per_worker_weights`` unless it names them all. (``collector.update_policy_weights_()``
-        publishes every shmsync key it names as one version, without calling this.)
+        Returns once the store holds (or promised) it. ``weights``: a module, a TensorDict, a state
+        dict, or ``{worker index: weights}`` with ``per_worker_weights``; ``worker_ids`` (ints or
+        devices) limits the update to those workers (``per_worker_weights``, or all of them).
         """
-        if self._group is None:
+        if self.group is None:
             raise RuntimeError("ShmWeightSyncScheme.send() needs init_on_sender() first (pass it to a collector)")
-        glue = CollectorGlue.of(self.context) if self._served and self.context is not None else None
-        if glue is not None:
-            glue.publish({self.model_id: weights}, worker_ids)
-        else:
-            self._group.publish({self.model_id: weights}, worker_ids)
+        if self.publisher is None:
+            self.publisher = Publisher()  # no collector yet: the same route, nothing wrapped
+            self.publisher.add(self.group, self.version_key)
+        self.publisher.publish({self.model_id: weights}, worker_ids)
 
     @property
     def stores(self) -> tuple[WeightStore, ...]:
         """Sender: every store (one, or one per worker). Receiver: this worker's store."""
-        if self._group is not None:
-            return tuple(self._group.stores)
+        if self.group is not None:
+            return tuple(self.group.stores)
         if self._receiver is not None:
             return (self._receiver.store,)
         return ()
 
     @property
     def store(self) -> WeightStore | None:
-        """The store (sender side or worker side), or None before initialization.
-
-        Raises:
-            ValueError: with ``per_worker_weights`` on the sender side (see :attr:`stores`).
-        """
+        """The store (sender or worker side), or None before initialization; ValueError with
+        ``per_worker_weights`` on the sender side (see :attr:`stores`)."""
         stores = self.stores
         if len(stores) > 1:
             raise ValueError("per_worker_weights: one store per worker, see ShmWeightSyncScheme.stores")
@@ -283,18 +232,13 @@ class ShmWeightSyncScheme(WorkerSide, WeightSyncScheme):
 
     @property
     def versions(self) -> list[int]:
-        """Sender: the last published version of each store (one per worker with
-        ``per_worker_weights``)."""
+        """Sender: the last published version of each store (one per worker with ``per_worker_weights``)."""
         return [s.version for s in self.stores]
 
     def readers(self, *, processes: bool = False) -> ReaderTable:
-        """The readers' table of this scheme: on the trainer, every worker of the collector (each
-        store's, and the nodes' or actors' of a distributed or Ray collector, as they last
-        reported); in a worker, its store's. Sends no message, never waits for a worker: it works
-        mid-rollout, with a frozen worker too. See :mod:`shmsync.table`.
-
-        Args:
-            processes: also look up each local worker's process state and private memory (USS).
+        """The readers' table (:mod:`shmsync.watch.table`): on the trainer, every worker (each
+        store's, and a distributed or Ray collector's nodes' or actors', as last reported); in a
+        worker, its store's. No message, no wait: it works mid-rollout, with a frozen worker too.
 
         Examples:
             >>> scheme = ShmWeightSyncScheme()
@@ -312,20 +256,111 @@ class ShmWeightSyncScheme(WorkerSide, WeightSyncScheme):
     @property
     def alarm(self) -> ReaderAlarm | None:
         """The stale-worker alarm watching this scheme's workers (trainer side), if started."""
-        return self._group.alarm if self._group is not None else None
+        return self.group.alarm if self.group is not None else None
 
     def create_transport(self, **kwargs: Any):
         raise NotImplementedError("ShmWeightSyncScheme moves weights through a WeightStore, not a transport")
 
-    # -- lifetime -------------------------------------------------------------------------------
+    # -- receiver -------------------------------------------------------------------------------
+    def _init_on_receiver_impl(
+        self, model_id: str, context: Any = None, model: Any = None, worker_idx: int | None = None, **kwargs: Any
+    ) -> None:
+        if not self._store_names:
+            raise RuntimeError("this ShmWeightSyncScheme was never initialized on a sender (no store to attach to)")
+        if len(self._store_names) > 1 and worker_idx is None:
+            raise RuntimeError("per_worker_weights: the receiver needs its worker_idx to pick its store")
+        self.model_id, self.worker_idx = model_id, worker_idx
+        if model is not None:
+            self.model = model
+        if context is not None:
+            self.context = context
+        name = self._store_names[worker_idx if len(self._store_names) > 1 else 0]
+        self._receiver = Receiver(self, name, self._expected_readers)
+
+    @property
+    def context(self) -> Any | None:
+        """The collector: the main one on the sender side, the worker's own on the receiver side."""
+        return WeightSyncScheme.context.fget(self)
+
+    @context.setter
+    def context(self, context: Any) -> None:
+        WeightSyncScheme.context.fset(self, context)
+        receiver = getattr(self, "_receiver", None)
+        if receiver is not None and context is not None:
+            receiver.bind(context)  # TorchRL hands the worker's collector over once built: poll before its rollouts
+
+    @property
+    def model(self) -> Any | None:
+        """The module this scheme loads into (worker side) or was built from (sender side)."""
+        if getattr(self, "_receiver", None) is None and self._store_names and self.group is None:
+            # A worker's copy of the scheme that TorchRL never set up: it would run its first weights forever.
+            raise compat.changed(compat.WORKERS_SET_UP, "TorchRL uses the scheme in a worker it never set it up in")
+        return WeightSyncScheme.model.fget(self)
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        WeightSyncScheme.model.fset(self, model)
+
+    def _setup_connection_and_weights_on_receiver_impl(self, *, worker_idx: int | None = None) -> None:
+        self._receiver.poll()  # first load (the policy may still be on the meta device)
+
+    def receive(self, timeout: float | None = None) -> None:
+        """Load the newest version if it changed (cheap otherwise). Weights never travel by message."""
+        if self._receiver is not None:
+            self._receiver.poll()
+
+    def poll(self) -> bool:
+        """Worker side: reload if a new version was published. True if reloaded."""
+        return self._receiver.poll() if self._receiver is not None else False
+
+    # -- lifetime, and the copies sent to the workers (pickled, by spawn) -----------------------
     def shutdown(self) -> None:
         super().shutdown()
         receiver, self._receiver = getattr(self, "_receiver", None), None
         if receiver is not None:
             receiver.close()
-        group, self._group = getattr(self, "_group", None), None
+        group, self.group = getattr(self, "group", None), None
         if group is not None:
             group.close()
+
+    def __getstate__(self) -> dict:
+        return _state_to_send(self, check=True)
+
+    def __copy__(self) -> Any:
+        return _clone(self)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _clone(self, memo)
+
+
+def _state_to_send(scheme: ShmWeightSyncScheme, check: bool = False) -> dict:
+    """What a copy of ``scheme`` in another process gets: the trainer's module, stores and
+    publisher stay with the trainer. ``check``: refuse a scheme that no collector initialized."""
+    if check and not scheme._store_names and scheme._leg is None and not scheme.initialized_on_receiver:
+        raise ShmSyncError(
+            "a ShmWeightSyncScheme that no collector initialized is being sent to another process: it is in the "
+            "collector_kwargs of one of TorchRL's remote collectors (DistributedSyncCollector, "
+            "DistributedCollector, RayCollector), which carry no trainer version to their nodes. Use "
+            "shmsync.torchrl.distributed.DistributedSyncCollector, shmsync.torchrl.distributed.DistributedCollector "
+            "or shmsync.torchrl.distributed.RayCollector: the same classes, with each push numbered by the trainer"
+        )
+    state = WeightSyncScheme.__getstate__(scheme)
+    state.update(source=None, group=None, publisher=None, _receiver=None)
+    settings = state.get("alarm_settings")
+    if settings is not None and callable(settings["on_stale"]):
+        # A function of the trainer's (say, a lambda) need not travel: a node's alarm warns.
+        state["alarm_settings"] = {**settings, "on_stale": "warn"}
+    return state
+
+
+def _clone(scheme: ShmWeightSyncScheme, memo: dict | None = None) -> ShmWeightSyncScheme:
+    """A copy of ``scheme`` as a worker gets it (``memo``: a deep copy's)."""
+    clone = type(scheme).__new__(type(scheme))
+    if memo is not None:
+        memo[id(scheme)] = clone
+    state = _state_to_send(scheme)
+    clone.__setstate__(state if memo is None else copy.deepcopy(state, memo))
+    return clone
 
 
 def claim_remote_legs(collector_kwargs: Any, kind: str, collector_name: str) -> list[ShmWeightSyncScheme]:

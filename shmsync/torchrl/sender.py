@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from shmsync.attribute_paths import resolve_path
-from shmsync.store import WeightStore
+from shmsync.torchrl.attribute_paths import resolve_path
+from shmsync.writer.store import WeightStore
 
 
 class WeightSender:

@@ -103,33 +103,84 @@ def parts(
 
 class SourceMatcher:
     """Checks what is published against a store's layout (keys, shapes, dtypes) and returns its
-    tensors in entry order, remembering the last module and TensorDict it checked: if they hold
-    the very same tensors, in the same places, the full walk is skipped (an update checks, then
-    publishes, the same source; the trainer publishes the same module again and again).
+    tensors in entry order. The trainer publishes the same object again and again (its module,
+    or a collector's mapping of keys to modules): when the source is the object checked last time
+    and each of its modules still holds the very same tensors, with the same shapes and dtypes,
+    the full check is skipped. A TensorDict checked before is skipped the same way.
 
     Args:
         layout: the store's layout.
         destinations: its destination names, or None.
+
+    Examples:
+        >>> import torch
+        >>> from shmsync.writer.layout import Layout
+        >>> policy = torch.nn.Linear(2, 1)
+        >>> matcher = SourceMatcher(Layout.from_tensordict(module_weights(policy)), None)
+        >>> [tuple(t.shape) for t in matcher.match(policy, "policy")]
+        [(1,), (1, 2)]
     """
 
     def __init__(self, layout: Any, destinations: tuple[str, ...] | None) -> None:
         self.layout, self.destinations = layout, destinations
-        self._plans: dict = {}  # (id(module), prefix) -> what _module checked last time
+        self._last: tuple | None = None  # (source, its modules, their tensors, the tensors in entry order)
+        self._plans: dict = {}  # ("td", id, prefix) -> what _tensordict checked last time
 
     def match(self, source: Any, what: str) -> list[torch.Tensor]:
-        """The source's tensors in entry order, checked against the layout (nothing written).
-        Destination by destination, without building a nested TensorDict: entries are sorted by
-        key, so destinations come in sorted order, as :func:`~shmsync.sources.parts` gives them."""
+        """The source's tensors in entry order, checked against the layout (nothing written)."""
+        last = self._last
+        if last is not None and last[0] is source:
+            _, modules, before, tensors = last
+            owned = [
+                t
+                for m in modules
+                for sub in m.modules()
+                for named in (
+                    sub.named_parameters(recurse=False, remove_duplicate=False),
+                    sub.named_buffers(recurse=False, remove_duplicate=False),
+                )
+                for _, t in named
+                if t is not None
+            ]
+            entries = self.layout.entries
+            if (
+                len(owned) == len(before)
+                and all(a is b for a, b in zip(owned, before))
+                and all(t.shape == e.shape and t.dtype == e.dtype and not t.is_meta for t, e in zip(tensors, entries))
+            ):
+                return tensors
         tensors = []
+        modules = []
         for prefix, part in parts(source, self.destinations, what):
             where = f"{what}, destination {prefix[0]!r}" if prefix else what
             if isinstance(part, nn.Module):
-                tensors += self._module(part, prefix, where)
+                tensors += self.layout.match(module_weights(part), where, prefix=prefix)
+                modules.append(part)
             elif isinstance(part, TensorDictBase):
                 tensors += self._tensordict(part, prefix, where)
             else:
                 sub, _ = as_tensordict(part, where)
                 tensors += self.layout.match(sub, where, prefix=prefix)
+        # Sources made of modules alone, whose tensors are each owned once: the next match of the
+        # same source skips the walk above while its modules hold the very same tensors.
+        owned = [
+            t
+            for m in modules
+            for sub in m.modules()
+            for named in (
+                sub.named_parameters(recurse=False, remove_duplicate=False),
+                sub.named_buffers(recurse=False, remove_duplicate=False),
+            )
+            for _, t in named
+            if t is not None
+        ]
+        mine = {id(t) for t in owned}
+        if (
+            modules
+            and len(modules) == len(parts(source, self.destinations, what))
+            and all(id(t) in mine for t in tensors)
+        ):
+            self._last = (source, modules, owned, tensors)
         return tensors
 
     def _tensordict(self, td: TensorDictBase, prefix: tuple[str, ...], what: str) -> list[torch.Tensor]:
@@ -155,47 +206,3 @@ class SourceMatcher:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[plan_key] = (weakref.ref(td), paths, tensors, entries)
         return tensors
-
-    def _module(self, module: nn.Module, prefix: tuple[str, ...], what: str) -> list[torch.Tensor]:
-        """Like ``layout.match(TensorDict.from_module(module))``, with a fast path for a module
-        published before: if it still holds the very same tensors, in the same places, with the
-        same shapes and dtypes, the full check is skipped."""
-        owned = _owned_tensors(module)
-        cached = self._plans.get((id(module), prefix))
-        if cached is not None and _still_holds(module, owned, cached):
-            return [owned[i] for i in cached[2]]
-        tensors = self.layout.match(module_weights(module), what, prefix=prefix)
-        position = {id(t): i for i, t in enumerate(owned)}
-        if len(position) == len(owned) and all(id(t) in position for t in tensors):
-            entries = [self.layout.entries[i] for i in self.layout.subset(prefix)]
-            order = [position[id(t)] for t in tensors]
-            self._plans[(id(module), prefix)] = (weakref.ref(module), owned, order, entries)
-        return tensors
-
-
-def _still_holds(module: nn.Module, owned: list[torch.Tensor], plan: tuple) -> bool:
-    """Whether ``module`` holds the very tensors ``plan`` checked, in the same places, with the
-    same shapes and dtypes, none on the meta device."""
-    ref, before, order, entries = plan
-    return (
-        ref() is module
-        and len(owned) == len(before)
-        and all(a is b for a, b in zip(owned, before))
-        and all(
-            owned[i].shape == e.shape and owned[i].dtype == e.dtype and not owned[i].is_meta
-            for i, e in zip(order, entries)
-        )
-    )
-
-
-def _owned_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Every parameter and buffer object of ``module``, in registration order."""
-    return [
-        t
-        for m in module.modules()
-        for _, t in (
-            *m.named_parameters(recurse=False, remove_duplicate=False),
-            *m.named_buffers(recurse=False, remove_duplicate=False),
-        )
-        if t is not None
-    ]

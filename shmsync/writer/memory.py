@@ -1,21 +1,21 @@
-"""One store's shared memory as mapped in this process: the header and its protocol, the
-tensor layout, and per slot the tensor views that copies go through.
+"""One store's shared memory as mapped in this process: its header and the protocol's words of
+each bank, the tensor layout, per slot the tensor views that copies go through, and the pages.
 
-This is what clients of a store build on (the store's publish, the readers, the CUDA
-publisher, tools and tests): they copy through :attr:`StoreMemory.slots` (a writer's) or
-:meth:`StoreMemory.private_slots` (a reader's) inside the protocol's ``copy(slot)`` callbacks,
-and never touch header words themselves.
+What clients of a store build on (the store's publish, the readers, the CUDA publisher, relays,
+tools and tests): they copy through :attr:`StoreMemory.slots` (a writer's) or
+:meth:`StoreMemory.private_slots` (a reader's) between the protocol's steps, and take their roles
+(:mod:`shmsync.core.protocol`) on :attr:`StoreMemory.host` or :attr:`StoreMemory.device`.
 
 Memory: a new store reserves its head and one slot; any other slot gets its pages when it is
-first written (reserved first, so a full ``/dev/shm`` is an ``OSError``, never a SIGBUS), and
-gives them back once no reader can use it (:meth:`StoreMemory.reclaim`, after every publish).
+first written (:meth:`StoreMemory.reserve`, so a full ``/dev/shm`` is an ``OSError``, never a
+SIGBUS), and gives them back once no reader can use it (:meth:`StoreMemory.give_back`, for the
+slots the writer finds idle after a publish).
 """
 
 from __future__ import annotations
 
 import os
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -24,8 +24,10 @@ import torch
 
 from shmsync.core import fences
 from shmsync.core.header import (
+    DEVICE,
     FORMAT,
     HEADER_BYTES,
+    HOST,
     MAGIC,
     MAX_SLOTS,
     STORE_PAGE_LOCKED,
@@ -47,12 +49,14 @@ from shmsync.core.header import (
     check_words,
     header_view,
 )
-from shmsync.core.layout import Layout, segment_bytes
 from shmsync.core.pages import address_of, holds_pages, punch, reserve, resident_bytes
 from shmsync.core.processes import process_start_ns
-from shmsync.core.protocol import Protocol, Write, initialize
+from shmsync.core.protocol import Words, initialize
 from shmsync.core.segment import CREATOR_LOCK, Segment, SegmentLocks
 from shmsync.errors import StoreCorruptError
+from shmsync.writer.layout import Layout, segment_bytes
+
+RECHECK_EMPTY_S = 10.0  # a slot given back is looked at again this often (a late reader's copy refills it)
 
 
 def new_segment(
@@ -128,9 +132,12 @@ class StoreMemory:
 
     Attributes:
         segment: the mapped segment (name, locks, lifetime).
-        header: its header words (int64 memoryview).
-        protocol: this process's side of the slot protocol (:class:`~shmsync.core.protocol.Protocol`).
+        header: its header words (int64 memoryview; a private copy of the last state once closed).
+        locks: the readers' locks (:class:`~shmsync.core.segment.SegmentLocks`).
+        host, device: the protocol's words of the host bank and of the device bank.
         layout: where each tensor lives inside a slot; destinations: their names, or None.
+        slots: per slot, a writable view of every tensor in layout order, on the store's own pages
+            (what a writer copies into; mapped at first use, see :meth:`map_slots`).
     """
 
     def __init__(
@@ -138,52 +145,43 @@ class StoreMemory:
     ) -> None:
         self.segment = segment
         self.header = h = header
+        self.name = segment.name
         self.layout, self.destinations = layout, destinations
         self.num_slots = h[W_NUM_SLOTS]
-        self.protocol = Protocol(h, SegmentLocks(segment), name=segment.name)
-        self.protocol.on_cold = self._reserve_slot
-        self._shared: list[list[torch.Tensor]] = []  # per slot, views of the store's pages (a writer's)
+        self.locks = SegmentLocks(segment)
+        self.host = Words(h, HOST, name=segment.name)
+        self.device = Words(h, DEVICE, name=segment.name)
+        self.slots: list[list[torch.Tensor]] = []  # per slot, views of the store's pages (a writer's)
         self._private: list[list[torch.Tensor]] = []  # per slot, views of a private mapping (a reader's)
         self._pinned: list = []  # (pointer, view) of page-locked memory, for CUDA copies
-        self._empty: dict[int, float] = {}  # slots seen holding no pages, and when
-        self._reclaim_failed = False
+        self.closed = False
         # Garbage collected or at exit: views dropped, unlinked if asked (by the creator only).
         self._finalizer = weakref.finalize(
-            self, _release, segment, (self._shared, self._private), h[W_CREATOR_PID], self._pinned, unlink_at_exit
+            self, _release, segment, (self.slots, self._private), h[W_CREATOR_PID], self._pinned, unlink_at_exit
         )
-
-    @property
-    def name(self) -> str:
-        return self.segment.name
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
 
     @property
     def pinned(self) -> bool:
         """Whether the slots are page-locked in this process (see :meth:`pin_for_cuda`)."""
         return bool(self._pinned)
 
-    @property
-    def slots(self) -> list[list[torch.Tensor]]:
-        """Per slot, a writable view of every tensor in layout order, on the store's own pages:
-        what a writer copies into (mapped on first use)."""
-        if not self._shared:
-            self._shared += self._slot_views(shared=True)
-        return self._shared
+    def map_slots(self) -> list[list[torch.Tensor]]:
+        """Map the store's pages writable (once) and return :attr:`slots`."""
+        if not self.slots:
+            self.slots += self._slot_views(shared=True)
+        return self.slots
 
     def private_slots(self) -> list[list[torch.Tensor]]:
         """Per slot, a view of every tensor in layout order, on a private mapping of the store's
         pages: what a reader copies from, or points its parameters at. A write through them
-        copies the page for this process alone (see :func:`shmsync.core.pages.private_pages`)."""
+        copies the page for this process alone (see :func:`shmsync.reader.in_place.private_pages`)."""
         if not self._private:
             self._private += self._slot_views(shared=False)
         return self._private
 
     def read_slots(self) -> list[list[torch.Tensor]]:
         """Views to copy out of: the writer's, where this process has them, else the private ones."""
-        return self._shared or self.private_slots()
+        return self.slots or self.private_slots()
 
     def _slot_views(self, *, shared: bool) -> list[list[torch.Tensor]]:
         buf, base = self.segment.data(shared=shared)
@@ -219,104 +217,90 @@ class StoreMemory:
             view = whole[offset : offset + self.header[W_PAYLOAD_BYTES]]
             return view if writable else view.toreadonly()
 
-    # -- memory ---------------------------------------------------------------------------------
-    def _reserve_slot(self, slot: int) -> None:
+    # -- pages ----------------------------------------------------------------------------------
+    def reserve(self, slot: int) -> None:
         """Before the writer writes an empty slot: its pages, or an OSError if there is no room."""
         offset, length = self.slot_range(slot)
-        self._empty.pop(slot, None)
         reserve(self.segment.fd, offset, length, f"a slot of store {self.name!r}")
 
-    def _holds_pages(self, slot: int) -> bool:
-        # A slot given back stays empty unless a reader's late copy touched it (its pages then
-        # come back zeroed): look again once a second, not at every publish.
-        if time.monotonic() - self._empty.get(slot, -1e9) < 1.0:
-            return False
+    def holds_pages(self, slot: int) -> bool:
+        """Whether slot ``slot`` holds any page (one ``lseek``)."""
         offset, length = self.slot_range(slot)
-        if holds_pages(self.segment.fd, offset, length):
-            return True
-        self._empty[slot] = time.monotonic()
-        return False
+        return holds_pages(self.segment.fd, offset, length)
 
-    def _give_back(self, slot: int) -> None:
-        h = self.header
+    def give_back(self, slot: int) -> bool:
+        """Drop the pages of ``slot`` (marked being written by the caller: see
+        :meth:`~shmsync.core.protocol.Writer.idle_slots`); none once a process page-locked the slots
+        for CUDA copies (the device would keep reading the pages it locked). True if given back."""
+        h, full_fence, fence = self.header, self.host.full_fence, self.host.fence
         h[W_GIVE_BACK_BEGUN] += 1
-        self.protocol.full_fence()  # the count before the flag's load (pin_for_cuda: the flag, then the count)
-        if not h[W_STORE_FLAGS] & STORE_PAGE_LOCKED:
+        full_fence()  # the count before the flag's load (pin_for_cuda: the flag, then the count)
+        given = not h[W_STORE_FLAGS] & STORE_PAGE_LOCKED
+        if given:
             offset, length = self.slot_range(slot)
             punch(self.segment.fd, offset, length)
-            self._empty[slot] = time.monotonic()
-        self.protocol.fence()
+        fence()
         h[W_GIVE_BACK_DONE] += 1
-
-    def commit(self, write: Write, version: int | None = None) -> int:
-        """The protocol's commit, then :meth:`reclaim`: returns the version made visible."""
-        version = self.protocol.commit(write, version)
-        self.reclaim()
-        return version
-
-    def reclaim(self) -> list[int]:
-        """Give back the memory of the slots no reader can use, but the next write's (see
-        :meth:`~shmsync.core.protocol.Protocol.reclaim`); none once a process page-locked them
-        for CUDA copies (the device would keep reading the pages it locked). The writer's; returns
-        the slots given back."""
-        if self.header[W_STORE_FLAGS] & STORE_PAGE_LOCKED:
-            return []
-        try:
-            return self.protocol.reclaim(self._give_back, self._holds_pages)
-        except OSError as e:  # the version is out: memory that stays is no reason to fail a publish
-            if not self._reclaim_failed:
-                self._reclaim_failed = True
-                message = f"store {self.name!r}: unused slots keep their memory ({e})"
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
-            return []
+        return given
 
     def resident_bytes(self) -> int:
         """Bytes of memory the store's file takes now (header and the slots holding pages)."""
         return resident_bytes(self.segment.fd)
 
     def pin_for_cuda(self) -> None:
-        """Page-lock the slots in this process (once), so CUDA copies are asynchronous DMA.
+        """Page-lock the host slots in this process (once), so CUDA copies are asynchronous DMA.
 
         From then on the writer gives no slot's memory back (the device would go on reading the
-        pages it locked): a store read by GPU workers holds all its slots in host memory."""
+        pages it locked): a store whose host slots feed a GPU holds all of them in host memory."""
         if self._pinned or not torch.cuda.is_available():
             return
-        from shmsync.core.page_lock import register_host
-
         h = self.header
         h[W_STORE_FLAGS] |= STORE_PAGE_LOCKED
-        self.protocol.full_fence()  # the flag before the count's load below
+        self.host.full_fence()  # the flag before the count's load below
         buf, base = self.segment.data(shared=True)
         region = torch.frombuffer(
             buf, dtype=torch.uint8, count=h[W_SLOT_BYTES] * self.num_slots, offset=h[W_DATA_OFFSET] - base
         )
         # A give-back the writer began before it could see the flag may still drop pages: wait
-        # for it to end (see _give_back: of the flag and the count, one side sees the other's).
+        # for it to end (see give_back: of the flag and the count, one side sees the other's).
         began, deadline = h[W_GIVE_BACK_BEGUN], time.monotonic() + 5.0
         while h[W_GIVE_BACK_DONE] < began:
             if time.monotonic() > deadline:
                 return  # a writer that died mid-give-back: copies stay synchronous
             time.sleep(0.001)
-        pointer = register_host(region)
-        self._pinned.append((pointer, region))
+        self._pinned.append((register_host(region), region))
 
     def close(self) -> None:
         """Drop the views and unmap (unlinking, if so made). The header stays readable: a
         private copy of its last state replaces the mapped one."""
-        if self._finalizer.alive:
+        if not self.closed:
+            self.closed = True
             mapped = self.header
-            self.header = self.protocol.h = memoryview(bytearray(mapped.tobytes())).cast("q")
-            mapped.release()  # so the mapping can go now
+            self.header = memoryview(bytearray(mapped.tobytes())).cast("q")
+            # The roles' words view the mapping still: released, any use of them raises ValueError.
+            mapped.release()
             self._finalizer()
 
 
-def _release(segment: Segment, views: tuple[list, ...], creator_pid: int, pinned: list, unlink: bool = False) -> None:
-    if pinned:
-        from shmsync.core.page_lock import unregister_host
+def register_host(tensor: torch.Tensor) -> int:
+    """Page-lock the memory behind a CPU tensor (``cudaHostRegister``); returns its pointer for
+    :func:`unregister_host`."""
+    ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {size} bytes failed with CUDA error {int(err)}")
+    return ptr
 
-        for ptr, _view in pinned:
-            unregister_host(ptr)  # before the memory is unmapped
-        pinned.clear()
+
+def unregister_host(ptr: int) -> None:
+    """Undo :func:`register_host` (before the memory is unmapped)."""
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def _release(segment: Segment, views: tuple[list, ...], creator_pid: int, pinned: list, unlink: bool = False) -> None:
+    for ptr, _view in pinned:
+        unregister_host(ptr)  # before the memory is unmapped
+    pinned.clear()
     for v in views:
         v.clear()
     if unlink and os.getpid() == creator_pid:

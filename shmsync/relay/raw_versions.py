@@ -1,15 +1,14 @@
 """Whole versions as bytes, for moving them between hosts: a store made from another store's
 layout description whose first version is written straight into a slot, a version written
-straight from a socket into a free slot, and a listener on each version this process commits.
+straight from a socket into a free slot (a store's writer wakes each link of a relay's server as a
+version commits: ``store.writer.add_listener``).
 
-This is how a relay publishes on its host (:mod:`shmsync.relay`), with no copy in between; it is
-the store's plumbing, kept off :class:`~shmsync.WeightStore`'s public face, and uses the store's
-package-internal writer helpers.
+This is how a relay publishes on its host (:mod:`shmsync.relay`), with no copy in between.
 
 Examples:
     >>> import torch
     >>> from shmsync import WeightStore
-    >>> from shmsync.raw_versions import create_from_bytes, publish_bytes
+    >>> from shmsync.relay.raw_versions import create_from_bytes, publish_bytes
     >>> with WeightStore.create(torch.nn.Linear(2, 2)) as source:
     ...     ones = lambda buffer: buffer.cast("B").__setitem__(slice(None), b"\\x01" * len(buffer))
     ...     with create_from_bytes(source.layout_description, ones, version=5, name="raw-example") as copy:
@@ -21,9 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shmsync.core.layout import Layout
 from shmsync.core.segment import Segment, validate_name
-from shmsync.store import WeightStore, check_version
+from shmsync.writer.layout import Layout
+from shmsync.writer.store import WeightStore, check_version, create_empty
 
 
 def create_from_bytes(
@@ -50,18 +49,13 @@ def create_from_bytes(
     check_version(version)
     validate_name(name)
     layout, destinations = Layout.from_json(layout_description, "the layout to make a store from")
-    store = WeightStore._create_empty(
-        layout,
-        destinations,
-        lambda _name, size, head, reserve_bytes, track: Segment.create_incoming(
-            size, head, reserve_bytes=reserve_bytes, track=track
-        ),
-        name,
-        num_slots,
-        unlink_at_exit,
-    )
+
+    def incoming(_name: str, size: int, head: int, reserve_bytes: int, track: bool) -> Segment:
+        return Segment.create_incoming(size, head, reserve_bytes=reserve_bytes, track=track)
+
+    store = create_empty(layout, destinations, incoming, name, num_slots, unlink_at_exit)
     try:
-        publish_bytes(store, fill, version=version)
+        store.writer.publish_bytes(fill, version)
         store.memory.segment.link(name)
     except BaseException:
         store.unlink()
@@ -83,33 +77,7 @@ def publish_bytes(store: WeightStore, fill: Callable[[memoryview], None], *, ver
         ValueError: ``version`` is not higher than the last one; nothing is written.
         WriterBusyError: another live process holds the writer role.
     """
-    store._check_open()
-    store._check_next_version(version)
-    store._claim_writer()
-    memory = store.memory
-    protocol = memory.protocol
-    write = protocol.begin_write()
-    try:
-        with memory.slot_buffer(write.slot, writable=True) as buffer:
-            fill(buffer)
-    except BaseException:
-        protocol.abort(write)
-        raise
-    return memory.commit(write, version)
+    return store.writer.publish_bytes(fill, version)
 
 
-def add_publish_listener(store: WeightStore, listener: Callable[[int], None]) -> None:
-    """Call ``listener(version)`` each time a version published from this process into ``store``
-    becomes visible, in the thread that made it visible, right after (a relay's links wake on it
-    instead of polling). It must return at once and never raise."""
-    store.memory.protocol.listeners.append(listener)
-
-
-def remove_publish_listener(store: WeightStore, listener: Callable[[int], None]) -> None:
-    """Undo :func:`add_publish_listener`."""
-    listeners = store.memory.protocol.listeners
-    if listener in listeners:
-        listeners.remove(listener)
-
-
-__all__ = ["add_publish_listener", "create_from_bytes", "publish_bytes", "remove_publish_listener"]
+__all__ = ["create_from_bytes", "publish_bytes"]

@@ -1,0 +1,495 @@
+"""The trainer's side of :class:`~shmsync.ShmWeightSyncScheme`: one collector's stores, and the one
+route every publish of that collector takes.
+
+A :class:`StoreGroup` holds the stores behind a collector's shmsync keys: one store shared by
+every worker, or one per worker (``per_worker_weights``). All keys live in each store as
+destinations, so one update is one version: the keys given get their new weights, the others keep
+theirs.
+
+A :class:`Publisher` is made when TorchRL gives a scheme its collector (``init_on_sender(context=
+collector)``), or by a scheme initialized before any collector. Every publish goes through
+:meth:`Publisher.publish`, whichever entry point the user calls: TorchRL's loop calls each
+scheme's ``send()``, and ``update_policy_weights_`` is wrapped on the collector's instance so that
+the keys one call names are published as one version (TorchRL offers no hook around one update
+call, and drops unknown keywords such as ``version=``). Three more public methods are wrapped on
+that one instance, each over a path that stays correct without it: ``shutdown`` (frees the stores
+at once; else they go with the schemes), ``load_state_dict`` (republishes under the restored
+versions) and ``iterator`` (gives each batch ``("next", key)`` where a worker could not tag it).
+
+A publish's version is, in order: the one given (``update_policy_weights_(version=n)``); on a
+collector that is another process's remote leg (a node, a Ray actor), the trainer's number of the
+push being applied (:mod:`shmsync.torchrl.legs`), never a guess; else the store's next.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+from tensordict import TensorDictBase
+
+from shmsync.core.segment import default_name
+from shmsync.torchrl import compat
+from shmsync.torchrl.trainer_weights import models_of, models_without_collector, per_store
+from shmsync.watch.alarm import ReaderAlarm
+from shmsync.watch.frames import tag_next
+from shmsync.watch.table import ReaderTable, merge
+from shmsync.writer.store import BACKGROUND_MIN_BYTES, WeightStore
+
+ATTACH_PATIENCE = 5.0  # seconds the first check waits for workers still attaching
+_PUBLISHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # collector -> its publisher
+
+
+class RemoteLeg(Protocol):
+    """A collector that is another process's remote leg: the trainer's numbers of its pushes, and
+    what it reports of each push it applies (see :mod:`shmsync.torchrl.legs`)."""
+
+    def take(self) -> int:
+        """The trainer's number of the push being applied, taken once (raises if none was named)."""
+
+    def applied(self, version: int) -> None:
+        """The push numbered ``version`` is published to this collector's workers."""
+
+    def failed(self, error: BaseException) -> None:
+        """The push could not be published: report it to the trainer, or raise it."""
+
+    def started(self) -> None:
+        """The collector's stores exist (a node tells the trainer, which waits for it)."""
+
+
+class StoreGroup:
+    """The stores of one collector (or of one scheme initialized before any collector).
+
+    Args:
+        models: one mapping ``{key: module or TensorDict}`` per store: a single one when all
+            workers share weights, else one per worker, in worker order.
+        num_slots: copies kept in shared memory per store.
+        num_workers: the number of workers when known (checks ``worker_ids``).
+        devices: each worker's policy device when known (resolves device ``worker_ids``).
+        background: copy CPU publishes in the background (see :meth:`~shmsync.WeightStore.create`).
+            Default (None): under a collector whose next batch runs the weights just sent
+            (``exact``), for stores of 16 MiB and more; never elsewhere.
+        exact: the collector's next batch runs the weights just sent (its workers wait for them).
+    """
+
+    def __init__(
+        self,
+        models: list[dict[str, Any]],
+        *,
+        num_slots: int,
+        num_workers: int | None = None,
+        devices: Sequence[Any] | None = None,
+        background: bool | None = None,
+        exact: bool = False,
+    ) -> None:
+        self.keys = list(models[0])
+        self.models = models  # held: a model built here from a factory has no other owner
+        self.per_worker = len(models) > 1
+        self.num_workers = len(models) if self.per_worker else num_workers
+        self.devices = list(devices) if devices is not None else None
+        self.alarm: ReaderAlarm | None = None
+        self.closed = False
+        base = default_name("torchrl")
+        self.stores: list[WeightStore] = []
+        try:
+            for i, m in enumerate(models):
+                name = f"{base}-w{i}" if self.per_worker else base
+                store = WeightStore.create(m, name=name, num_slots=num_slots)
+                big = store.nbytes >= BACKGROUND_MIN_BYTES
+                store.writer.background = exact and big if background is None else background
+                self.stores.append(store)
+        except BaseException:
+            self.close()
+            raise
+
+    def readers(self, processes: bool = False, memory: bool | None = None) -> ReaderTable:
+        """The readers' table of every store of the group."""
+        return merge([store.readers(processes=processes, memory=memory) for store in self.stores])
+
+    def start_alarm(self, settings: dict[str, Any] | None) -> None:
+        """Watch the group's readers with a stale-worker alarm of ``settings`` (once; None: none)."""
+        if settings is not None and self.alarm is None:
+            self.alarm = ReaderAlarm(self.readers, **settings).start()
+
+    def expected_readers(self) -> int | None:
+        """Readers that attach to each store: a worker's reader per key (None if not known)."""
+        if self.num_workers is None:
+            return None
+        return len(self.keys) * (1 if self.per_worker else self.num_workers)
+
+    @property
+    def store_names(self) -> list[str]:
+        return [s.name for s in self.stores]
+
+    @property
+    def version(self) -> int:
+        """The newest version of any of the stores."""
+        return max(s.version for s in self.stores)
+
+    def publish(self, weights: dict[str, Any], worker_ids: Any = None, version: int | None = None) -> int:
+        """Publish the keys of ``weights`` (new weights, or None for the key's own model) into every
+        store they reach, each store's other keys from their models, as one version a store
+        (``version``, or each store's next); everything is checked before anything is written.
+        Returns the newest version published.
+
+        Raises:
+            StaleReaderError: the alarm (``on_stale="raise"``) found a stale worker; nothing published.
+            ValueError, WeightMismatchError: an update aimed at workers or weights that do not fit.
+        """
+        if self.alarm is not None and self.alarm.pending:
+            self.alarm.raise_pending()
+        models = self.models[0]
+        if (
+            worker_ids is None
+            and not self.per_worker
+            and all(models.get(k, k) is w or w is None for k, w in weights.items())
+        ):
+            return self.stores[0].publish(models, version=version)  # the trainer's own models: checked fast
+        prepared = self.prepare(weights, worker_ids)
+        check_all(prepared, version)
+        return max(store.publish(source, version=version) for store, source in prepared)
+
+    def prepare(self, weights: dict[str, Any], worker_ids: Any = None) -> list[tuple[WeightStore, dict[str, Any]]]:
+        """``(store, source)`` for every store the update of ``weights`` reaches (nothing written)."""
+        unknown = [k for k in weights if k not in self.keys]
+        if unknown:
+            raise KeyError(f"keys {unknown} are not in this collector's shmsync stores (they hold {self.keys})")
+        targets = {key: self._targets(key, w, worker_ids) for key, w in weights.items()}
+        reached = sorted(set().union(*targets.values())) if targets else []
+        return [(self.stores[w], self._source(w, weights, targets)) for w in reached]
+
+    def relabel(self, versions: Sequence[int | None]) -> None:
+        """Republish each store's newest weights under a restored version, when it is higher."""
+        for store, wanted in zip(self.stores, versions):
+            if wanted is not None and int(wanted) > store.version:
+                store.publish(store.snapshot().weights, version=int(wanted))
+
+    def check_workers_attached(self) -> None:
+        """For a collector's stores (its publisher calls this once): every worker's reader attached
+        (waiting a little for late ones), else raise. Once the collector is built, TorchRL has
+        set the scheme up in every worker it started."""
+        expected = self.expected_readers()
+        if expected is None:
+            return
+        deadline = time.monotonic() + ATTACH_PATIENCE
+        while True:
+            attached = [len(store.readers()) for store in self.stores]
+            if min(attached) >= expected or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for store, n in zip(self.stores, attached):
+            compat.check_workers_set_up(n, expected, store.name)
+
+    def _targets(self, key: str, weights: Any, worker_ids: Any) -> tuple[int, ...]:
+        """The stores an update reaches, checked before anything is written."""
+        if _is_per_worker(weights):
+            if worker_ids is not None:
+                raise ValueError(f"key {key!r}: pass per-worker weights {{worker: weights}} or worker_ids, not both")
+            ids, what = sorted(weights), "per-worker weights"
+        elif worker_ids is None:
+            return tuple(range(len(self.stores)))
+        else:
+            ids, what = self._worker_indices(worker_ids), f"worker_ids={worker_ids!r}"
+        if self.num_workers is not None:
+            unknown = [i for i in ids if not 0 <= i < self.num_workers]
+            if unknown:
+                raise ValueError(f"key {key!r}: {what} name workers {unknown}; there are {self.num_workers}")
+        if self.per_worker:
+            return tuple(ids)
+        if self.num_workers is not None and set(ids) == set(range(self.num_workers)):
+            return (0,)
+        raise ValueError(
+            f"key {key!r}: {what} would update only some workers, but every worker of this collector "
+            "loads one shared set of weights; build the scheme with "
+            "ShmWeightSyncScheme(per_worker_weights=True) to give each worker its own"
+        )
+
+    def _worker_indices(self, worker_ids: Any) -> list[int]:
+        ids = worker_ids if isinstance(worker_ids, (list, tuple)) else [worker_ids]
+        out: list[int] = []
+        for w in ids:
+            if isinstance(w, (str, torch.device)):
+                if self.devices is None:
+                    raise ValueError(f"worker_ids={worker_ids!r}: the workers' devices are not known to this scheme")
+                # No device given to the collector: the policy stays where it is built, on the CPU.
+                matches = [i for i, d in enumerate(self.devices) if torch.device(d or "cpu") == torch.device(w)]
+                if not matches:
+                    raise ValueError(f"worker_ids={worker_ids!r}: no worker runs on {w}")
+                out += matches
+            elif isinstance(w, int) and not isinstance(w, bool):
+                out.append(w)
+            else:
+                raise TypeError(f"worker_ids must be ints or devices, got {type(w).__name__}")
+        return sorted(set(out))
+
+    def _source(self, w: int, weights: dict[str, Any], targets: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+        """What store ``w`` publishes: the new weights of the keys aimed at it, the rest as they are."""
+        source = {}
+        for key in self.keys:
+            new = weights.get(key) if w in targets.get(key, ()) else None
+            if _is_per_worker(new):
+                new = new[w]
+            source[key] = self.models[w][key] if new is None else new
+        return source
+
+    def close(self) -> None:
+        """Free the stores (a closed store still tells its last version)."""
+        self.closed = True
+        if self.alarm is not None:
+            self.alarm.stop()
+        for store in self.stores:
+            if not store.closed:
+                store.close()
+
+
+class Publisher:
+    """The stores, versions and instance wrappers of one collector (or of one scheme initialized
+    before any collector: then ``collector`` is None and nothing is wrapped).
+
+    Args:
+        collector: the TorchRL collector, or None.
+        leg: set when the collector is another process's remote leg (a node, a Ray actor).
+    """
+
+    def __init__(self, collector: Any = None, leg: RemoteLeg | None = None) -> None:
+        self._collector = weakref.ref(collector) if collector is not None else lambda: None
+        self.leg = leg
+        self.groups: list[StoreGroup] = []
+        self.keys: set[str] = set()  # the collector's shmsync keys
+        self.unchecked: list[StoreGroup] = []  # groups whose workers are still to be seen attached
+        self.version_keys: list[str] = []
+        self.num_workers = getattr(collector, "num_workers", None)
+        self.report_version = None
+        if collector is not None:
+            self.report_version = compat.version_setter(collector)  # checked now, before any worker starts
+            for method in ("update_policy_weights_", "shutdown", "load_state_dict", "iterator"):
+                compat.wrap_on_instance(collector, method, functools.partial(_bind, getattr(self, _WRAPPERS[method])))
+            _PUBLISHERS[collector] = self
+
+    @classmethod
+    def of(cls, collector: Any) -> Publisher | None:
+        """The publisher of ``collector``, if it has one."""
+        return _PUBLISHERS.get(collector)
+
+    @classmethod
+    def group_with(cls, collector: Any, key: str) -> StoreGroup | None:
+        """The group ``collector`` already made for ``key`` (with its other shmsync keys), if any."""
+        publisher = _PUBLISHERS.get(collector)
+        return next((g for g in publisher.groups if key in g.keys), None) if publisher is not None else None
+
+    @property
+    def collector(self) -> Any:
+        return self._collector()
+
+    def add(self, group: StoreGroup, version_key: str | None) -> None:
+        """Serve ``group`` (its stores hold this collector's keys)."""
+        if group in self.groups:
+            return
+        self.groups.append(group)
+        self.keys.update(group.keys)
+        if self.collector is not None:
+            self.unchecked.append(group)  # the first batch or update checks that every worker attached
+        if version_key is not None and version_key not in self.version_keys:
+            self.version_keys.append(version_key)
+
+    def live_groups(self) -> list[StoreGroup]:
+        return [g for g in self.groups if not g.closed]
+
+    # -- the one route of a publish ---------------------------------------------------------------
+    def publish(self, weights: dict[str, Any], worker_ids: Any = None, given: int | None = None) -> None:
+        """Publish ``weights`` (key -> weights, or None for the key's model) as one version, whatever
+        groups the keys live in (checked all before any is written); then tell the tracker, and the
+        trainer if this collector is a remote leg."""
+        if self.unchecked and self.leg is None:  # a remote leg applies pushes while still being built
+            self._check_attached()
+        groups = [g for g in self.groups if not g.closed and any(k in g.keys for k in weights)]
+        if not groups:
+            return
+        leg = self.leg
+        try:
+            version = given if given is not None or leg is None else leg.take()
+            if len(groups) == 1:
+                newest = groups[0].publish(weights, worker_ids, version)
+            else:
+                newest = self._publish_in(groups, weights, worker_ids, version)
+        except BaseException as error:
+            if leg is None:
+                raise
+            leg.failed(error)
+            return
+        if self.report_version is not None:
+            self.report_version(newest)
+        if leg is not None:
+            leg.applied(newest)
+
+    @staticmethod
+    def _publish_in(groups: list[StoreGroup], weights: dict[str, Any], worker_ids: Any, version: int | None) -> int:
+        parts = [(g, {k: w for k, w in weights.items() if k in g.keys}) for g in groups]
+        # Several groups: all are checked before any is written.
+        check_all([pair for g, w in parts for pair in g.prepare(w, worker_ids)], version)
+        return max(g.publish(w, worker_ids, version) for g, w in parts)
+
+    def _check_attached(self) -> None:
+        """Once per group: every worker's reader attached (TorchRL set the scheme up in each)."""
+        while self.unchecked:
+            self.unchecked.pop().check_workers_attached()
+
+    def sync_tracker(self) -> None:
+        """Make ``track_policy_version``'s tracker report the version last published."""
+        groups = self.live_groups()
+        if self.report_version is not None and groups:
+            self.report_version(max(g.version for g in groups))
+
+    # -- the wrappers -----------------------------------------------------------------------------
+    def update(self, original: Callable, *args: Any, version: int | None = None, **kwargs: Any) -> Any:
+        """``update_policy_weights_``: the shmsync keys it names, one version; the rest, TorchRL's."""
+        weights, worker_ids = compat.update_request(args, kwargs) if args or kwargs else ({"policy": None}, None)
+        rest = {k: w for k, w in weights.items() if k not in self.keys}
+        result = original(weights_dict=rest, worker_ids=worker_ids) if rest else None
+        self.publish({k: w for k, w in weights.items() if k in self.keys}, worker_ids, given=version)
+        return result
+
+    def shutdown(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for g in self.live_groups():
+                g.close()
+
+    def load_state_dict(self, original: Callable, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(state_dict, *args, **kwargs)
+        saved = [_saved_version(state_dict, i) for i in range(self.num_workers or 0)]
+        for g in self.live_groups():
+            g.relabel(saved if g.per_worker else [max((v for v in saved if v is not None), default=None)])
+        return result
+
+    def iterator(self, original: Callable, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        self._check_attached()  # before the first batch: a worker left out would run its first weights
+        for batch in original(*args, **kwargs):
+            if self.version_keys and isinstance(batch, TensorDictBase):
+                for key in self.version_keys:
+                    if key in batch.keys() and ("next", key) not in batch.keys(True):
+                        tag_next(batch, key)
+            yield batch
+
+
+_WRAPPERS = {
+    "update_policy_weights_": "update",
+    "shutdown": "shutdown",
+    "load_state_dict": "load_state_dict",
+    "iterator": "iterator",
+}
+
+
+def _bind(method: Callable, original: Callable) -> Callable:
+    """``method(original, ...)`` as the instance's method (a C partial: no frame of its own)."""
+    wrapper = functools.partial(method, original)
+    functools.update_wrapper(wrapper, original)
+    return wrapper
+
+
+def join(scheme: Any, collector: Any, make_leg: Callable[[], RemoteLeg | None]) -> tuple[Publisher, StoreGroup]:
+    """The publisher of ``collector`` and the group that holds ``scheme``'s key: the one the
+    collector made for all its shmsync keys at once, the one ``scheme`` made before the collector
+    existed, or a new one for every shmsync key of the collector; ``make_leg()`` gives a new
+    publisher its remote leg, if the collector is another process's.
+
+    Raises:
+        TypeError: a single-process collector (nothing to sync).
+        ValueError: per-worker weights for another number of workers.
+    """
+    publisher = Publisher.of(collector)
+    served = Publisher.group_with(collector, scheme.model_id)
+    if served is not None:
+        return publisher, served
+    if not hasattr(collector, "num_workers"):
+        raise TypeError(
+            f"ShmWeightSyncScheme syncs the worker processes of a multi-process collector (MultiSyncCollector, "
+            f"MultiAsyncCollector); {type(collector).__name__} runs the trainer's policy in this process, so there "
+            "is nothing to sync: drop weight_sync_schemes there (shmsync.tag_versions(policy, ...) tags its frames "
+            "if you need versions)"
+        )
+    group = scheme.group  # made before the collector existed
+    if group is None:
+        schemes = {
+            k: s for k, s in compat.schemes_of(collector).items() if isinstance(s, type(scheme)) and s.group is None
+        }
+        schemes[scheme.model_id] = scheme
+        group = group_for(collector, schemes, scheme.num_slots, scheme.background)
+    try:
+        if group.per_worker and collector.num_workers != group.num_workers:
+            raise ValueError(
+                f"this scheme holds per-worker weights for {group.num_workers} workers, "
+                f"the collector has {collector.num_workers}"
+            )
+        if publisher is None:
+            publisher = Publisher(collector, make_leg())
+        publisher.add(group, scheme.version_key)
+    except BaseException:
+        if scheme.group is None:
+            group.close()
+        raise
+    if publisher.leg is not None:
+        publisher.leg.started()
+    return publisher, group
+
+
+def group_before_collector(
+    scheme: Any,
+    model: Any,
+    weights: Any,
+    params_map: Any,
+    devices: Sequence[Any] | None,
+    device_map_fn: Callable | None,
+    num_workers: int | None,
+) -> StoreGroup:
+    """The stores of a scheme initialized before any collector (``init_on_sender(model=...)`` and its
+    other forms, see :func:`~shmsync.torchrl.trainer_weights.models_without_collector`)."""
+    models, workers, scheme.per_worker_weights = models_without_collector(
+        scheme.per_worker_weights, model, weights, params_map, devices, device_map_fn, num_workers
+    )
+    per_store = [{scheme.model_id: m} for m in models]
+    return StoreGroup(
+        per_store, num_slots=scheme.num_slots, num_workers=workers, devices=devices, background=scheme.background
+    )
+
+
+def group_for(collector: Any, schemes: dict[str, Any], num_slots: int, background: bool | None) -> StoreGroup:
+    """The group of stores for a collector's shmsync ``schemes`` (key -> scheme): one store, or one
+    per worker when any key has per-worker weights (then every scheme says so)."""
+    workers = collector.num_workers
+    per_key = {key: models_of(collector, key, scheme.source, workers) for key, scheme in schemes.items()}
+    per_worker = any(s.per_worker_weights for s in schemes.values()) or any(len(m) > 1 for m in per_key.values())
+    for scheme in schemes.values():
+        scheme.per_worker_weights = per_worker
+    return StoreGroup(
+        per_store(per_key, workers if per_worker else 1),
+        num_slots=num_slots,
+        num_workers=workers,
+        devices=getattr(collector, "policy_device", None),
+        background=background,
+        exact=compat.runs_sent_weights_next(collector),
+    )
+
+
+def check_all(prepared: list[tuple[WeightStore, Any]], version: int | None = None) -> None:
+    """Check each ``(store, source)`` pair (and ``version``) before any is published, so that an
+    update reaching several stores writes all or none. A single store checks as it publishes,
+    before it writes anything: checking it twice would only cost time."""
+    if len(prepared) > 1:
+        for store, source in prepared:
+            store.check(source, version=version)
+
+
+def _is_per_worker(weights: Any) -> bool:
+    return isinstance(weights, dict) and bool(weights) and all(isinstance(k, int) for k in weights)
+
+
+def _saved_version(state_dict: Any, worker: int) -> int | None:
+    worker_state = state_dict.get(f"worker{worker}") if hasattr(state_dict, "get") else None
+    version = worker_state.get("policy_version") if hasattr(worker_state, "get") else None
+    return int(version) if isinstance(version, (int, torch.Tensor)) and not isinstance(version, bool) else None

@@ -1,0 +1,624 @@
+"""The weight store: versioned copies of a model's weights in shared memory, and publishing into it.
+
+One publish, on the trainer's thread (:meth:`WeightStore.publish`)::
+
+    tensors = the source matched against the layout        (shmsync.writer.sources)
+    write = writer.begin_write()                          (shmsync.core.protocol: a slot no reader uses)
+    copy the tensors into the slot                        (shmsync.writer.copies)
+    writer.commit(write)                                  (the version and the latest slot: two words)
+    give back the slots no reader can use                 (writer.idle_slots, then their pages)
+
+With ``background=True`` (the default from 16 MiB) the copy, the commit and the give-backs run on
+the store's :class:`~shmsync.writer.copies.Copier` thread: ``publish()`` returns once the write is
+begun and its version promised. From CUDA tensors, :mod:`shmsync.writer.cuda` copies into the
+store's device slots instead.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from tensordict import TensorDict
+
+from shmsync.core.header import (
+    STORE_PAGE_LOCKED,
+    W_CREATE_NS,
+    W_CREATOR_PID,
+    W_CREATOR_PPID,
+    W_CREATOR_START,
+    W_DEVICE,
+    W_DEVICE_BYTES,
+    W_PAYLOAD_BYTES,
+    W_PROMISED,
+    W_PUBLISH_COUNT,
+    W_PUBLISH_NS,
+    W_STORE_FLAGS,
+    W_VERSION,
+    W_WRITER_PID,
+    header_view,
+)
+from shmsync.core.protocol import Reader, Table, Writer
+from shmsync.core.segment import CREATOR_LOCK, WRITER_LOCK, Segment, default_name, not_found_hint
+from shmsync.errors import ShmSyncError, StoreNotFoundError, WriterBusyError
+from shmsync.watch.table import ReaderTable, assemble, local_rows
+from shmsync.writer.copies import Copier, copy_all
+from shmsync.writer.layout import Layout
+from shmsync.writer.memory import RECHECK_EMPTY_S, StoreMemory, new_segment, read_layout
+from shmsync.writer.sources import SourceMatcher, as_tensordict
+
+BACKGROUND_MIN_BYTES = 16 << 20  # a collector's scheme copies payloads from here on in the background
+
+
+class Snapshot(NamedTuple):
+    """A private copy of one complete version."""
+
+    version: int
+    weights: TensorDict
+
+
+_INFO = {
+    "version": W_VERSION,
+    "promised": W_PROMISED,
+    "creator_pid": W_CREATOR_PID,
+    "creator_start_ns": W_CREATOR_START,
+    "creator_ppid": W_CREATOR_PPID,
+    "writer_pid": W_WRITER_PID,
+    "publish_count": W_PUBLISH_COUNT,
+    "last_publish_ns": W_PUBLISH_NS,
+    "create_ns": W_CREATE_NS,
+    "payload_bytes": W_PAYLOAD_BYTES,
+    "device_bytes": W_DEVICE_BYTES,
+}
+
+
+class StoreWriter:
+    """This process's writing into one store: the writer role of its host bank, the check of each
+    source against the layout, the background copier, the CUDA publisher, and the give-backs.
+    Held by a :class:`WeightStore` (its :attr:`~WeightStore.writer`); the store's publishing
+    methods are this object's.
+
+    Args:
+        memory: the store's mapping in this process.
+        table: the reader table of its host bank (asked about leases).
+    """
+
+    def __init__(self, memory: StoreMemory, table: Table) -> None:
+        self.memory = memory
+        self.name = memory.name
+        self.role = Writer(memory.host, table)
+        self.background = False
+        self.holding = False  # this process holds the writer role
+        self.seconds = 0.0  # time spent publishing by this process
+        self.copier = Copier(f"shmsync-publish-{memory.name}")
+        self.cuda: Any = None  # the CUDA publisher (shmsync.writer.cuda), at the first CUDA publish
+        self.listeners: list[Callable[[int], None]] = []
+        self._matcher = SourceMatcher(memory.layout, memory.destinations)
+        self._what = f"weights published to store {memory.name!r}"
+        self._empty: dict[int, float] = {}  # slots seen holding no pages, and when
+
+    def publish(self, source: Any, version: int | None = None, background: bool | None = None) -> int:
+        """See :meth:`WeightStore.publish`; ``background`` overrides the store's setting."""
+        start = time.perf_counter()
+        if self.memory.closed:
+            raise ShmSyncError(f"store {self.name!r} is closed in this process")
+        tensors = self._matcher.match(source, self._what)
+        if version is not None:
+            self.check_version(version)
+        if not self.holding:
+            self.acquire()
+        if self.cuda is not None or any(t.is_cuda for t in tensors):
+            version = self._cuda(tensors).publish(tensors, version)
+        elif self.background if background is None else background:
+            version = self._in_background(tensors, version)
+        else:
+            if self.copier.busy:
+                self.copier.wait()  # one write at a time: after the one in flight
+            slots = self.memory.slots
+            version = self._write(lambda slot: copy_all(slots[slot], tensors, True), version)
+        self.seconds += time.perf_counter() - start
+        return version
+
+    def _in_background(self, tensors: list[torch.Tensor], version: int | None) -> int:
+        """Begin the write and promise its version; the copy (checked against writes to the source
+        tensors meanwhile) and the commit run on the copier's thread."""
+        if self.copier.busy:
+            self.copier.wait()  # one write at a time: back-pressure only when publishing faster than copying
+        role, memory = self.role, self.memory
+        write = role.begin_write()
+        version = memory.header[W_VERSION] + 1 if version is None else version
+        role.promise(version)
+        seen = [t._version for t in tensors]  # bumped by every in-place write (an optimizer step too)
+
+        def copy(slot: int) -> None:
+            copy_all(memory.slots[slot], tensors, True)
+            if [t._version for t in tensors] != seen:  # written while copied: the copy is no version at all
+                raise ShmSyncError(
+                    f"store {self.name!r}: the weights were written while version {version} was being copied in the "
+                    "background, so it was not published; wait with store.flush() before writing them (an optimizer "
+                    "step waits by itself), or publish with background=False"
+                )
+
+        self.copier.submit(lambda: self._write(copy, version, write))
+        return version
+
+    def _write(self, copy: Callable[[int], None], version: int | None, write: Any = None) -> int:
+        """Begin a write (unless given), ``copy(slot)`` into it, commit, give back the idle slots."""
+        role, memory = self.role, self.memory
+        if write is None:
+            write = role.begin_write()
+        try:
+            if write.cold:  # its pages may have been given back: have them again, or fail cleanly
+                memory.reserve(write.slot)
+                self._empty.pop(write.slot, None)
+            copy(write.slot)
+        except BaseException:
+            role.abort(write)
+            role.withdraw()
+            raise
+        version = role.commit(write, version)
+        if not memory.header[W_STORE_FLAGS] & STORE_PAGE_LOCKED:  # else the device reads the pages it locked
+            # Slots given back lately stay empty, unless a late reader's copy refilled them: looked at
+            # again now and then only.
+            now, empty = time.monotonic(), self._empty
+            idle = [s for s in role.idle_slots() if now - empty.get(s, -RECHECK_EMPTY_S) >= RECHECK_EMPTY_S]
+            if idle:
+                self._give_back(idle, now)
+        for listener in self.listeners:
+            listener(version)
+        return version
+
+    def _give_back(self, idle: list[int], now: float) -> None:
+        """Give back the memory of the ``idle`` slots (see ``Writer.idle_slots``)."""
+        memory, role = self.memory, self.role
+        try:
+            for slot in idle:
+                if not memory.holds_pages(slot):
+                    self._empty[slot] = now
+                    continue
+                write = role.mark(slot)
+                if write is not None:  # else a reader leased it meanwhile
+                    try:
+                        if memory.give_back(slot):
+                            self._empty[slot] = now
+                    finally:
+                        role.abort(write)
+        except OSError as e:  # the version is out: memory that stays is no reason to fail a publish
+            warnings.warn(f"store {self.name!r}: unused slots keep their memory ({e})", RuntimeWarning, stacklevel=4)
+
+    def publish_bytes(self, fill: Callable[[memoryview], None], version: int) -> int:
+        """See :meth:`WeightStore.publish_bytes`."""
+        if self.memory.closed:
+            raise ShmSyncError(f"store {self.name!r} is closed in this process")
+        self.check_version(version)
+        self.flush()
+        if not self.holding:
+            self.acquire()
+
+        def copy(slot: int) -> None:
+            with self.memory.slot_buffer(slot, writable=True) as buffer:
+                fill(buffer)
+
+        return self._write(copy, version)
+
+    def add_listener(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(version)`` right after each version this process publishes turns visible,
+        on the thread that made it visible (a relay's links wake on it instead of polling). It must
+        return at once and never raise."""
+        self.listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[int], None]) -> None:
+        """Undo :meth:`add_listener`."""
+        if listener in self.listeners:
+            self.listeners.remove(listener)
+
+    def _cuda(self, tensors: list[torch.Tensor]) -> Any:
+        """The CUDA publisher, made at the first publish from CUDA tensors: the store's versions
+        live on their GPU from then on (CPU tensors published later are copied there)."""
+        if self.cuda is None:
+            from shmsync.writer.cuda import CudaPublisher
+
+            self.copier.wait()
+            device = next(t.device for t in tensors if t.is_cuda)
+            self.cuda = CudaPublisher(self.memory, self.role, self.copier, device)
+        return self.cuda
+
+    def check(self, source: Any, version: int | None = None) -> None:
+        """See :meth:`WeightStore.check`."""
+        self._matcher.match(source, f"weights for store {self.name!r}")
+        if version is not None:
+            self.check_version(version)
+
+    def check_version(self, version: Any) -> None:
+        """Raise unless ``version`` is an int higher than every version published or promised."""
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"store {self.name!r}: version must be an int, got {type(version).__name__}")
+        last = max(self.memory.header[W_VERSION], self.memory.header[W_PROMISED])
+        if version <= last:
+            raise ValueError(
+                f"store {self.name!r}: version {version} is not higher than the last published version {last}; "
+                "versions only go up"
+            )
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every publish of this process is visible (see :meth:`WeightStore.flush`)."""
+        self.copier.wait(timeout)
+
+    def acquire(self) -> None:
+        """Take the writer role (never waits).
+
+        Raises:
+            WriterBusyError: another live process holds it.
+        """
+        if not self.memory.segment.lock(WRITER_LOCK, exclusive=True, wait=False):
+            raise WriterBusyError(
+                f"store {self.name!r} is being published by another process (last writer pid "
+                f"{self.memory.header[W_WRITER_PID]}); one process publishes at a time: publish from "
+                "that process, or call release_writer()/close() there first"
+            )
+        self.memory.map_slots()
+        self.holding = True
+
+    def release(self) -> None:
+        """Give up the writer role, after every publish of this process landed."""
+        self.flush()
+        if self.holding:
+            self.memory.segment.unlock(WRITER_LOCK)
+            self.holding = False
+
+    def close(self) -> None:
+        """Wait for the publishes in flight, then end the copier's thread and the CUDA publisher."""
+        try:
+            self.copier.close()
+        finally:
+            if self.cuda is not None:
+                self.cuda.close()
+
+
+class WeightStore:
+    """Versioned weights in shared memory, published by one process, read by many.
+
+    Create it in the trainer with :meth:`create`; open it elsewhere with :meth:`attach` or by
+    pickling it to a child process. :meth:`publish` copies new weights in and makes them visible
+    as one new version; readers (:class:`~shmsync.WeightReader`) load the newest complete version,
+    never a mix of two.
+
+    Attributes:
+        memory: the store's mapping in this process (:class:`~shmsync.writer.memory.StoreMemory`).
+        table: the reader table (rows, and leases of host slots).
+        writer: this process's writing into it (:class:`StoreWriter`).
+
+    Examples:
+        >>> import torch
+        >>> from shmsync import WeightReader, WeightStore
+        >>> policy = torch.nn.Linear(4, 2)
+        >>> with WeightStore.create(policy) as store:
+        ...     v = store.publish(policy)
+        ...     reader = WeightReader(store, torch.nn.Linear(4, 2))
+        ...     reader.poll(), reader.version == v
+        (True, True)
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Not called directly: use :meth:`WeightStore.create` (trainer) or :meth:`WeightStore.attach`."""
+        raise TypeError("make a store with WeightStore.create(source) or open one with WeightStore.attach(name)")
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        source: Any,
+        name: str | None = None,
+        *,
+        num_slots: int = 4,
+        unlink_at_exit: bool = True,
+        version: int = 0,
+        background: bool = False,
+    ) -> WeightStore:
+        """Allocate a store shaped like ``source`` and publish its weights as version 0.
+
+        Args:
+            source: an ``nn.Module`` (its parameters and buffers), a ``TensorDict``, or a
+                mapping ``{destination: module or TensorDict}``. Several destinations live in one
+                store and are published together under one version. Tensors may be on any
+                device: published from CUDA, versions are kept in device memory too (the GPUs page).
+            name: a name to attach by: 1 to 200 letters, digits, ``_``, ``.`` and ``-``.
+                Default: a unique name, so concurrent test processes never collide.
+            num_slots: slots, each room for one copy of the weights; only those holding the latest
+                version, the next write or a version a reader runs in place hold memory. Readers in
+                place hold at most ``num_slots - 2`` distinct versions (the others copy).
+            unlink_at_exit: remove the shared memory when this process exits or the store is
+                garbage collected. Existing readers keep their mapping.
+            version: the version of these first weights. Default 0.
+            background: copy each publish from CPU tensors on a background thread (see
+                :meth:`publish`): the source must not be written until it landed (:meth:`flush`;
+                an optimizer step waits by itself), else that version is not published.
+
+        Returns:
+            The store at ``version``, this process its writer; only this user may open it.
+
+        Raises:
+            FileExistsError: ``name`` is taken.
+            ValueError: ``name`` is not a valid store name.
+            WeightMismatchError: ``source`` holds no tensors, or tensors on ``meta``.
+        """
+        check_version(version)
+        td, destinations = as_tensordict(source, "WeightStore.create() source")
+        layout = Layout.from_tensordict(td)
+        layout.match(td, "weights given to WeightStore.create()")
+        name = default_name() if name is None else name
+        store = create_empty(layout, destinations, Segment.create, name, num_slots, unlink_at_exit)
+        store.writer.background = bool(background)
+        try:
+            store.writer.publish(source, version, background=False)
+            store.flush()
+        except BaseException:
+            store.unlink()
+            store.close()
+            raise
+        return store
+
+    @classmethod
+    def attach(cls, name: str) -> WeightStore:
+        """Open the store called ``name`` from any process on this host. Its file is checked before
+        it is mapped: a regular file only this user may write, every header and layout field in range.
+
+        Raises:
+            StoreNotFoundError: there is no such store (or it was unlinked).
+            StoreUntrustedError: the file is not one this user alone could have written.
+            StoreCorruptError: a header or layout field is out of range (naming it).
+            ValueError: ``name`` is not a valid store name.
+        """
+        try:
+            segment, (layout, destinations) = Segment.open(name, lambda fd, st: read_layout(fd, st, name))
+        except StoreNotFoundError as e:
+            raise StoreNotFoundError(f"{e}{not_found_hint(name)}") from None
+        try:
+            return _opened(segment, layout, destinations, owner=False, unlink_at_exit=False)
+        except BaseException:
+            segment.close()
+            raise
+
+    def __reduce__(self):
+        return (WeightStore.attach, (self.name,))  # a child process attaches by name
+
+    # -- facts ----------------------------------------------------------------------------------
+    name = property(lambda self: self.memory.name, doc="The name other processes attach by.")
+    version = property(
+        lambda self: self.memory.header[W_VERSION],
+        doc="The last completed version (monotonic; 0 is the weights given to :meth:`create`).",
+    )
+    destinations = property(lambda self: self.memory.destinations, doc="The destination names, or None.")
+    nbytes = property(lambda self: self.memory.header[W_PAYLOAD_BYTES], doc="Bytes of one copy of the weights.")
+    shm_bytes = property(lambda self: self.memory.segment.size, doc="Bytes of shared memory the file may take.")
+    resident_bytes = property(
+        lambda self: self.memory.resident_bytes(),
+        doc="Bytes of host memory the store takes now: its header, and the slots that hold pages.",
+    )
+    device_bytes = property(
+        lambda self: self.memory.header[W_DEVICE_BYTES], doc="Bytes of GPU memory its device slots take now."
+    )
+    num_slots = property(lambda self: self.memory.num_slots, doc="Slots per bank.")
+    closed = property(lambda self: self.memory.closed, doc="Whether this process closed it.")
+    publish_seconds = property(lambda self: self.writer.seconds, doc="Time spent in publish() by this process.")
+    background = property(lambda self: self.writer.background, doc="Whether CPU publishes copy in the background.")
+    layout_description = property(
+        lambda self: self.memory.layout.to_json(self.memory.destinations),
+        doc="The layout (keys, shapes, dtypes, offsets, destinations) as bytes: equal descriptions, equal bytes.",
+    )
+
+    def keys(self) -> list[str]:
+        """Dotted keys of every tensor in the store."""
+        return [".".join(e.key) for e in self.memory.layout.entries]
+
+    def info(self) -> dict[str, int]:
+        """Header facts: versions (published and promised), creator and writer pids, publish count
+        and times (ns), bytes of host and device memory, the device (-1: none)."""
+        memory = self.memory
+        facts = {name: memory.header[word] for name, word in _INFO.items()}
+        device = memory.header[W_DEVICE]
+        extra = {"shm_bytes": memory.segment.size, "resident_bytes": memory.resident_bytes()}
+        return {**facts, **extra, "num_slots": memory.num_slots, "device": device - 1 if device else -1}
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"version={self.version}"
+        return f"WeightStore(name={self.name!r}, {state}, nbytes={self.nbytes})"
+
+    # -- publishing (this process's StoreWriter) ------------------------------------------------
+    def publish(self, source: Any, *, version: int | None = None) -> int:
+        """Copy ``source``'s weights in and make them visible as one new version.
+
+        Never waits for readers. One process publishes at a time: the creator, until
+        :meth:`release_writer` or :meth:`close`. From CUDA tensors, and with ``background``, it
+        returns once the version is promised: readers that must run it wait for it, and
+        :meth:`flush` waits for it here.
+
+        Args:
+            source: the same kind of object the store was created from, with the same keys,
+                shapes and dtypes (on any device).
+            version: this version number instead of the next one (say, the optimizer-step count),
+                higher than every version before: versions may skip, never go back.
+
+        Returns:
+            The new version.
+
+        Raises:
+            WeightMismatchError: a key, shape or dtype differs; nothing is written.
+            ValueError: ``version`` is not higher than the last one; nothing is written.
+            WriterBusyError: another live process holds the writer role.
+            RuntimeError: the previous background or CUDA publish failed (its error is the cause).
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightStore
+            >>> policy = torch.nn.Linear(4, 2)
+            >>> with WeightStore.create(policy) as store:
+            ...     store.publish(policy), store.publish(policy, version=10), store.version
+            (1, 10, 10)
+        """
+        return self.writer.publish(source, version)
+
+    def check(self, source: Any, *, version: int | None = None) -> None:
+        """Raise what :meth:`publish` would raise for ``source`` (and ``version``), writing nothing.
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightStore
+            >>> with WeightStore.create(torch.nn.Linear(4, 2)) as store:
+            ...     store.check(torch.nn.Linear(3, 2))
+            Traceback (most recent call last):
+            ...
+            shmsync.errors.WeightMismatchError: ...
+        """
+        self.writer.check(source, version)
+
+    def flush(self, timeout: float | None = None) -> int:
+        """Wait until everything this process published is visible; returns the version readers see.
+
+        Raises:
+            TimeoutError: still copying after ``timeout`` seconds.
+            RuntimeError: a background or CUDA publish failed (its error is the cause).
+        """
+        self.writer.flush(timeout)
+        return self.version
+
+    def release_writer(self) -> None:
+        """Give up the writer role so another process may publish (once this process's publishes landed)."""
+        self.writer.release()
+
+    def publisher_alive(self) -> bool:
+        """Whether a live process can still publish (it holds the writer role, or is the creator
+        with the store open), told by the kernel's locks, whatever the PID namespace.
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightStore
+            >>> with WeightStore.create(torch.nn.Linear(4, 2)) as store:
+            ...     store.publisher_alive()
+            True
+        """
+        if self.memory.closed:
+            return False
+        segment = self.memory.segment
+        return segment.held_anywhere(WRITER_LOCK) or segment.held_anywhere(CREATOR_LOCK)
+
+    # -- reading --------------------------------------------------------------------------------
+    def snapshot(self, timeout: float = 60.0) -> Snapshot:
+        """A private copy of the newest complete version (this process's publishes landed first):
+        ``Snapshot(version, weights)``, ``weights`` a TensorDict shaped like the source.
+
+        Raises:
+            ReloadTimeoutError: no complete copy could be made within ``timeout`` seconds.
+        """
+        memory = self.memory
+        if memory.closed:
+            raise ShmSyncError(f"store {self.name!r} is closed in this process")
+        self.flush(timeout)
+        if self.writer.cuda is not None:
+            version, tensors = self.writer.cuda.snapshot()
+            return Snapshot(version, memory.layout.as_tensordict(tensors))
+        tensors = [torch.empty(e.shape, dtype=e.dtype) for e in memory.layout.entries]
+        slots = memory.read_slots()
+        version = self.reader.read(lambda slot: copy_all(tensors, slots[slot]), timeout=timeout)
+        return Snapshot(version, memory.layout.as_tensordict(tensors))
+
+    retries = property(lambda self: self.reader.retries, doc="snapshot()'s copies that failed validation.")
+    pinned_reads = property(lambda self: self.reader.pinned_reads, doc="snapshot()'s reads that needed a pin.")
+
+    def readers(self, *, processes: bool = False, memory: bool | None = None) -> ReaderTable:
+        """The readers' table (:mod:`shmsync.watch.table`): every reader attached in a live process,
+        worst lagging first, and those on other hosts that relays report here. No message, no wait.
+
+        Args:
+            processes: also look up each local reader's process state and private memory (USS).
+            memory: look up the private memory (default: as ``processes``).
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightReader, WeightStore
+            >>> with WeightStore.create(torch.nn.Linear(4, 2)) as store:
+            ...     reader = WeightReader(store, torch.nn.Linear(4, 2))
+            ...     _ = reader.poll()
+            ...     [(row.version, row.behind, row.mode) for row in store.readers()]
+            [(0, 0, 'zero-copy')]
+        """
+        mapped = self.memory
+        latest = mapped.header[W_VERSION]
+        alive = mapped.locks.rows_alive
+        live, gone = local_rows(self.name, mapped.header, alive, latest, processes=processes, memory=memory)
+        return assemble(self.name, latest, live, gone, self)
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Let go of the store here (unlinking it if this process created it to), once this process's
+        publishes landed; other processes keep their mapping. ``version`` and :meth:`info` still tell."""
+        if not self.closed:
+            for dependent in list(self._dependents):
+                dependent.close()  # say, readers: private copies, leases given back, while mapped
+            try:
+                self.writer.close()
+            finally:
+                self.memory.close()
+
+    def add_dependent(self, obj: Any) -> None:
+        """Call ``obj.close()`` (held weakly) when this store closes, before its memory goes."""
+        self._dependents.add(obj)
+
+    def unlink(self) -> None:
+        """Remove the store's name from the host: no new process can attach. Mappings stay valid."""
+        self.memory.segment.unlink()
+
+    def __enter__(self) -> WeightStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._owner:
+            self.unlink()
+        self.close()
+
+
+def _opened(segment: Segment, layout: Layout, destinations: Any, owner: bool, unlink_at_exit: bool) -> WeightStore:
+    """A :class:`WeightStore` on ``segment``, open in this process."""
+    self = WeightStore.__new__(WeightStore)
+    self.memory = memory = StoreMemory(
+        segment, header_view(segment.buf), layout, destinations, unlink_at_exit=owner and unlink_at_exit
+    )
+    self._owner = owner
+    self.table = Table(memory.host, memory.locks)
+    self.writer = StoreWriter(memory, self.table)
+    self.reader = Reader(memory.host, memory.locks)  # snapshot()'s
+    self._dependents = weakref.WeakSet()  # closed before the memory goes
+    return self
+
+
+def create_empty(
+    layout: Layout,
+    destinations: Any,
+    make_segment: Callable[..., Segment],
+    name: str,
+    num_slots: int,
+    unlink_at_exit: bool,
+) -> WeightStore:
+    """A new store of ``layout`` with no version yet, this process its creator and writer
+    (``make_segment`` makes its file: see :func:`~shmsync.writer.memory.new_segment`)."""
+    segment = new_segment(layout, destinations, make_segment, name, num_slots, track=unlink_at_exit)
+    try:
+        store = _opened(segment, layout, destinations, owner=True, unlink_at_exit=unlink_at_exit)
+        store.writer.acquire()
+    except BaseException:
+        segment.unlink()
+        segment.close()
+        raise
+    return store
+
+
+def check_version(version: Any) -> None:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"version must be an int >= 0, got {version!r}")
+
+
+__all__ = ["WeightStore", "Snapshot", "BACKGROUND_MIN_BYTES"]
