@@ -57,11 +57,11 @@ class Weights(nn.Module):
 def read_loop(kind: str, name: str, conn) -> None:
     """One reader: reload, check, until told to stop; then report its counts."""
     from shmsync import WeightReader, WeightStore
-    from shmsync.core.protocol import Protocol
+    from shmsync.core.protocol import Reader
 
     torch.set_num_threads(1)
     if kind == "pinned":
-        Protocol.outpaced = lambda self: True  # this reader's copies take the pinned path, every one
+        Reader.outpaced = lambda self: True  # this reader's copies take the pinned path, every one
     store = WeightStore.attach(name)
     target = Weights(store.nbytes)
     reader = WeightReader(store, target, zero_copy=kind == "zero-copy")

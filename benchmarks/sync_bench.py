@@ -163,7 +163,7 @@ def slot_views(store, module: nn.Module, prefix: tuple[str, ...] = ()) -> list[l
     """Per slot of ``store``, its views of ``module``'s parameters (same order as :func:`weights`)."""
     index = store.memory.layout.index
     keys = [prefix + tuple(name.split(".")) for name, _ in module.named_parameters()]
-    return [[views[index[k]] for k in keys] for views in store.memory.slots]
+    return [[views[index[k]] for k in keys] for views in store.memory.map_slots()]
 
 
 def empty_like_all(tensors: list[torch.Tensor], shared: bool = False) -> list[torch.Tensor]:
@@ -453,12 +453,12 @@ def _spin(seconds: float) -> None:
 
 def _slow_reader(name: str, nbytes: int, seconds: float, pin_first: bool, conn) -> None:
     from shmsync import WeightReader, WeightStore
-    from shmsync.core.protocol import Protocol
+    from shmsync.core.protocol import Reader
 
     os.nice(10)
     torch.set_num_threads(1)
     if not pin_first:  # the reader as it was: optimistic copies first, whatever their length
-        Protocol.outpaced = lambda self: False
+        Reader.outpaced = lambda self: False
     store = WeightStore.attach(name)
     reader = WeightReader(store, Payload(nbytes), zero_copy=False)
     conn.send("ready")
@@ -471,7 +471,7 @@ def _slow_reader(name: str, nbytes: int, seconds: float, pin_first: bool, conn) 
     copies = []
     for _ in range(3):
         began = time.perf_counter_ns()
-        for dst, src in zip(targets, store.memory.slots[0]):
+        for dst, src in zip(targets, store.memory.map_slots()[0]):
             dst.copy_(src)
         copies.append(time.perf_counter_ns() - began)
     copy_ns = statistics.median(copies)

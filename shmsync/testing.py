@@ -112,21 +112,7 @@ def shm_leak_check() -> Iterator[None]:
     tree = {me} | before_children
     before = stores_created_by(tree)
     yield
-    # A collection (a few tenths of a second with torch loaded) runs only when something is left:
-    # a child still running after half a second may wait on a pipe end held in a reference cycle,
-    # and a store left may be one the test dropped inside a cycle.
-    collected = False
-    start = time.monotonic()
-    while True:
-        extra = [p for p in live_children() if p.pid not in before_children]
-        if not extra or time.monotonic() > start + 10:
-            break
-        if not collected and time.monotonic() > start + 0.5:
-            gc.collect()
-            collected = True
-        time.sleep(0.05)
-    for p in extra:
-        p.kill()
+    extra, collected = _children_left(before_children)
     # Stores whose creator died are only found through the creator's parent (us) or pid set.
     pids = tree | {p.pid for p in extra}
     leaked = stores_created_by(pids) - before - _MANAGED
@@ -142,6 +128,26 @@ def shm_leak_check() -> Iterator[None]:
         problems.append(f"child processes left running: {[(p.pid, _cmd(p)) for p in extra]}")
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
+
+
+def _children_left(before: set[int]) -> tuple[list[psutil.Process], bool]:
+    """The child processes a test left running after 10 seconds (killed), and whether a garbage
+    collection ran meanwhile. A collection (a few tenths of a second with torch loaded) runs only
+    when something is left: a child still running after half a second may wait on a pipe end held
+    in a reference cycle, and a store left may be one the test dropped inside a cycle."""
+    collected = False
+    start = time.monotonic()
+    while True:
+        extra = [p for p in live_children() if p.pid not in before]
+        if not extra or time.monotonic() > start + 10:
+            break
+        if not collected and time.monotonic() > start + 0.5:
+            gc.collect()
+            collected = True
+        time.sleep(0.05)
+    for p in extra:
+        p.kill()
+    return extra, collected
 
 
 def _cmd(p: psutil.Process) -> str:

@@ -107,11 +107,12 @@ def _torchrl_private_names() -> set[str]:
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 names.add(node.id)
     # torch's own names that TorchRL happens to set too (an attribute of that name):
-    # torch.Tensor._version is the tensor's version counter, no part of TorchRL.
+    # torch.Tensor._version is the tensor's version counter, torch.nn.Module._parameters and
+    # _buffers its registries of parameters and buffers, no part of TorchRL.
     return {n for n in names if n.startswith("_") and not n.startswith("__")} - TORCH_NAMES
 
 
-TORCH_NAMES = {"_version"}
+TORCH_NAMES = {"_version", "_parameters", "_buffers"}
 
 
 def _torchrl_bases(module: str, cls: str) -> list[type]:

@@ -161,7 +161,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import NamedTuple
 from typing import Protocol as Interface
 
-from shmsync.core import fences
+from shmsync.core import fences, header
 from shmsync.core.header import (
     B_LATEST,
     B_LEASES,
@@ -179,18 +179,17 @@ from shmsync.core.header import (
     B_VERSION,
     HOST,
     LEASE_COLUMNS,
+    MAX_READERS,
     NUM_BANKS,
-    R_FLAGS,
-    R_PID,
     R_RELOAD_NS,
     R_RELOADS,
-    R_START_NS,
     R_VERSION,
-    R_WORKER,
+    READER_WORDS,
     W_NUM_SLOTS,
     W_PROMISED,
     W_PUBLISH_COUNT,
     W_PUBLISH_NS,
+    W_READERS,
     W_ROWS,
     W_VERSION,
     W_WRITER_PID,
@@ -324,7 +323,7 @@ class Words:
 
     def lease_word(self, row: int) -> int:
         """The header index of row ``row``'s lease word of this bank."""
-        return row_base(row) + self.lease
+        return W_READERS + row * READER_WORDS + self.lease
 
 
 class Table:
@@ -360,7 +359,7 @@ class Table:
         with self.locks.table(patience) as locked:
             if not locked:
                 return -1
-            pids = reader_column(h, R_PID)
+            pids = reader_column(h, header.R_PID)
             # Free rows first, then rows whose reader died (its lock is free; its leases stay
             # counted until a recount). The row's lock, not its pid, says who lives.
             candidates = [row for row, pid in enumerate(pids) if pid == 0]
@@ -371,9 +370,9 @@ class Table:
                     h[base + R_VERSION], h[base + R_RELOADS], h[base + R_RELOAD_NS] = -1, 0, 0
                     for column in LEASE_COLUMNS:
                         h[base + column] = 0
-                    h[base + R_WORKER] = 0 if worker is None else worker + 1
-                    h[base + R_FLAGS], h[base + R_START_NS] = flags, self.start_ns
-                    h[base + R_PID] = self.pid
+                    h[base + header.R_WORKER] = 0 if worker is None else worker + 1
+                    h[base + header.R_FLAGS], h[base + header.R_START_NS] = flags, self.start_ns
+                    h[base + header.R_PID] = self.pid
                     if h[W_ROWS] <= row:
                         h[W_ROWS] = row + 1  # how far the readers' table is read
                     return row
@@ -382,7 +381,7 @@ class Table:
     def update_row(self, row: int, version: int, reloads: int) -> None:
         """Record what reader ``row`` loaded (for ``shmsync ls`` and ``store.readers()``)."""
         if row >= 0:
-            base = row_base(row)
+            base = W_READERS + row * READER_WORDS
             h = self.words.h
             h[base + R_VERSION], h[base + R_RELOADS], h[base + R_RELOAD_NS] = version, reloads, self.clock()
 
@@ -401,7 +400,9 @@ class Table:
     def row_leased(self, slot: int, confirmed: bool = False) -> bool:
         """Whether any row of the reader table leases ``slot`` (dead readers' rows included);
         ``confirmed``: only leases past their handshake count, not those still being decided."""
-        column = reader_column(self.words.h, self.words.lease)
+        h = self.words.h
+        start = W_READERS + self.words.lease
+        column = h[start : start + min(max(h[W_ROWS], 0), MAX_READERS) * READER_WORDS : READER_WORDS]
         return slot + 1 in column or (not confirmed and -(slot + 1) in column)
 
     def recount(self) -> set[int]:
@@ -463,12 +464,14 @@ class Table:
         leased or pinned, or a pin is being granted; refused, the row leases nothing."""
         w = self.words
         h, n = w.h, w.num_slots
-        word = w.lease_word(row)
+        word = W_READERS + row * READER_WORDS + w.lease
         previous = abs(h[word])
         h[word] = -(slot + 1)  # being decided: counted, pinned by a writer that sees it, not yet used
         counts = [h[w.leases[s]] for s in range(n)]
         if previous:
-            counts[slot_index(previous - 1, n, f"reader row {row} lease", w.name)] -= 1
+            if previous > n:
+                slot_index(previous - 1, n, f"reader row {row} lease", w.name)  # raises, naming it
+            counts[previous - 1] -= 1
         counts[slot] += 1
         leased = {s for s, c in enumerate(counts) if c > 0}
         if len(leased) > n - 2:
@@ -492,7 +495,7 @@ class Table:
         confirmed lease; one that started before, or went through the lease while it was being
         decided, has already moved its sequence, and the lease is given up."""
         w = self.words
-        w.h[w.lease_word(row)] = slot + 1
+        w.h[W_READERS + row * READER_WORDS + w.lease] = slot + 1
         w.full_fence()  # the confirmed lease before the sequence load below
         if w.h[w.seq[slot]] in seqs:
             return True
@@ -684,13 +687,19 @@ class Writer:
                     held.append(s)
                 elif s != pinned:
                     idle.append(s)
-        versions = {s: h[w.slot_version[s]] for s in idle}  # only this writer changes them
-        warm = [s for s in idle if versions[s] >= 0]
-        # No slot is kept for the next write while readers hold only the version just replaced:
-        # they move on at their next reload, and its slot is then the next write's.
-        moving = held and all(s == self.replaced for s in held)
-        keep = min(warm, key=versions.__getitem__) if warm and not moving else -1
+        keep = self._kept(idle, held)
         return [s for s in idle if s != keep]
+
+    def _kept(self, idle: list[int], held: list[int]) -> int:
+        """Of the ``idle`` slots, the one kept for the next write (-1: none): the one holding a
+        version, least recently written. None is kept while readers hold only the version just
+        replaced (``held``): they move on at their next reload, and its slot is then the next write's."""
+        w = self.words
+        versions = {s: w.h[w.slot_version[s]] for s in idle}  # only this writer changes them
+        warm = [s for s in idle if versions[s] >= 0]
+        if not warm or held and all(s == self.replaced for s in held):
+            return -1
+        return min(warm, key=versions.__getitem__)
 
     def serve_pin_request(self, request: int) -> None:
         """Grant ticket ``request``, which waits: pin a slot for the starving reader (see

@@ -177,13 +177,18 @@ def open_file(path: str, flags: int) -> tuple[int, os.stat_result]:
         if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EACCES, errno.EPERM, errno.EROFS):
             raise StoreUntrustedError(f"cannot open {path} ({what}): {e.strerror}") from None
         raise
+    return fd, _checked(fd, path)
+
+
+def _checked(fd: int, path: str) -> os.stat_result:
+    """``fd``'s ``stat``, if :func:`check_trusted` accepts it; else ``fd`` is closed and it raises."""
     try:
         st = os.fstat(fd)
         check_trusted(st, path)
     except BaseException:
         os.close(fd)
         raise
-    return fd, st
+    return st
 
 
 def open_mapped(path: str) -> tuple[int, os.stat_result]:
@@ -199,13 +204,7 @@ def open_mapped(path: str) -> tuple[int, os.stat_result]:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as e:
         raise StoreNotFoundError(f"{path} cannot be opened any more ({e.strerror})") from None
-    try:
-        st = os.fstat(fd)
-        check_trusted(st, path)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
+    return fd, _checked(fd, path)
 
 
 def not_found_hint(name: str) -> str:
@@ -535,17 +534,26 @@ class SegmentLocks:
     def table(self, patience: float | None) -> Iterator[bool]:
         """Hold the table lock; yields whether it was taken. With ``patience`` (seconds) both
         locks are given up after that long in all (a stopped holder must not stall a reload:
-        the caller then copies instead); None waits for it."""
+        the caller then copies instead); None waits for it. (Held for microseconds at every lease
+        change: the kernel calls are made here, not through :meth:`Segment.lock`.)"""
         segment, threads = self.segment, self.segment.thread_locks[TABLE_LOCK]
+        fd = segment.fd
         if patience is None:
             threads.acquire()
-            segment.lock(TABLE_LOCK, exclusive=True, wait=True)
+            fcntl.fcntl(fd, _F_OFD_SETLKW, _TABLE_TAKE)
         else:
             deadline = time.monotonic() + patience
             if not threads.acquire(timeout=patience):
                 yield False
                 return
-            while not segment.lock(TABLE_LOCK, exclusive=True, wait=False):
+            while True:
+                try:
+                    fcntl.fcntl(fd, _F_OFD_SETLK, _TABLE_TAKE)
+                    break
+                except OSError as e:
+                    if e.errno not in (errno.EAGAIN, errno.EACCES):
+                        threads.release()
+                        raise
                 if time.monotonic() > deadline:
                     threads.release()
                     yield False
@@ -555,7 +563,7 @@ class SegmentLocks:
             yield True
         finally:
             if segment.fd >= 0:
-                segment.unlock(TABLE_LOCK)
+                fcntl.fcntl(fd, _F_OFD_SETLK, _TABLE_GIVE)
             threads.release()
 
     def hold_row(self, row: int) -> bool:
@@ -577,6 +585,10 @@ class SegmentLocks:
         if self.segment.fd < 0:
             return set()
         return locked_rows(self.segment.fd, rows, self.segment._locks)
+
+
+_TABLE_TAKE = struct.pack(_FLOCK, fcntl.F_WRLCK, 0, TABLE_LOCK, 1, 0)
+_TABLE_GIVE = struct.pack(_FLOCK, fcntl.F_UNLCK, 0, TABLE_LOCK, 1, 0)
 
 
 def _track(name: str, *, register: bool) -> bool:

@@ -59,16 +59,13 @@ class WeightReader:
     module's parameters and buffers, on the module's device. Between calls the module holds
     exactly one version; during :meth:`poll` no other thread should run it.
 
-    In place (``zero_copy``, the default on the CPU and on the GPU of a store published from it):
-    a reload copies nothing, the module's parameters point at the slot holding the version,
-    leased so the writer leaves it alone, and no reader holds a copy of the weights of its own
-    (buffers are copied: BatchNorm writes its own). On the CPU a write into such parameters stays
-    in this process, and the next reload undoes it and raises
-    :class:`~shmsync.errors.SharedWeightsWrittenError` (an optimizer step raises before
-    writing): a policy that writes its weights takes ``zero_copy=False``, a private copy.
-    When a lease is refused (at most ``num_slots - 2`` distinct slots may be leased, so the
-    writer never waits), the reload copies, says so once, and leases again later. A GPU module
-    on another device copies (peer to peer where it can, else through host memory).
+    In place (``zero_copy``, the default on the CPU and on the GPU a store is published from): a
+    reload copies nothing, the parameters point at the slot holding the version, leased so the
+    writer leaves it alone (buffers are copied). A write into them raises
+    :class:`~shmsync.errors.SharedWeightsWrittenError` at the next reload (an optimizer step
+    before writing): a policy that writes its weights takes ``zero_copy=False``. When a lease is
+    refused (at most ``num_slots - 2`` distinct slots may be leased), the reload copies, says so
+    once, and leases again later. A GPU module elsewhere copies (peer to peer where it can).
 
     Args:
         store: the :class:`~shmsync.WeightStore` (attached or pickled from the trainer).
@@ -226,14 +223,11 @@ class WeightReader:
             raise ShmSyncError(f"store {memory.name!r} is closed in this process")
         in_place = self._in_place
         if self._viewing and in_place.check_unwritten(self._version, keep=self.private_on_write):
-            self._table.release_lease(self._row)  # the module wrote its weights, kept privately: copy from now on
-            self.zero_copy = False
-            self._set_flags(ROW_ZERO_COPY, False)
-            _say_private(self.store.name, self.worker)
+            self._go_private()
         # Without a row in the reader table (it is full) there is no lease: copy.
         leased = None
         if self.zero_copy and self._row >= 0 and self._finalizer.alive:
-            if self._viewing:
+            if self._viewing and self._cuda is not None:
                 in_place.leave()  # the device's work on the old slot ends before its lease moves
             leased = self._table.lease_latest(self._row)
         if leased is not None:
@@ -244,13 +238,24 @@ class WeightReader:
         changed = version != self._version
         self._version = version
         if self._unloaded_guards:
-            for guard in self._unloaded_guards:
-                guard.remove()  # loaded: the module may run
-            self._unloaded_guards = []
+            self._loaded()
         self.reloads += 1
         if self._finalizer.alive:
             self._table.update_row(self._row, version, self.reloads)
         return changed
+
+    def _go_private(self) -> None:
+        """The module wrote its weights, kept privately: it copies from now on."""
+        self._table.release_lease(self._row)
+        self.zero_copy = False
+        self._set_flags(ROW_ZERO_COPY, False)
+        _say_private(self.store.name, self.worker)
+
+    def _loaded(self) -> None:
+        """The first load: the module may run."""
+        for guard in self._unloaded_guards:
+            guard.remove()
+        self._unloaded_guards = []
 
     def _copy_latest(self) -> int:
         """A private copy of the newest complete version (a lease refused, or none wanted)."""
@@ -267,13 +272,9 @@ class WeightReader:
         return self._reader.read(self._copy, timeout=self.timeout)
 
     def poll_promised(self, timeout: float = 60.0) -> bool:
-        """Load the newest version, and if a publish promised a newer one that has not landed yet,
-        wait until it has: the next batch of a synchronous collector runs the weights just sent.
-        True if the module was reloaded.
-
-        Raises:
-            ReloadTimeoutError: the promised version did not land within ``timeout`` seconds.
-            WriterGoneError: no live process can publish any more.
+        """Load the newest version, waiting for one a publish promised and has not landed yet (the
+        next batch of a synchronous collector runs the weights just sent); True if reloaded.
+        ``ReloadTimeoutError`` after ``timeout`` seconds, ``WriterGoneError`` if no writer lives.
 
         Examples:
             >>> import torch
@@ -315,8 +316,8 @@ class WeightReader:
         targets, indices = match_parts(self.store, self._parts, self.device)
         cuda = next((t.device for t in targets if t.is_cuda), None)
         bank = bank_for(memory, cuda)
-        here = cuda is not None and memory.header[W_DEVICE] - 1 == cuda.index  # the device slots' own GPU
-        if self._asked and (bank == HOST and cuda is not None or bank == DEVICE and not here):
+        here = cuda is None or bank == DEVICE and memory.header[W_DEVICE] - 1 == cuda.index  # in place possible
+        if self._asked and not here:
             raise ValueError(
                 f"zero_copy=True needs a module on the CPU or on the GPU holding the store's device slots, "
                 f"got weights on {cuda}: it copies"
@@ -324,23 +325,24 @@ class WeightReader:
         if bank != self._bank:
             self._table.release_lease(self._row)
             self._use_bank(bank)
-        in_place_ok = cuda is None or (bank == DEVICE and here)
-        self.zero_copy = in_place_ok and self._asked is not False
+        self.zero_copy = here and self._asked is not False
         self._set_flags(ROW_ZERO_COPY, self.zero_copy)
         self._set_flags(ROW_DEVICE, cuda is not None)
         self._set_flags(ROW_DEVICE_BANK, bank == DEVICE)
         self._targets, self._indices, self._on_cpu, self._cuda = targets, indices, cuda is None, cuda
         self._device_seen = memory.header[W_DEVICE]
-        slots = self._slots = slots_for(self.store, bank, cuda)
-        if cuda is not None and not self.zero_copy:
-            self._table.set_row_word(self._row, R_DEVICE_BYTES, sum(t.numel() * t.element_size() for t in targets))
+        self._slots = slots_for(self.store, bank, cuda)
+        own = 0 if cuda is None or self.zero_copy else sum(t.numel() * t.element_size() for t in targets)
+        self._table.set_row_word(self._row, R_DEVICE_BYTES, own)  # GPU memory of its own, for the readers' table
         self._bound = True
         if self.zero_copy:
-            device = cuda if bank == DEVICE else None
-            # On the host, a private mapping: a write of this process's never reaches the store.
-            views = slots if bank == DEVICE else memory.private_slots()
-            self._in_place = InPlace(memory, targets, indices, self._viewing, views, device)
-            self.store.add_dependent(self)
+            self._bind_in_place(targets, indices, bank, cuda)
+
+    def _bind_in_place(self, targets: list[torch.Tensor], indices: list[int], bank: int, cuda: Any) -> None:
+        # On the host, a private mapping: a write of this process's never reaches the store.
+        views = self._slots if bank == DEVICE else self._memory.private_slots()
+        self._in_place = InPlace(self._memory, targets, indices, self._viewing, views, cuda if bank == DEVICE else None)
+        self.store.add_dependent(self)
 
     def _copy(self, slot: int) -> None:
         views = self._slots[slot]

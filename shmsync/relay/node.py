@@ -182,18 +182,7 @@ class Relay:
             if link is None:  # the relay it was pointed at is gone, or did not answer: ask again
                 target, seen, failures = self.root, {self.root}, failures + 1
                 continue
-            try:
-                admitted, redirect = self._join(link, direct and target == self.root)
-            except WeightMismatchError:
-                link.close()
-                raise
-            except (ProtocolError, AuthenticationError, EOFError, OSError, ValueError) as e:
-                link.close()
-                if target == self.root and isinstance(e, (ProtocolError, AuthenticationError)):
-                    raise  # the trainer itself broke the protocol
-                admitted, redirect, why = False, None, e
-            else:
-                why = ProtocolError(f"{link.peer} is below this relay in the tree (a cycle)")
+            admitted, redirect, why = self._ask_to_join(link, target, direct)
             if admitted:
                 self.parent = target
                 self.attachments += 1
@@ -217,6 +206,26 @@ class Relay:
             failures += 1
             _back_off(failures)
             target, seen = self.root, {self.root}
+
+    def _ask_to_join(self, link: wire.Link, target: tuple[str, int], direct: bool) -> tuple[bool, Any, Exception]:
+        """Ask ``target`` over ``link`` to take this relay on: ``(admitted, where it points instead,
+        why not)``; the link is closed if anything failed.
+
+        Raises:
+            WeightMismatchError: the tree carries another layout.
+            ProtocolError, AuthenticationError: the trainer itself broke the protocol.
+        """
+        try:
+            admitted, redirect = self._join(link, direct and target == self.root)
+        except WeightMismatchError:
+            link.close()
+            raise
+        except (ProtocolError, AuthenticationError, EOFError, OSError, ValueError) as e:
+            link.close()
+            if target == self.root and isinstance(e, (ProtocolError, AuthenticationError)):
+                raise  # the trainer itself broke the protocol
+            return False, None, e
+        return admitted, redirect, ProtocolError(f"{link.peer} is below this relay in the tree (a cycle)")
 
     def _connect(self, target: tuple[str, int], deadline: float, failures: int = 0) -> wire.Link | None:
         """A link to ``target`` that passed the handshake; None (having backed off after

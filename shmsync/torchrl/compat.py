@@ -21,7 +21,6 @@ schemes a user hands a shmsync object to, never on TorchRL's classes or modules.
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -78,7 +77,7 @@ TRAINER_MODULES = "Trainer._modules"
 CONTAINER = "Distributed(Sync)Collector._tensordict_out, the trainer's receive buffers"
 DIST_STORE = "DistributedWeightSyncScheme._store / ._store_info"
 DIST_PUSH = "DistributedWeightSyncScheme.send, wrapped on the trainer's instances"
-RECEIVERS = "BaseCollector._receiver_schemes"
+NODES_START = "Distributed(Sync)Collector._init_workers, wrapped on the instance"
 NODES = "Distributed(Sync)Collector.jobs"
 RAY_PUSH = "RayCollector.update_policy_weights_ reaches each actor after the calls submitted before it"
 
@@ -188,7 +187,7 @@ CATALOGUE: dict[str, Internal] = {
             "0.14",
             "TorchRL's distributed push carries no version: the trainer writes its push count into the TCPStore the "
             "push already uses, and each node reads it and confirms what it published",
-            "`_store` is a `torch.distributed.Store` (trainer); `_store_info` has a host and a port (node)",
+            "`_store` is a `torch.distributed.Store` and `_store_info` has a host and a port (trainer)",
             "TorchRLChangedError at the first push, or the node's report of it at that push",
             "a `model_version` carried with each push, as the Ray scheme does",
         ),
@@ -203,14 +202,14 @@ CATALOGUE: dict[str, Internal] = {
             "a `model_version` carried with each push",
         ),
         Internal(
-            RECEIVERS,
+            NODES_START,
             "0.14",
-            "the scheme a node's collector receives the trainer's weights from (for its TCPStore address): "
-            "DistributedSyncCollector registers it on the collector; DistributedCollector registers none, and it "
-            "is found among the callers of the push it applies",
-            "the attribute is None or a mapping; the scheme is found",
-            "TorchRLChangedError at the first push (the node cannot answer it)",
-            "a public `collector.weight_recv_schemes`, set by every collector that receives",
+            "the nodes start in `_init_workers`, right after the trainer's push schemes made their TCPStore: "
+            "wrapped on the collector's instance, it hands the local legs the store's address before they travel "
+            "to the nodes, which read each push's number there",
+            "the method exists when the collector is made, and when it runs the push schemes have an address",
+            "TorchRLChangedError before any node starts",
+            "a `model_version` carried with each push (no address needed)",
         ),
         Internal(
             NODES,
@@ -388,20 +387,6 @@ def set_policy_version(collector: Any, version: int, *, built: bool = True) -> N
         tracker.version = version
 
 
-def _caller_owning(predicate: Callable[[Any], bool], entry: str, depth: int = 16) -> Any:
-    """The ``self`` of the nearest caller for which ``predicate(self)`` holds, or None."""
-    check(entry, hasattr(sys, "_getframe"), "this Python has no sys._getframe")
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if owner is not None and predicate(owner):
-            return owner
-        frame = frame.f_back
-    return None
-
-
 # -- trainers and the hook ------------------------------------------------------------------------
 def hook_takes_sender(hook_class: type) -> bool:
     """torchrl 0.14 added ``sender=`` and ``interval_unit=`` to its hook."""
@@ -496,25 +481,27 @@ def push_store(scheme: Any) -> torch.distributed.Store:
     return store
 
 
-def upstream_store_address(collector: Any) -> tuple[str, int] | None:
-    """Node side: where the trainer's TCPStore listens, from the distributed scheme the node's
-    collector receives from (registered on the collector, or, for DistributedCollector, which
-    registers none, the scheme applying the push among the callers); None if none is found."""
-    receivers = list(receiver_schemes(collector).values())
-    if not receivers:
-        caller = _caller_owning(
-            lambda owner: hasattr(owner, "_store_info") and getattr(owner, "context", None) is collector, RECEIVERS
-        )
-        receivers = [caller] if caller is not None else []
-    for scheme in receivers:
-        if hasattr(scheme, "_store_info"):
-            info = scheme._store_info
-            ok = isinstance(info, Mapping) and "host" in info and "port" in info
-            check(DIST_STORE, ok, f"{type(scheme).__name__}._store_info is {info!r}")
-            return str(info["host"]), int(info["port"])
-    names = [type(s).__name__ for s in receivers]
-    check(DIST_STORE, not receivers, f"none of the schemes the node receives from ({names}) has _store_info")
-    return None
+def push_address(scheme: Any) -> tuple[str, int]:
+    """Where the TCPStore of the trainer's distributed push scheme ``scheme`` listens."""
+    info = getattr(scheme, "_store_info", None)
+    ok = isinstance(info, Mapping) and "host" in info and "port" in info
+    check(DIST_STORE, ok, f"{type(scheme).__name__}._store_info is {info!r}")
+    return str(info["host"]), int(info["port"])
+
+
+def before_nodes_start(collector: Any, then: Callable[[], None]) -> None:
+    """Run ``then()`` right before ``collector`` (a distributed collector being built) starts its
+    nodes: after its push schemes made their TCPStore, before anything travels to a node."""
+    check(NODES_START, callable(getattr(type(collector), "_init_workers", None)), "it has no _init_workers")
+
+    def start_nodes(original: Callable) -> Callable:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            then()
+            return original(*args, **kwargs)
+
+        return run
+
+    wrap_on_instance(collector, "_init_workers", start_nodes, NODES_START)
 
 
 def wrap_push(scheme: Any, wrapper: Callable[[Callable], Callable]) -> None:
@@ -524,15 +511,6 @@ def wrap_push(scheme: Any, wrapper: Callable[[Callable], Callable]) -> None:
 
 def check_push_confirmed(problems: list[str]) -> None:
     check(DIST_PUSH, not problems, "; ".join(problems))
-
-
-def receiver_schemes(collector: Any) -> dict[str, Any]:
-    """The schemes ``collector`` receives the trainer's weights from (a node's), or ``{}``."""
-    schemes = getattr(collector, "_receiver_schemes", None)
-    if schemes is None:
-        return {}
-    check(RECEIVERS, isinstance(schemes, Mapping), f"it is a {type(schemes).__name__}")
-    return dict(schemes)
 
 
 def node_processes(collector: Any) -> list[Any] | None:

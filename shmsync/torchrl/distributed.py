@@ -183,49 +183,61 @@ def _add_version_keys(collector: Any, keys: list[str]) -> None:
     compat.extend_receive_buffers(collector, add)
 
 
-class _ShmSyncNodes:
-    """What shmsync adds to TorchRL's two torch.distributed collectors."""
+class _Nodes:
+    """What shmsync adds to one of TorchRL's two torch.distributed collectors: its local legs told
+    where the trainer's push store listens before the nodes start, the version keys in the
+    trainer's receive buffers, each push numbered and confirmed, and nodes stopped for good."""
 
-    _shmsync_base: type
-    _shmsync_pushes: _NumberedPushes | None = None
-    _shmsync_failed = False
-
-    def _shmsync_init(self, args: tuple, kwargs: dict) -> None:
-        legs = claim_remote_legs(kwargs.get("collector_kwargs"), "distributed", self._shmsync_base.__name__)
-        self._shmsync_base.__init__(self, *args, **kwargs)
+    def __init__(self, collector: Any, base: type, args: tuple, kwargs: dict) -> None:
+        self.base = base
+        self.sync = base is torchrl_distributed.DistributedSyncCollector
+        self.pushes: _NumberedPushes | None = None
+        self.failed = False
+        collector._shmsync = self  # before TorchRL's constructor, which may shut the collector down
+        legs = claim_remote_legs(kwargs.get("collector_kwargs"), "distributed", base.__name__)
+        if legs:
+            compat.before_nodes_start(collector, lambda: _tell(legs, collector))
+        base.__init__(collector, *args, **kwargs)
         if not legs:
             return
         try:
             keys = list(dict.fromkeys(s.version_key for s in legs if s.version_key))
-            _add_version_keys(self, keys)
-            self._shmsync_pushes = _NumberedPushes(self, wait_until_ready=self._shmsync_base is _SYNC)
+            _add_version_keys(collector, keys)
+            self.pushes = _NumberedPushes(collector, wait_until_ready=self.sync)
             for scheme in legs:  # scheme.readers() lists every node's workers
-                add_remote(scheme, self._shmsync_pushes)
+                add_remote(scheme, self.pushes)
         except BaseException:
-            self._shmsync_failed = True
-            self.shutdown()
+            self.failed = True
+            collector.shutdown()
             raise
 
-    def iterator(self) -> Iterator[Any]:
-        pushes = self._shmsync_pushes
+    def iterator(self, collector: Any) -> Iterator[Any]:
+        pushes = self.pushes
         if pushes is not None:
             pushes.wait_until_ready()  # before TorchRL's first push
-        for batch in self._shmsync_base.iterator(self):
+        for batch in self.base.iterator(collector):
             if pushes is not None:
                 pushes.check_reports()
             yield batch
 
-    def shutdown(self, *args: Any, **kwargs: Any) -> None:
-        failed = self._shmsync_failed or (self._shmsync_pushes is not None and self._shmsync_pushes.failed)
+    def shutdown(self, collector: Any, *args: Any, **kwargs: Any) -> None:
+        failed = self.failed or (self.pushes is not None and self.pushes.failed)
         # DistributedSyncCollector's nodes collect on their own until their last frame: after shmsync
         # raised they would not end, and TorchRL would wait for each, then leave it running (the
         # trainer then waits for it at exit). DistributedCollector's nodes answer TorchRL's shutdown.
-        if failed and self._shmsync_base is _SYNC:
-            _stop(compat.node_processes(self))
+        if failed and self.sync:
+            _stop(compat.node_processes(collector))
         try:
-            self._shmsync_base.shutdown(self, *args, **kwargs)
+            self.base.shutdown(collector, *args, **kwargs)
         finally:
-            _stop(compat.node_processes(self))  # any TorchRL left running
+            _stop(compat.node_processes(collector))  # any TorchRL left running
+
+
+def _tell(legs: list[Any], collector: Any) -> None:
+    """Right before the nodes start: each local leg learns where the trainer's push store listens."""
+    addresses = [compat.push_address(scheme) for scheme in compat.schemes_of(collector).values()]
+    for scheme in legs:
+        scheme.upstream = addresses[0] if addresses else None
 
 
 def _stop(nodes: list[Any] | None) -> None:
@@ -239,28 +251,36 @@ def _stop(nodes: list[Any] | None) -> None:
             job.join(5)
 
 
-_SYNC = torchrl_distributed.DistributedSyncCollector
+def _with_shmsync_nodes(base: type, doc: str) -> type:
+    """``base``, one of TorchRL's two torch.distributed collectors, with shmsync's part (:class:`_Nodes`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _Nodes(self, base, args, kwargs)
+
+    def iterator(self) -> Iterator[Any]:
+        return self._shmsync.iterator(self)
+
+    def shutdown(self, *args: Any, **kwargs: Any) -> None:
+        nodes = getattr(self, "_shmsync", None)
+        if nodes is None:  # not built yet
+            return base.shutdown(self, *args, **kwargs)
+        return nodes.shutdown(self, *args, **kwargs)
+
+    members = {"__init__": __init__, "iterator": iterator, "shutdown": shutdown, "__doc__": doc}
+    return type(base.__name__, (base,), {**members, "__module__": __name__, "__qualname__": base.__name__})
 
 
-class DistributedSyncCollector(_ShmSyncNodes, torchrl_distributed.DistributedSyncCollector):
+DistributedSyncCollector = _with_shmsync_nodes(
+    torchrl_distributed.DistributedSyncCollector,
     """TorchRL's ``DistributedSyncCollector``, with shmsync as each node's local leg (see the module).
 
     Its nodes receive pushes before their own collector (and so their store) exists: the first
-    batch waits until every node's store exists (at most 60 s; a node that exited first is named)."""
-
-    _shmsync_base = torchrl_distributed.DistributedSyncCollector
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._shmsync_init(args, kwargs)
-
-
-class DistributedCollector(_ShmSyncNodes, torchrl_distributed.DistributedCollector):
-    """TorchRL's ``DistributedCollector``, with shmsync as each node's local leg (see the module)."""
-
-    _shmsync_base = torchrl_distributed.DistributedCollector
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._shmsync_init(args, kwargs)
+    batch waits until every node's store exists (at most 60 s; a node that exited first is named).""",
+)
+DistributedCollector = _with_shmsync_nodes(
+    torchrl_distributed.DistributedCollector,
+    """TorchRL's ``DistributedCollector``, with shmsync as each node's local leg (see the module).""",
+)
 
 
 class RayCollector(torchrl_distributed.RayCollector):

@@ -47,6 +47,7 @@ PUBLISHED_KEY = "shmsync/published/{rank}"  # what a node published last, or wha
 READY_KEY = "shmsync/ready/{rank}"
 READERS_KEY = "shmsync/readers/{rank}"  # the node's readers' table, rewritten about once a second
 STORE_TIMEOUT = timedelta(seconds=60)
+CONFIRM_FLUSH_S = 30.0  # how long an actor asked for its version waits for the push's copy to land
 ERROR = "error: "
 log = logging.getLogger("shmsync.torchrl.distributed")
 
@@ -57,20 +58,21 @@ class NodeLeg:
     Args:
         collector: the node's own collector (its local workers' collector).
         model_id: the key whose pushes this leg numbers.
+        upstream: where the trainer's push store listens (the trainer tells its legs before the
+            nodes start).
     """
 
-    def __init__(self, collector: Any, model_id: str) -> None:
+    def __init__(self, collector: Any, model_id: str, upstream: tuple[str, int] | None) -> None:
         self.collector = collector
         self.model_id = model_id
+        self.upstream = upstream
         self.last = 0  # version 0: the weights the node started from
         self._client: torch.distributed.Store | None = None
         self.node = secrets.token_hex(8)
 
     def _store(self) -> torch.distributed.Store | None:
-        if self._client is None:
-            address = compat.upstream_store_address(self.collector)
-            if address is not None:
-                self._client = _client(*address)
+        if self._client is None and self.upstream is not None:
+            self._client = _client(*self.upstream)
         return self._client
 
     @property
@@ -89,9 +91,8 @@ class NodeLeg:
             return
         if store is not None:
             store.set(READY_KEY.format(rank=self.rank), b"1")
-            address = compat.upstream_store_address(self.collector)
             threading.Thread(
-                target=self._report_readers, args=(address,), name="shmsync-node-report", daemon=True
+                target=self._report_readers, args=(self.upstream,), name="shmsync-node-report", daemon=True
             ).start()
 
     def _report_readers(self, address: tuple[str, int]) -> None:
@@ -113,7 +114,7 @@ class NodeLeg:
     def take(self) -> int:
         """The trainer's number of the push being applied."""
         store = self._store()
-        compat.check(compat.RECEIVERS, store is not None, "the node's collector receives from no distributed scheme")
+        compat.check(compat.NODES_START, store is not None, "the trainer told this node no push store")
         number = int(store.get(VERSION_KEY)) if store.check([VERSION_KEY]) else None
         if number is None or number <= self.last:
             raise ShmSyncError(
@@ -188,10 +189,11 @@ class ActorLeg(Announced):
         raise error
 
 
-def make_leg(kind: str, collector: Any, model_id: str) -> NodeLeg | ActorLeg:
-    """The remote leg of ``kind`` (``"distributed"`` or ``"ray"``) for ``collector``."""
+def make_leg(kind: str, collector: Any, model_id: str, upstream: tuple[str, int] | None = None) -> NodeLeg | ActorLeg:
+    """The remote leg of ``kind`` (``"distributed"`` or ``"ray"``) for ``collector`` (a node's leg
+    reads each push's number in the trainer's push store, at ``upstream``)."""
     if kind == "distributed":
-        return NodeLeg(collector, model_id)
+        return NodeLeg(collector, model_id, upstream)
     if kind == "ray":
         return ActorLeg()
     raise ValueError(f"unknown remote leg {kind!r}")
@@ -240,12 +242,15 @@ def shut_down(actor: Any) -> None:
 
 
 def published_version(actor: Any) -> tuple[int | None, bytes | None]:
-    """Inside an actor: the newest version its stores hold (None without shmsync), and its readers'
-    table as a report (None without shmsync)."""
+    """Inside an actor: the newest version its stores hold (None without shmsync), once the push's
+    copy landed (a background copy may still run), and its readers' table as a report (None
+    without shmsync)."""
     publisher = Publisher.of(actor)
     groups = publisher.live_groups() if publisher is not None else []
     if not groups:
         return None, None
+    for store in (s for g in groups for s in g.stores):
+        store.flush(timeout=CONFIRM_FLUSH_S)
     leg = publisher.leg
     node = leg.node if isinstance(leg, ActorLeg) else secrets.token_hex(8)
     try:

@@ -38,7 +38,7 @@ from shmsync.torchrl.trainer_weights import models_of, models_without_collector,
 from shmsync.watch.alarm import ReaderAlarm
 from shmsync.watch.frames import tag_next
 from shmsync.watch.table import ReaderTable, merge
-from shmsync.writer.store import BACKGROUND_MIN_BYTES, WeightStore
+from shmsync.writer.store import WeightStore
 
 ATTACH_PATIENCE = 5.0  # seconds the first check waits for workers still attaching
 _PUBLISHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # collector -> its publisher
@@ -72,7 +72,8 @@ class StoreGroup:
         devices: each worker's policy device when known (resolves device ``worker_ids``).
         background: copy CPU publishes in the background (see :meth:`~shmsync.WeightStore.create`).
             Default (None): under a collector whose next batch runs the weights just sent
-            (``exact``), for stores of 16 MiB and more; never elsewhere.
+            (``exact``: the trainer writes them again only once that batch came, after the copy
+            landed; an optimizer step waits for it anyway); never elsewhere.
         exact: the collector's next batch runs the weights just sent (its workers wait for them).
     """
 
@@ -99,8 +100,7 @@ class StoreGroup:
             for i, m in enumerate(models):
                 name = f"{base}-w{i}" if self.per_worker else base
                 store = WeightStore.create(m, name=name, num_slots=num_slots)
-                big = store.nbytes >= BACKGROUND_MIN_BYTES
-                store.writer.background = exact and big if background is None else background
+                store.writer.background = exact if background is None else background
                 self.stores.append(store)
         except BaseException:
             self.close()

@@ -60,9 +60,10 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         zero_copy: workers run their policy on the store's memory in place (see
             :class:`~shmsync.WeightReader`). Default (None): where they can. False gives every
             worker a private copy, for a policy that writes its own parameters.
-        background: copy each CPU publish on a background thread (see :meth:`WeightStore.create`).
-            Default (None): under ``MultiSyncCollector``, whose next batch runs the weights just
-            sent (so the trainer writes them again only once the copy landed), from 16 MiB on.
+        background: copy each CPU publish on a background thread (see :meth:`WeightStore.create`):
+            ``update_policy_weights_()`` returns at once. Default (None): under
+            ``MultiSyncCollector``, whose next batch runs the weights just sent (the trainer writes
+            them again only after that batch came, so after the copy landed); not elsewhere.
         source: the trainer-side module for this key, when the collector cannot resolve it in the
             main process (a key such as ``"env.transform[0]"`` that exists only in each worker).
         per_worker_weights: give each worker its own weights and versions (one store per worker),
@@ -135,6 +136,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         self._awaiting_collector = False  # initialized before any collector, none handed itself over yet
         self._receiver: Receiver | None = None
         self._leg: str | None = None  # "distributed" / "ray": the local leg of shmsync's remote collector
+        self.upstream: tuple[str, int] | None = None  # a node's leg: where the trainer's push store listens
 
     # -- sender ---------------------------------------------------------------------------------
     @property
@@ -172,9 +174,9 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             self.context = context
             if self._leg is not None and not hasattr(context, "num_workers"):
                 return  # the trainer's single-process probe of a distributed collector: nothing to sync
-            kind = self._leg
+            kind, upstream = self._leg, self.upstream
             self.publisher, self.group = join(
-                self, context, lambda: make_leg(kind, context, model_id) if kind else None
+                self, context, lambda: make_leg(kind, context, model_id, upstream) if kind else None
             )
             self._awaiting_collector = False
             self.exact = compat.runs_sent_weights_next(context)

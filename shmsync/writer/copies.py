@@ -54,20 +54,26 @@ def copy_all(
     torch._C._set_grad_enabled(False)  # what no_grad() does, without its per-call overhead
     try:
         if on_cpu:
-            if threads != 1 and _nbytes(dst) >= PARALLEL_MIN_BYTES:
+            if threads != 1 and sum(t.numel() * t.element_size() for t in dst) >= PARALLEL_MIN_BYTES:
                 n = copy_threads() if threads is None else threads
                 if n > 1:
                     _parallel_copy(dst, src, n)
                     return
             torch._foreach_copy_(dst, src)
         else:
-            non_blocking = any(t.is_cuda for t in dst)
-            for d, s in zip(dst, src):
-                d.copy_(s, non_blocking=non_blocking)
-            for dev in {t.device for t in (*dst, *src) if t.is_cuda}:
-                torch.cuda.current_stream(dev).synchronize()
+            _copy_cuda(dst, src)
     finally:
         torch._C._set_grad_enabled(grad)
+
+
+def _copy_cuda(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """Copies to or from a GPU, asynchronous where they can be, ended before returning (a reader
+    validates what it copied right after)."""
+    non_blocking = any(t.is_cuda for t in dst)
+    for d, s in zip(dst, src):
+        d.copy_(s, non_blocking=non_blocking)
+    for dev in {t.device for t in (*dst, *src) if t.is_cuda}:
+        torch.cuda.current_stream(dev).synchronize()
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
@@ -154,15 +160,10 @@ class Copier:
         self.name = name
         self._tasks: collections.deque = collections.deque()
         self._cv = threading.Condition()
-        self._pending = 0  # tasks handed over and not yet done
+        self.pending = 0  # tasks handed over and not yet done
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
-
-    @property
-    def busy(self) -> bool:
-        """Whether a task is queued or running."""
-        return self._pending > 0
 
     def submit(self, task: Callable[[], None]) -> None:
         """Run ``task`` on the background thread, after the tasks handed over before it.
@@ -171,9 +172,10 @@ class Copier:
             RuntimeError: an earlier task failed (its error is the cause); ``task`` is not run.
         """
         with self._cv:
-            self._raise_pending()
+            if self._error is not None:
+                self._raise_pending()
             self._tasks.append(task)
-            self._pending += 1
+            self.pending += 1
             if self._thread is None:
                 _watch_optimizers()
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
@@ -189,14 +191,14 @@ class Copier:
             RuntimeError: a task failed (its error is the cause).
         """
         with self._cv:
-            if not self._cv.wait_for(lambda: self._pending == 0, timeout):
+            if not self._cv.wait_for(lambda: self.pending == 0, timeout):
                 raise TimeoutError(f"{self.name}: a background copy did not end within {timeout} s")
             self._raise_pending()
 
     def close(self) -> None:
         """Wait for the tasks handed over, then end the thread."""
         with self._cv:
-            self._cv.wait_for(lambda: self._pending == 0)
+            self._cv.wait_for(lambda: self.pending == 0)
             self._closing = True
             self._cv.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -206,7 +208,7 @@ class Copier:
         """Wait until every task handed over is done, raising nothing (an error waits for the next
         :meth:`submit` or :meth:`wait`)."""
         with self._cv:
-            self._cv.wait_for(lambda: self._pending == 0)
+            self._cv.wait_for(lambda: self.pending == 0)
 
     def _raise_pending(self) -> None:
         if self._error is not None:
@@ -226,8 +228,8 @@ class Copier:
                 with self._cv:
                     self._error = self._error or e
             with self._cv:
-                self._pending -= 1
-                if self._pending == 0:
+                self.pending -= 1
+                if self.pending == 0:
                     _BUSY.discard(self)
                 self._cv.notify_all()
 

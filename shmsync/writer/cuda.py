@@ -65,7 +65,7 @@ class CudaPublisher:
     def publish(self, tensors: list[torch.Tensor], version: int | None) -> int:
         """Copy ``tensors`` into a free device slot on the current stream and promise the version;
         it lands on the copier's thread. Returns the version."""
-        if self.copier.busy:
+        if self.copier.pending:
             self.copier.wait()  # one write at a time
         role = self.role
         write = role.begin_write()
@@ -132,7 +132,7 @@ class CudaPublisher:
         while not self._closing.wait(WATCH_EVERY_S):
             try:
                 h = memory.header
-                if memory.closed or h[W_HOST_WANTED] == self._wanted or self.copier.busy:
+                if memory.closed or h[W_HOST_WANTED] == self._wanted or self.copier.pending:
                     continue
                 if h[memory.host.version] < h[memory.device.version]:
                     self.copier.submit(self._fill_latest)

@@ -4,7 +4,6 @@ store's destinations, :func:`as_tensordict` turns one part into a TensorDict."""
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -103,10 +102,13 @@ def parts(
 
 class SourceMatcher:
     """Checks what is published against a store's layout (keys, shapes, dtypes) and returns its
-    tensors in entry order. The trainer publishes the same object again and again (its module,
-    or a collector's mapping of keys to modules): when the source is the object checked last time
-    and each of its modules still holds the very same tensors, with the same shapes and dtypes,
-    the full check is skipped. A TensorDict checked before is skipped the same way.
+    tensors in entry order.
+
+    The trainer publishes the same objects again and again: its module, a TensorDict of its
+    weights, or a mapping of destinations to those. When the source is the one checked last time
+    (the same object, or a mapping with the same keys holding the same objects) and each module or
+    TensorDict in it still holds the very same tensors, with the same shapes and dtypes, the full
+    check is skipped: a few identity comparisons instead of a walk over the layout.
 
     Args:
         layout: the store's layout.
@@ -123,86 +125,66 @@ class SourceMatcher:
 
     def __init__(self, layout: Any, destinations: tuple[str, ...] | None) -> None:
         self.layout, self.destinations = layout, destinations
-        self._last: tuple | None = None  # (source, its modules, their tensors, the tensors in entry order)
-        self._plans: dict = {}  # ("td", id, prefix) -> what _tensordict checked last time
+        # The last source checked: (it, its keys or None, its parts, what they held, the tensors in entry order).
+        self._last: tuple | None = None
 
     def match(self, source: Any, what: str) -> list[torch.Tensor]:
         """The source's tensors in entry order, checked against the layout (nothing written)."""
         last = self._last
-        if last is not None and last[0] is source:
-            _, modules, before, tensors = last
-            owned = [
-                t
-                for m in modules
-                for sub in m.modules()
-                for named in (
-                    sub.named_parameters(recurse=False, remove_duplicate=False),
-                    sub.named_buffers(recurse=False, remove_duplicate=False),
-                )
-                for _, t in named
-                if t is not None
-            ]
-            entries = self.layout.entries
-            if (
-                len(owned) == len(before)
-                and all(a is b for a, b in zip(owned, before))
-                and all(t.shape == e.shape and t.dtype == e.dtype and not t.is_meta for t, e in zip(tensors, entries))
-            ):
+        if last is not None:
+            before, keys, held_parts, held, tensors = last
+            now = list(source.values()) if type(source) is dict else [source]
+            same = source is before or keys is not None and type(source) is dict and source.keys() == keys
+            if same and _holding(now, held_parts, held, tensors, self.layout):
                 return tensors
-        tensors = []
-        modules = []
+        return self._match(source, what)
+
+    def _match(self, source: Any, what: str) -> list[torch.Tensor]:
+        """The full check, destination by destination (entries are sorted by key, so destinations
+        come in sorted order, as :func:`parts` gives them); remembers a source made of modules and
+        TensorDicts whose tensors it holds itself, for :meth:`match`'s fast path."""
+        tensors: list[torch.Tensor] = []
         for prefix, part in parts(source, self.destinations, what):
             where = f"{what}, destination {prefix[0]!r}" if prefix else what
-            if isinstance(part, nn.Module):
-                tensors += self.layout.match(module_weights(part), where, prefix=prefix)
-                modules.append(part)
-            elif isinstance(part, TensorDictBase):
-                tensors += self._tensordict(part, prefix, where)
-            else:
-                sub, _ = as_tensordict(part, where)
-                tensors += self.layout.match(sub, where, prefix=prefix)
-        # Sources made of modules alone, whose tensors are each owned once: the next match of the
-        # same source skips the walk above while its modules hold the very same tensors.
-        owned = [
-            t
-            for m in modules
-            for sub in m.modules()
-            for named in (
-                sub.named_parameters(recurse=False, remove_duplicate=False),
-                sub.named_buffers(recurse=False, remove_duplicate=False),
-            )
-            for _, t in named
-            if t is not None
-        ]
-        mine = {id(t) for t in owned}
-        if (
-            modules
-            and len(modules) == len(parts(source, self.destinations, what))
-            and all(id(t) in mine for t in tensors)
-        ):
-            self._last = (source, modules, owned, tensors)
+            sub = module_weights(part) if isinstance(part, nn.Module) else as_tensordict(part, where)[0]
+            tensors += self.layout.match(sub, where, prefix=prefix)
+        mapping = type(source) is dict
+        parts_now = list(source.values()) if mapping else [source]
+        self._last = None
+        if all(isinstance(p, (nn.Module, TensorDictBase)) for p in parts_now):
+            # A module is walked through its registries, a TensorDict through its leaf keys.
+            held_parts = [(p, None if isinstance(p, nn.Module) else list(p.keys(True, True))) for p in parts_now]
+            held = _held(held_parts)
+            mine = {id(t) for t in held}
+            if all(id(t) in mine for t in tensors):  # each tensor published is one the parts hold
+                self._last = (source, set(source) if mapping else None, held_parts, held, tensors)
         return tensors
 
-    def _tensordict(self, td: TensorDictBase, prefix: tuple[str, ...], what: str) -> list[torch.Tensor]:
-        """``layout.match`` for a TensorDict, with a fast path for one checked before: if each of
-        its keys still holds the very same tensor, with the same shape and dtype, the full walk
-        over its keys is skipped (an update checks, then publishes, the same TensorDict)."""
-        plan_key = ("td", id(td), prefix)
-        cached = self._plans.get(plan_key)
-        if cached is not None:
-            ref, paths, before, entries = cached
-            if ref() is td and all(
-                td.get(path, None) is t and t.shape == e.shape and t.dtype == e.dtype
-                for path, t, e in zip(paths, before, entries)
-            ):
-                return list(before)
-        sub, _ = as_tensordict(td, what)
-        tensors = self.layout.match(sub, what, prefix=prefix)
-        if sub is td:  # keys as stored (not a flat state-dict-like TensorDict)
-            layout = self.layout
-            entries = [layout.entries[i] for i in layout.subset(prefix)]
-            paths = [e.key[len(prefix) :] for e in entries]
-            if len(self._plans) >= 32:  # TensorDicts made afresh for each update must not pile up
-                self._plans.pop(next(iter(self._plans)))
-            self._plans[plan_key] = (weakref.ref(td), paths, tensors, entries)
-        return tensors
+
+def _held(held_parts: list[tuple[Any, list | None]]) -> list[torch.Tensor | None]:
+    """Every tensor the parts hold: a module's through its own registries (cheaper than
+    ``named_parameters()``), a TensorDict's at its leaf keys (None where one went)."""
+    return [
+        t
+        for part, keys in held_parts
+        for t in (
+            (t for sub in part.modules() for registry in (sub._parameters, sub._buffers) for t in registry.values())
+            if keys is None
+            else (part.get(k, None) for k in keys)
+        )
+        if keys is not None or t is not None
+    ]
+
+
+def _holding(now: list, held_parts: list, held: list, tensors: list[torch.Tensor], layout: Any) -> bool:
+    """Whether the parts given ``now`` are the very objects of ``held_parts``, still holding the very
+    tensors ``held``, those published still with their entries' shapes and dtypes, and data."""
+    if len(now) != len(held_parts) or not all(a is b for a, (b, _) in zip(now, held_parts)):
+        return False
+    holds = _held(held_parts)
+    entries = layout.entries
+    return (
+        len(holds) == len(held)
+        and all(a is b for a, b in zip(holds, held))
+        and all(t.shape == e.shape and t.dtype == e.dtype and not t.is_meta for t, e in zip(tensors, entries))
+    )

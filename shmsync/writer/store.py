@@ -8,9 +8,9 @@ One publish, on the trainer's thread (:meth:`WeightStore.publish`)::
     writer.commit(write)                                  (the version and the latest slot: two words)
     give back the slots no reader can use                 (writer.idle_slots, then their pages)
 
-With ``background=True`` (the default from 16 MiB) the copy, the commit and the give-backs run on
-the store's :class:`~shmsync.writer.copies.Copier` thread: ``publish()`` returns once the write is
-begun and its version promised. From CUDA tensors, :mod:`shmsync.writer.cuda` copies into the
+With ``background=True`` the copy, the commit and the give-backs run on the store's
+:class:`~shmsync.writer.copies.Copier` thread: ``publish()`` returns once the write is begun and its
+version promised. From CUDA tensors, :mod:`shmsync.writer.cuda` copies into the
 store's device slots instead.
 """
 
@@ -50,8 +50,6 @@ from shmsync.writer.copies import Copier, copy_all
 from shmsync.writer.layout import Layout
 from shmsync.writer.memory import RECHECK_EMPTY_S, StoreMemory, new_segment, read_layout
 from shmsync.writer.sources import SourceMatcher, as_tensordict
-
-BACKGROUND_MIN_BYTES = 16 << 20  # a collector's scheme copies payloads from here on in the background
 
 
 class Snapshot(NamedTuple):
@@ -116,7 +114,7 @@ class StoreWriter:
         elif self.background if background is None else background:
             version = self._in_background(tensors, version)
         else:
-            if self.copier.busy:
+            if self.copier.pending:
                 self.copier.wait()  # one write at a time: after the one in flight
             slots = self.memory.slots
             version = self._write(lambda slot: copy_all(slots[slot], tensors, True), version)
@@ -126,7 +124,7 @@ class StoreWriter:
     def _in_background(self, tensors: list[torch.Tensor], version: int | None) -> int:
         """Begin the write and promise its version; the copy (checked against writes to the source
         tensors meanwhile) and the commit run on the copier's thread."""
-        if self.copier.busy:
+        if self.copier.pending:
             self.copier.wait()  # one write at a time: back-pressure only when publishing faster than copying
         role, memory = self.role, self.memory
         write = role.begin_write()
@@ -621,4 +619,4 @@ def check_version(version: Any) -> None:
         raise ValueError(f"version must be an int >= 0, got {version!r}")
 
 
-__all__ = ["WeightStore", "Snapshot", "BACKGROUND_MIN_BYTES"]
+__all__ = ["WeightStore", "Snapshot"]

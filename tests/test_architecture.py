@@ -1,0 +1,120 @@
+"""The path of one publish, as docs/architecture.md draws it, is the path the code takes.
+
+A steady-state ``update_policy_weights_()`` of a ``MultiSyncCollector`` (2 CPU workers, the default
+scheme) and a CPU reader's ``poll()`` that loads a version are traced (``sys.setprofile``: every
+shmsync function called, comprehensions and lambdas aside); the distinct functions, in the order
+first called, must be the page's, and no more than 15 in 5 files (the trainer's thread), and 10 in
+4 files (the worker's).
+"""
+
+import os
+import re
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import shmsync
+from shmsync import WeightReader, WeightStore
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = os.path.dirname(shmsync.__file__)
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def documented(block: str) -> list[tuple[str, str]]:
+    """The ``(file, function)`` lines of the path block headed ``block`` in docs/architecture.md."""
+    text = DOC.read_text()
+    start = text.index(f"path: {block}")
+    body = text[start : text.index("```", start)]
+    return re.findall(r"^\s+(\S+\.py)\s+([\w.<>]+)", body, re.M)
+
+
+class Tracer:
+    """Records the shmsync functions called, per thread, while ``on``."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.calls: dict[str, list[tuple[str, str]]] = {}
+
+    def __call__(self, frame, event, arg):
+        if event == "call" and self.on:
+            code = frame.f_code
+            if code.co_filename.startswith(PACKAGE) and not code.co_name.startswith("<"):
+                where = os.path.relpath(code.co_filename, PACKAGE)
+                self.calls.setdefault(threading.current_thread().name, []).append((where, code.co_qualname))
+
+    def path(self, thread: str) -> list[tuple[str, str]]:
+        return list(dict.fromkeys(self.calls.get(thread, [])))
+
+
+def check_walk(path: list[tuple[str, str]], most_functions: int, most_files: int) -> None:
+    files = {f for f, _ in path}
+    assert len(path) <= most_functions and len(files) <= most_files, (
+        f"{len(path)} functions in {len(files)} files: {path}"
+    )
+
+
+def test_a_cpu_readers_load_takes_the_documented_path():
+    policy = torch.nn.Linear(64, 64)
+    with WeightStore.create(policy) as store:
+        reader = WeightReader(store, torch.nn.Linear(64, 64))
+        reader.poll()
+        store.publish(policy)
+        reader.poll()
+        store.publish(policy)
+        tracer = Tracer()
+        sys.setprofile(tracer)
+        tracer.on = True
+        try:
+            assert reader.poll()
+        finally:
+            tracer.on = False
+            sys.setprofile(None)
+        reader.close()
+    path = tracer.path(threading.current_thread().name)
+    assert path == documented("worker"), f"the code took:\n{path}"
+    check_walk(path, 10, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.torchrl
+@pytest.mark.timeout(180)
+def test_one_update_takes_the_documented_path():
+    from tensordict.nn import TensorDictModule
+    from torchrl.collectors import MultiSyncCollector
+    from torchrl.modules import MLP
+
+    from helpers import make_pendulum
+
+    net = MLP(in_features=3, out_features=1, num_cells=[256, 256])
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["action"])
+    scheme = shmsync.ShmWeightSyncScheme()
+    tracer = Tracer()
+    threading.setprofile(tracer)  # the store's copier thread starts at the first update: traced too
+    collector = MultiSyncCollector(
+        [make_pendulum] * 2, policy, frames_per_batch=64, total_frames=-1, weight_sync_schemes={"policy": scheme}
+    )
+    try:
+        it = iter(collector)
+        for _ in range(3):  # steady state: every slot written, the workers leasing
+            next(it)
+            collector.update_policy_weights_()
+        next(it)
+        sys.setprofile(tracer)
+        tracer.on = True
+        collector.update_policy_weights_()
+        sys.setprofile(None)
+        scheme.store.flush(timeout=30)  # the copier's part, still traced on its own thread
+        tracer.on = False
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+        collector.shutdown()
+    trainer = tracer.path(threading.current_thread().name)
+    copier = tracer.path(f"shmsync-publish-{scheme.store.name}")
+    assert trainer == documented("trainer"), f"the trainer's thread took:\n{trainer}"
+    assert copier == documented("copier"), f"the copier's thread took:\n{copier}"
+    check_walk(trainer, 15, 5)
