@@ -690,9 +690,9 @@ class WeightProbe(torch.nn.Module):
     one complete version has ``lo == hi == version``; a mix of two versions cannot.
     """
 
-    def __init__(self):
+    def __init__(self, big: int = 512):
         super().__init__()
-        self.big = torch.nn.Parameter(torch.zeros(512, 512))
+        self.big = torch.nn.Parameter(torch.zeros(big, big))
         self.small = torch.nn.Parameter(torch.zeros(1000))
 
     def forward(self, observation):
@@ -703,10 +703,11 @@ class WeightProbe(torch.nn.Module):
         return torch.zeros(*batch, 1), lo.expand(batch).clone(), hi.expand(batch).clone()
 
 
-def make_probe_policy():
+def make_probe_policy(big: int = 512):
+    """A :class:`WeightProbe` as a TorchRL policy; ``big``: the side of its square parameter."""
     from tensordict.nn import TensorDictModule
 
-    return TensorDictModule(WeightProbe(), in_keys=["observation"], out_keys=["action", "w_lo", "w_hi"])
+    return TensorDictModule(WeightProbe(big), in_keys=["observation"], out_keys=["action", "w_lo", "w_hi"])
 
 
 def make_marked_env():
@@ -1126,3 +1127,28 @@ def poll_in_place(store: WeightStore, sizes, conn) -> None:
     while True:
         reader.poll()
         time.sleep(0.001)
+
+
+# -- GPU readers (tests/test_cuda.py) ----------------------------------------------------------------
+def cuda_layers():
+    return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+
+
+def cuda_reader(name: str, device: str, versions: int, options: dict, conn) -> None:
+    """A reader of store ``name`` in its own process, its module on ``device`` (``"cpu"`` too):
+    for each version 1..``versions`` it waits for it and reports whether every weight holds that
+    version's number, whether its parameters view shared memory, and the memory it holds itself."""
+    from shmsync import WeightReader, WeightStore
+
+    store = WeightStore.attach(name)
+    module = cuda_layers().to(device)
+    reader = WeightReader(store, module, **options)
+    reader.poll()
+    conn.send(("ready", reader.viewing))
+    for version in range(1, versions + 1):
+        reader.wait(version, timeout=60)
+        values = {float(v) for p in module.parameters() for v in p.detach().unique().cpu()}
+        conn.send(("loaded", reader.version, values == {float(reader.version)}, reader.viewing))
+    conn.recv()  # the parent has read the readers' table
+    reader.close()
+    store.close()

@@ -29,3 +29,60 @@ def test_the_thread_count_can_be_fixed(monkeypatch):
     monkeypatch.setenv("SHMSYNC_COPY_THREADS", "zero")
     with pytest.raises(ValueError, match="SHMSYNC_COPY_THREADS must be a positive integer, got 'zero'"):
         copy_threads()
+
+
+# -- the background copier -------------------------------------------------------------------------
+def test_a_copier_runs_tasks_in_order_and_a_failure_is_raised_once_by_the_next_call():
+    from shmsync.writer.copies import Copier
+
+    copier = Copier("shmsync-publish-test")
+    try:
+        done = []
+        for i in range(20):
+            copier.submit(lambda i=i: done.append(i))
+        copier.wait(timeout=10)
+        assert done == list(range(20))
+
+        def fail():
+            raise OSError("no room")
+
+        copier.submit(fail)
+        copier.submit(lambda: done.append("after"))  # still queued behind the failure: it runs
+        with pytest.raises(RuntimeError, match="a background publish failed: no room") as raised:
+            copier.wait(timeout=10)
+        assert isinstance(raised.value.__cause__, OSError) and done[-1] == "after"
+        copier.wait(timeout=10)  # raised once
+    finally:
+        copier.close()
+
+
+def test_an_optimizer_step_waits_for_the_copy_running():
+    """A step would write the weights being copied: it waits for the copy to end."""
+    import threading
+
+    from shmsync.writer.copies import Copier
+
+    copier = Copier("shmsync-publish-test")
+    param = torch.nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    param.grad = torch.ones(4)
+    started, release, order = threading.Event(), threading.Event(), []
+
+    def copy():
+        started.set()
+        release.wait(10)
+        order.append("copy")
+
+    try:
+        copier.submit(copy)
+        assert started.wait(10)
+        stepper = threading.Thread(target=lambda: (optimizer.step(), order.append("step")))
+        stepper.start()
+        stepper.join(0.2)
+        assert stepper.is_alive(), "the step did not wait for the copy"
+        release.set()
+        stepper.join(10)
+        assert order == ["copy", "step"]
+    finally:
+        release.set()
+        copier.close()

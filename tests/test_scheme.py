@@ -117,6 +117,30 @@ def test_tags_follow_published_versions_in_sync_collector():
         collector.shutdown()
 
 
+def test_the_batch_after_each_update_runs_it_while_the_copy_runs_in_the_background():
+    """MultiSyncCollector's stores copy in the background (``update_policy_weights_()`` returns once
+    the version is promised); its workers wait for the promised version at the start of their next
+    rollout, so the batch after each update runs the weights just sent, whole."""
+    policy = make_probe_policy(big=2048)  # 16 MB: a copy that takes a while
+    scheme = ShmWeightSyncScheme()
+    collector = MultiSyncCollector(
+        [make_pendulum] * 2, policy, frames_per_batch=40, total_frames=-1, weight_sync_schemes={"policy": scheme}
+    )
+    try:
+        assert scheme.store.background, "MultiSyncCollector's stores copy in the background by default"
+        it = iter(collector)
+        next(it)
+        for version in range(1, 7):
+            fill(policy, version)
+            collector.update_policy_weights_()
+            batch = next(it)
+            assert torch.equal(batch["w_lo"], batch["w_hi"]), "a frame ran a mix of two versions"
+            assert (batch["w_lo"] == version).all(), f"the batch after update {version} ran {batch['w_lo'].unique()}"
+            assert (batch["policy_version"] == version).all()
+    finally:
+        collector.shutdown()
+
+
 def test_poll_inside_long_rollouts():
     policy = make_policy()
     collector, scheme = _collector(MultiSyncCollector, 1, policy, frames=400, poll_every_steps=10)
@@ -142,6 +166,7 @@ def test_the_store_leaves_the_host_once_every_worker_attached_and_shutdown_frees
         it = iter(collector)
         next(it)
         collector.update_policy_weights_()
+        store.flush()  # the background copy landed: version 1 is published
         # Between batches each worker waits, one version behind; the table says which is which.
         table = scheme.readers()
         assert sorted((r.worker, r.version, r.behind, r.waiting) for r in table) == [(0, 0, 1, True), (1, 0, 1, True)]

@@ -460,3 +460,66 @@ def test_flat_tensordicts_with_dotted_keys_publish_and_name_real_differences(sto
 def test_the_constructor_points_to_create_and_attach():
     with pytest.raises(TypeError, match=r"WeightStore\.create\(source\).*WeightStore\.attach\(name\)"):
         WeightStore()
+
+
+# -- background publishes ----------------------------------------------------------------------------
+def test_a_background_publish_promises_its_version_and_lands_whole(store_factory):
+    weights = blob_weights(SMALL, 0.0)
+    store = store_factory(weights, background=True)
+    reader = WeightReader(store, ParamBlob(SMALL))
+    for version in range(1, 20):
+        for t in weights.values():
+            t.fill_(float(version))
+        assert store.publish(weights) == version
+        assert store.info()["promised"] == version  # on its way, the trainer's thread back already
+        reader.poll_promised(timeout=30)  # waits for it to land
+        assert reader.version == version and mixed_values(reader.module) == {float(version)}
+    assert store.flush() == 19
+
+
+def test_weights_written_while_their_background_copy_runs_are_not_published(store_factory):
+    """The version would hold a state the trainer never published: it is not made visible, its
+    promise is withdrawn (a worker waiting for it stops waiting), and the next call says why."""
+    import threading
+
+    from shmsync.writer import store as store_module
+
+    weights = blob_weights({"a": 1 << 20}, 1.0)
+    store = store_factory(weights, background=True)
+    copying, written = threading.Event(), threading.Event()
+    copy_all = store_module.copy_all
+
+    def slow_copy(dst, src, on_cpu=None, threads=None):
+        copying.set()
+        written.wait(10)
+        copy_all(dst, src, on_cpu, threads)
+
+    store_module.copy_all = slow_copy
+    try:
+        store.publish(weights)
+        assert copying.wait(10)
+        weights["a"].add_(1.0)  # the trainer writes the weights while they are being copied
+        written.set()
+        with pytest.raises(RuntimeError, match="written while version 1 was being copied") as raised:
+            store.flush(timeout=10)
+        assert "not published" in str(raised.value.__cause__)
+    finally:
+        store_module.copy_all = copy_all
+        written.set()
+    assert store.version == 0 and store.info()["promised"] == 0
+    assert store.publish(weights) == 1 and store.snapshot().version == 1  # the next publish goes through
+
+
+def test_a_reader_waiting_for_a_promise_that_never_lands_is_told_in_time(store_factory):
+    from shmsync import ReloadTimeoutError
+    from shmsync.core.header import W_PROMISED
+    from shmsync.testing import write_header_word
+
+    store = store_factory(blob_weights(SMALL, 0.0))
+    reader = WeightReader(store, ParamBlob(SMALL))
+    reader.poll()
+    write_header_word(store, W_PROMISED, 5)  # a publish promised version 5, and its copy stalled
+    started = time.monotonic()
+    with pytest.raises(ReloadTimeoutError, match=r"version 5, promised by the trainer's last publish, was not"):
+        reader.poll_promised(timeout=0.5)
+    assert time.monotonic() - started < 5

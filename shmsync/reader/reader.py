@@ -80,6 +80,8 @@ class WeightReader:
             True where it cannot raises ValueError.
         worker: the index of the worker this reader serves, shown in the readers' table
             (:meth:`WeightStore.readers`) and in the stale-reader alarm's messages.
+        device_slots: a GPU module loads from the store's device slots where it can (default);
+            False: through the host slots, as a GPU without peer access to them does.
 
     Examples:
         >>> import torch
@@ -116,6 +118,7 @@ class WeightReader:
         timeout: float = 60.0,
         zero_copy: bool | None = None,
         worker: int | None = None,
+        device_slots: bool = True,
     ) -> None:
         if not isinstance(store, WeightStore):
             raise TypeError(f"store must be a WeightStore, got {type(store).__name__}")
@@ -129,6 +132,7 @@ class WeightReader:
         self.timeout = timeout
         self.reloads = 0
         self.worker = worker  # the index its collector gave it, or None
+        self.device_slots = device_slots
         self._version = -1
         self._memory = memory = store.memory
         self._parts = _parts(store, module, destination)
@@ -163,15 +167,13 @@ class WeightReader:
         self._table = Table(words, self._memory.locks)
         self._reader = Reader(words, self._memory.locks)
 
-    @property
-    def version(self) -> int:
-        """The version loaded in the module (-1 before the first load)."""
-        return self._version
-
-    @property
-    def waiting(self) -> bool:
-        """Whether this reader says it waits for work (see :meth:`set_waiting`)."""
-        return bool(self._flags & ROW_WAITING)
+    version = property(lambda self: self._version, doc="The version loaded in the module (-1 before the first load).")
+    waiting = property(
+        lambda self: bool(self._flags & ROW_WAITING), doc="Whether this reader says it waits for work (set_waiting)."
+    )
+    viewing = property(
+        lambda self: bool(self._viewing), doc="Whether the module's parameters now point at shared memory (zero_copy)."
+    )
 
     def set_waiting(self, waiting: bool) -> None:
         """Say whether the process is between rollouts, waiting for work rather than running the
@@ -196,11 +198,6 @@ class WeightReader:
             if self._finalizer.alive and not self._memory.closed:
                 self._table.set_row_word(self._row, R_FLAGS, flags)
 
-    @property
-    def viewing(self) -> bool:
-        """Whether the module's parameters now point at shared memory (``zero_copy``)."""
-        return bool(self._viewing)
-
     def poll(self) -> bool:
         """Reload if a newer version was published.
 
@@ -216,11 +213,13 @@ class WeightReader:
 
     def reload(self) -> bool:
         """Load the newest complete version now, even if it is already loaded."""
-        if not self._bound or self._cuda is not None and self._memory.header[W_DEVICE] != self._device_seen:
-            self._bind()  # first, or the store got device slots since: this GPU module may run from them
+        if not self._bound:
+            self._bind()
         memory = self._memory
         if memory.closed:
             raise ShmSyncError(f"store {memory.name!r} is closed in this process")
+        if memory.header[W_DEVICE]:
+            self._follow_device()
         in_place = self._in_place
         if self._viewing and in_place.check_unwritten(self._version, keep=self.private_on_write):
             self._go_private()
@@ -244,6 +243,14 @@ class WeightReader:
             self._table.update_row(self._row, version, self.reloads)
         return changed
 
+    def _follow_device(self) -> None:
+        """A store published from CUDA: a GPU module may run from its device slots now; host slots
+        are filled on demand."""
+        if self._cuda is not None and self._memory.header[W_DEVICE] != self._device_seen:
+            self._bind()
+        if self._bank == HOST:
+            _await_host_slots(self.store, self.timeout)
+
     def _go_private(self) -> None:
         """The module wrote its weights, kept privately: it copies from now on."""
         self._table.release_lease(self._row)
@@ -266,8 +273,6 @@ class WeightReader:
             # (the old slot may be rewritten meanwhile; the copy below overwrites it all)
             make_private(self._viewing)
             self._table.release_lease(self._row)
-        if self._bank == HOST and self._memory.header[W_DEVICE]:
-            _await_host_slots(self.store, self.timeout)
         # Optimistic copies, or the pin at once for a reader slower than the writer.
         return self._reader.read(self._copy, timeout=self.timeout)
 
@@ -293,13 +298,9 @@ class WeightReader:
         return reloaded
 
     def wait(self, min_version: int, timeout: float | None = None, *, waiting_for: str = "") -> int:
-        """Block until at least ``min_version`` is loaded; returns the loaded version.
-
-        Raises:
-            WriterGoneError: no live process can publish any more (the trainer died): the
-                version will never come. Checked about twice a second.
-            ReloadTimeoutError: ``min_version`` was not published within ``timeout`` seconds.
-        """
+        """Block until at least ``min_version`` is loaded; returns the loaded version. Raises
+        ``WriterGoneError`` once no live process can publish any more (checked twice a second),
+        ``ReloadTimeoutError`` when ``min_version`` did not come within ``timeout`` seconds."""
         return _wait_for(
             self, min_version, timeout, f"version {min_version}" + (f", {waiting_for}," if waiting_for else "")
         )
@@ -315,7 +316,7 @@ class WeightReader:
         memory = self._memory
         targets, indices = match_parts(self.store, self._parts, self.device)
         cuda = next((t.device for t in targets if t.is_cuda), None)
-        bank = bank_for(memory, cuda)
+        bank = bank_for(memory, cuda) if self.device_slots else HOST
         here = cuda is None or bank == DEVICE and memory.header[W_DEVICE] - 1 == cuda.index  # in place possible
         if self._asked and not here:
             raise ValueError(

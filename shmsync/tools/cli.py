@@ -43,7 +43,7 @@ def _state(s) -> str:
 
 
 def _table(stores) -> str:
-    head = ["NAME", "VERSION", "PAYLOAD", "RESIDENT", "SIZE", "CREATOR", "READERS", "LAST PUBLISH", "STATE"]
+    head = ["NAME", "VERSION", "PAYLOAD", "RESIDENT", "SIZE", "GPU", "CREATOR", "READERS", "LAST PUBLISH", "STATE"]
     rows = [head]
     for s in stores:
         rows.append(
@@ -53,6 +53,7 @@ def _table(stores) -> str:
                 human_bytes(s.payload_bytes),
                 human_bytes(s.resident_bytes),
                 human_bytes(s.shm_bytes),
+                human_bytes(s.device_bytes) if s.device_bytes else "-",
                 f"{s.creator_pid} ({'alive' if s.creator_alive else 'gone'})",
                 str(len(s.readers)),
                 _age(s.last_publish_age_s) + (" ago" if s.last_publish_age_s is not None else ""),

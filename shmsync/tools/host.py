@@ -19,14 +19,18 @@ from dataclasses import asdict, dataclass
 from shmsync.core import segment
 from shmsync.core.header import (
     HEADER_BYTES,
+    R_FLAGS,
+    R_PID,
+    ROW_LINK,
     W_CREATE_NS,
     W_CREATOR_PID,
+    W_DEVICE_BYTES,
     W_PAYLOAD_BYTES,
     W_PUBLISH_NS,
     W_VERSION,
     W_WRITER_PID,
     check_words,
-    reader_column,
+    reader_rows,
 )
 from shmsync.errors import ShmSyncError, StoreNotFoundError, StoreUntrustedError
 from shmsync.watch.remote_rows import read_report_file
@@ -54,6 +58,7 @@ class StoreStatus:
     unlinked: bool = False  # its name left the store folder; processes still hold it (see `path`)
     path: str | None = None  # where it was read: its file, or a process's descriptor of it
     resident_bytes: int = 0  # memory its pages take now (slots nobody uses take none)
+    device_bytes: int = 0  # GPU memory its device slots take now (a store published from CUDA)
 
     @property
     def publisher_alive(self) -> bool:
@@ -99,8 +104,9 @@ def status(name: str, path: str | None = None) -> StoreStatus | None:
                 name, False, -1, 0, st.st_size, 0, locked(segment.CREATOR_LOCK), 0,
                 locked(segment.WRITER_LOCK), [], held, None, (now - st.st_mtime_ns) / 1e9, problem, **where,
             )  # fmt: skip
-        pids = reader_column(h, 0)
-        readers = [pid for row, pid in enumerate(pids) if pid and locked(segment.ROW_LOCKS + row)]
+        # The readers the readers' table lists: a relay's link to another host is none.
+        rows = [(row, w[R_PID]) for row, w in reader_rows(h) if not w[R_FLAGS] & ROW_LINK]
+        readers = [pid for row, pid in rows if locked(segment.ROW_LOCKS + row)]
         published = h[W_PUBLISH_NS]
         return StoreStatus(
             name=name,
@@ -116,6 +122,7 @@ def status(name: str, path: str | None = None) -> StoreStatus | None:
             held=held,
             last_publish_age_s=(now - published) / 1e9 if published else None,
             age_s=(now - h[W_CREATE_NS]) / 1e9,
+            device_bytes=max(h[W_DEVICE_BYTES], 0),
             **where,
         )
     finally:

@@ -127,8 +127,8 @@ class StoreGroup:
 
     @property
     def version(self) -> int:
-        """The newest version of any of the stores."""
-        return max(s.version for s in self.stores)
+        """The newest version sent to any of the stores (published, or promised by a background copy)."""
+        return max(s.promised for s in self.stores)
 
     def publish(self, weights: dict[str, Any], worker_ids: Any = None, version: int | None = None) -> int:
         """Publish the keys of ``weights`` (new weights, or None for the key's own model) into every
@@ -165,7 +165,7 @@ class StoreGroup:
     def relabel(self, versions: Sequence[int | None]) -> None:
         """Republish each store's newest weights under a restored version, when it is higher."""
         for store, wanted in zip(self.stores, versions):
-            if wanted is not None and int(wanted) > store.version:
+            if wanted is not None and int(wanted) > store.promised:
                 store.publish(store.snapshot().weights, version=int(wanted))
 
     def check_workers_attached(self) -> None:

@@ -128,7 +128,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         self.background = background
         self.num_slots = num_slots if num_slots is not None else 4
         self.per_worker_weights = per_worker_weights
-        self.exact = False  # its collector's next batch runs the weights just sent: workers wait for a promise
+        self.exact = False  # its collector's next batch runs the weights sent: workers wait for promises
         self._store_names: list[str] = []
         self._expected_readers: int | None = None
         self.group: StoreGroup | None = None  # trainer side: the stores of this scheme's key
@@ -136,7 +136,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         self._awaiting_collector = False  # initialized before any collector, none handed itself over yet
         self._receiver: Receiver | None = None
         self._leg: str | None = None  # "distributed" / "ray": the local leg of shmsync's remote collector
-        self.upstream: tuple[str, int] | None = None  # a node's leg: where the trainer's push store listens
+        self.upstream: tuple[str, int] | None = None  # a node's leg: the trainer's push store
 
     # -- sender ---------------------------------------------------------------------------------
     @property
@@ -226,16 +226,16 @@ class ShmWeightSyncScheme(WeightSyncScheme):
 
     @property
     def version(self) -> int:
-        """Sender: the last published version (the newest of any worker's). Receiver: the version
-        loaded in this worker. -1 before initialization."""
+        """Sender: the newest version sent to any store (a background copy may still be landing it).
+        Receiver: the version loaded in this worker. -1 before initialization."""
         if self._receiver is not None:
             return self._receiver.version
-        return max((s.version for s in self.stores), default=-1)
+        return max((s.promised for s in self.stores), default=-1)
 
     @property
     def versions(self) -> list[int]:
-        """Sender: the last published version of each store (one per worker with ``per_worker_weights``)."""
-        return [s.version for s in self.stores]
+        """Sender: the last version sent to each store (one per worker with ``per_worker_weights``)."""
+        return [s.promised for s in self.stores]
 
     def readers(self, *, processes: bool = False) -> ReaderTable:
         """The readers' table (:mod:`shmsync.watch.table`): on the trainer, every worker (each
@@ -260,7 +260,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         """The stale-worker alarm watching this scheme's workers (trainer side), if started."""
         return self.group.alarm if self.group is not None else None
 
-    def create_transport(self, **kwargs: Any):
+    def create_transport(self, **kwargs: Any):  # weights travel through a WeightStore
         raise NotImplementedError("ShmWeightSyncScheme moves weights through a WeightStore, not a transport")
 
     # -- receiver -------------------------------------------------------------------------------
@@ -308,8 +308,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
 
     def receive(self, timeout: float | None = None) -> None:
         """Load the newest version if it changed (cheap otherwise). Weights never travel by message."""
-        if self._receiver is not None:
-            self._receiver.poll()
+        self.poll()
 
     def poll(self) -> bool:
         """Worker side: reload if a new version was published. True if reloaded."""

@@ -39,13 +39,25 @@ WRITE_EVERY = 1.0  # seconds between two writes of the trainer's report file
 # -- rows on the wire ------------------------------------------------------------------------------
 # A report is JSON: {"hosts": [[host, store, age_s, [row, ...]], ...]}, each row a list in this
 # order. It comes from a peer: every field is checked (type and range) before a row is made.
-WIRE_FIELDS = ("worker", "pid", "version", "since_reload_s", "reloads", "mode", "waiting", "state", "uss")
+WIRE_FIELDS = (
+    "worker",
+    "pid",
+    "version",
+    "since_reload_s",
+    "reloads",
+    "mode",
+    "waiting",
+    "state",
+    "uss",
+    "device_bytes",
+)
 MAX_NAME = 255
 MAX_STATE = 32
 
 
 def row_to_wire(r: ReaderRow) -> list[Any]:
-    return [r.worker, r.pid, r.version, r.since_reload_s, r.reloads, MODES.index(r.mode), r.waiting, r.state, r.uss]
+    mode = MODES.index(r.mode)
+    return [r.worker, r.pid, r.version, r.since_reload_s, r.reloads, mode, r.waiting, r.state, r.uss, r.device_bytes]
 
 
 def _int(value: Any, lo: int, hi: int, what: str) -> int:
@@ -70,9 +82,9 @@ def _text(value: Any, most: int, what: str) -> str:
 
 def row_from_wire(fields: Any, host: str, store: str, age_s: float) -> ReaderRow:
     """A row another host reported, every field checked (ValueError names the first bad one)."""
-    if not isinstance(fields, list) or len(fields) != len(WIRE_FIELDS):
+    if not isinstance(fields, list) or len(fields) not in (len(WIRE_FIELDS) - 1, len(WIRE_FIELDS)):
         raise ValueError(f"a reader row is {str(fields)[:60]}, not a list of {len(WIRE_FIELDS)} fields")
-    worker, pid, version, since, reloads, mode, waiting, state, uss = fields
+    worker, pid, version, since, reloads, mode, waiting, state, uss, *device = fields  # a 9-field row: no GPU
     if not isinstance(waiting, bool):
         raise ValueError(f"a reader row's waiting flag is {str(waiting)[:20]}, not a bool")
     return ReaderRow(
@@ -89,6 +101,7 @@ def row_from_wire(fields: Any, host: str, store: str, age_s: float) -> ReaderRow
         state=_text(state, MAX_STATE, "a reader row's state"),
         uss=None if uss is None else _int(uss, 0, 1 << 62, "a reader row's uss"),
         report_age_s=age_s,
+        device_bytes=_int(device[0], 0, 1 << 62, "a reader row's device_bytes") if device else 0,
     )
 
 

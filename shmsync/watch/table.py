@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 from shmsync.core.header import (
+    R_DEVICE_BYTES,
+    R_DEVICE_LEASE,
     R_FLAGS,
     R_LEASE,
     R_PID,
@@ -57,7 +59,7 @@ from shmsync.core.processes import process_state, process_uss
 
 log = logging.getLogger("shmsync.table")
 
-MODES = ("copy", "zero-copy", "copy (fallback)", "device")
+MODES = ("copy", "zero-copy", "copy (fallback)", "device", "device in place")
 HOST = socket.gethostname()
 # States of a reader's process (psutil's names), and ours: "gone" (no such process any more),
 # "unknown" (a pid this host's process table cannot vouch for: reused, or of another namespace),
@@ -81,7 +83,8 @@ class ReaderRow:
         reloads: how many times it loaded a version.
         mode: ``"zero-copy"`` (its module views the store in place), ``"copy"`` (a private
             copy), ``"copy (fallback)"`` (it asked for zero-copy and copies: every slot it could
-            lease was taken) or ``"device"`` (a copy in an accelerator's memory).
+            lease was taken), ``"device"`` (a copy in an accelerator's memory) or ``"device in
+            place"`` (its GPU module views a device slot of the store).
         waiting: between rollouts, waiting for work (a collector's worker): not running weights.
         state: its process's state (``running``, ``sleeping``, ``stopped``, ``zombie``, ``gone``...,
             ``unknown`` for a pid this host cannot vouch for, ``lost`` for a remote reader whose
@@ -89,6 +92,7 @@ class ReaderRow:
         uss: its process's private memory in bytes (unique set size), where looked up.
         report_age_s: for a reader on another host, the age of the report its row came in;
             None for a row read from this host's store just now.
+        device_bytes: GPU memory the reader holds of its own (a private device copy; 0 in place).
     """
 
     store: str
@@ -104,6 +108,7 @@ class ReaderRow:
     state: str = ""
     uss: int | None = None
     report_age_s: float | None = None
+    device_bytes: int = 0
 
     @property
     def zero_copy(self) -> bool:
@@ -249,10 +254,10 @@ def sort_rows(rows: Iterable[ReaderRow]) -> list[ReaderRow]:
     return sorted(rows, key=_order)
 
 
-def mode_of(flags: int, lease: int, version: int) -> str:
+def mode_of(flags: int, lease: int, version: int, device_lease: int = 0) -> str:
     """The ``mode`` of a row from its flags and lease words."""
     if flags & ROW_DEVICE:
-        return "device"
+        return "device in place" if flags & ROW_ZERO_COPY and (device_lease or version < 0) else "device"
     if flags & ROW_ZERO_COPY:
         return "zero-copy" if lease or version < 0 else "copy (fallback)"
     return "copy"
@@ -325,10 +330,11 @@ def _row(store: str, w: list[int], latest: int, now: int, state: str, uss: int |
         (latest - version if latest > version else 0) if loaded else None,
         ((now - stamp) / 1e9 if now > stamp else 0.0) if stamp > 0 and loaded else None,
         w[R_RELOADS] if w[R_RELOADS] > 0 else 0,
-        mode_of(flags, w[R_LEASE], version),
+        mode_of(flags, w[R_LEASE], version, w[R_DEVICE_LEASE]),
         bool(flags & ROW_WAITING),
         state,
         uss,
+        device_bytes=max(w[R_DEVICE_BYTES], 0),
     )
 
 
@@ -403,7 +409,7 @@ def _names(tables: Sequence[ReaderTable]) -> str:
 
 def format_rows(table: ReaderTable, limit: int | None = 50) -> str:
     """``table`` as text: a summary line, then a row per reader (worst first), gone ones last."""
-    head = ["HOST", "WORKER", "PID", "VERSION", "BEHIND", "LAST RELOAD", "RELOADS", "MODE", "STATE", "USS"]
+    head = ["HOST", "WORKER", "PID", "VERSION", "BEHIND", "LAST RELOAD", "RELOADS", "MODE", "STATE", "USS", "GPU"]
     rows = [*table.rows, *table.gone]
     shown = rows if limit is None else rows[:limit]
     lines = [head, *(_cells(r) for r in shown)]
@@ -433,6 +439,7 @@ def _cells(r: ReaderRow) -> list[str]:
         r.mode,
         state,
         "-" if r.uss is None else human_bytes(r.uss),
+        human_bytes(r.device_bytes) if r.device_bytes else "-",
     ]
 
 

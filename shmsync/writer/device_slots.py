@@ -64,30 +64,45 @@ def record_base(slot: int) -> int:
     return W_DEVICE_RECORDS + slot * DEVICE_RECORD_WORDS
 
 
-def write_record(h, slot: int, tensor: torch.Tensor) -> None:
-    """Share ``tensor`` (a device slot) through torch's CUDA IPC and write how to map it into the
-    header, the state word last."""
+def share(tensor: torch.Tensor) -> Record:
+    """Share ``tensor`` (a device slot) through torch's CUDA IPC: what another process needs to map it.
+
+    Raises:
+        RuntimeError: torch's handles do not fit a record (a torch that changed them).
+    """
     from torch.multiprocessing.reductions import reduce_tensor
 
     _rebuild, args = reduce_tensor(tensor)
     device, handle, nbytes, offset, counter, counter_offset, event, event_sync = args[6:8] + args[8:10] + args[11:15]
-    handle, counter, event = bytes(handle), bytes(counter), bytes(event)
-    if len(handle) > MAX_HANDLE or len(counter) > MAX_COUNTER_NAME or len(event) > MAX_EVENT_HANDLE:
+    record = Record(int(device), int(nbytes), int(offset), bytes(handle), bytes(counter), int(counter_offset),
+                    bytes(event), bool(event_sync))  # fmt: skip
+    if (
+        len(record.handle) > MAX_HANDLE
+        or len(record.counter) > MAX_COUNTER_NAME
+        or len(record.event) > MAX_EVENT_HANDLE
+    ):
         raise RuntimeError(
-            f"torch's CUDA IPC handles are longer than a store's record holds ({len(handle)}, {len(counter)}, "
-            f"{len(event)} bytes; at most {MAX_HANDLE}, {MAX_COUNTER_NAME}, {MAX_EVENT_HANDLE})"
+            f"torch's CUDA IPC handles are longer than a store's record holds ({len(record.handle)}, "
+            f"{len(record.counter)}, {len(record.event)} bytes; at most {MAX_HANDLE}, {MAX_COUNTER_NAME}, "
+            f"{MAX_EVENT_HANDLE})"
         )
+    return record
+
+
+def write_record(h, slot: int, record: Record) -> None:
+    """Write ``record`` into device slot ``slot``'s words of header ``h``, the state word last."""
     base = record_base(slot)
     h[base] = 0
-    for i, value in enumerate(
-        (device, nbytes, offset, counter_offset, int(bool(event_sync)), len(handle), len(counter), len(event)), 1
-    ):
-        h[base + i] = int(value)
+    fields = (record.device, record.nbytes, record.offset, record.counter_offset, int(record.event_sync),
+              len(record.handle), len(record.counter), len(record.event))  # fmt: skip
+    for i, value in enumerate(fields, 1):
+        h[base + i] = value
     blob = (
-        handle.ljust(MAX_HANDLE, b"\0") + counter.ljust(MAX_COUNTER_NAME, b"\0") + event.ljust(MAX_EVENT_HANDLE, b"\0")
+        record.handle.ljust(MAX_HANDLE, b"\0")
+        + record.counter.ljust(MAX_COUNTER_NAME, b"\0")
+        + record.event.ljust(MAX_EVENT_HANDLE, b"\0")
     )
-    words = memoryview(bytearray(blob)).cast("q")
-    for i, word in enumerate(words):
+    for i, word in enumerate(memoryview(bytearray(blob)).cast("q")):
         h[base + _FIELDS + i] = word
     fences.ordering()[1]()  # the record before its state word
     h[base] = 1
@@ -210,7 +225,7 @@ class DeviceSlots:
             flat = torch.empty(max(self.layout.payload_bytes, 1), dtype=torch.uint8, device=self.device)
             self.flat[slot] = flat
             self.views[slot] = entry_views(self.layout, flat)
-            write_record(self.h, slot, flat)
+            write_record(self.h, slot, share(flat))
         return self.views[slot]
 
     def close(self, mapped_elsewhere: bool) -> None:

@@ -302,7 +302,6 @@ class WeightStore:
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """Not called directly: use :meth:`WeightStore.create` (trainer) or :meth:`WeightStore.attach`."""
         raise TypeError("make a store with WeightStore.create(source) or open one with WeightStore.attach(name)")
 
     # -- construction ---------------------------------------------------------------------------
@@ -389,6 +388,10 @@ class WeightStore:
     version = property(
         lambda self: self.memory.header[W_VERSION],
         doc="The last completed version (monotonic; 0 is the weights given to :meth:`create`).",
+    )
+    promised = property(
+        lambda self: max(self.memory.header[W_VERSION], self.memory.header[W_PROMISED]),
+        doc="The newest version published or promised (a background or CUDA publish lands it later).",
     )
     destinations = property(lambda self: self.memory.destinations, doc="The destination names, or None.")
     nbytes = property(lambda self: self.memory.header[W_PAYLOAD_BYTES], doc="Bytes of one copy of the weights.")
@@ -499,10 +502,8 @@ class WeightStore:
             ...     store.publisher_alive()
             True
         """
-        if self.memory.closed:
-            return False
         segment = self.memory.segment
-        return segment.held_anywhere(WRITER_LOCK) or segment.held_anywhere(CREATOR_LOCK)
+        return not self.memory.closed and (segment.held_anywhere(WRITER_LOCK) or segment.held_anywhere(CREATOR_LOCK))
 
     # -- reading --------------------------------------------------------------------------------
     def snapshot(self, timeout: float = 60.0) -> Snapshot:
@@ -545,8 +546,7 @@ class WeightStore:
             [(0, 0, 'zero-copy')]
         """
         mapped = self.memory
-        latest = mapped.header[W_VERSION]
-        alive = mapped.locks.rows_alive
+        latest, alive = mapped.header[W_VERSION], mapped.locks.rows_alive
         live, gone = local_rows(self.name, mapped.header, alive, latest, processes=processes, memory=memory)
         return assemble(self.name, latest, live, gone, self)
 
