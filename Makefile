@@ -16,8 +16,16 @@ PYTEST_ARGS ?= -n 3
 TORCHRL_LEGS ?= 0.13 0.12 0.11
 LEGS_MARK ?= minors and not full
 LEGS_PYTEST_ARGS ?= $(PYTEST_ARGS)
+# The other torch release shmsync declares (pyproject.toml): `make test` runs the core's quick
+# tests and the `minors` set on it, with the newest torchrl; the main tier runs on $(TORCH).
+TORCH_LEGS ?= 2.14.1
+TORCH_LEGS_MARK ?= not full and (minors or not (slow or torchrl or distributed or cuda))
+# TorchRL's next release, ahead of time (`make test-full`): these nightlies, bumped by hand with
+# NIGHTLY_TESTED in shmsync/torchrl/releases.py.
+TORCHRL_NIGHTLY ?= 2026.10.27
+TENSORDICT_NIGHTLY ?= 2026.10.26
 
-.PHONY: install demo test test-full test-main test-fast test-busy test-protocol test-legs docs lint bench bench-quick soak clean
+.PHONY: install demo test test-full test-main test-fast test-busy test-protocol test-legs test-nightly docs lint bench bench-quick soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +62,7 @@ test-main: install
 test-full: lint install $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed) docs
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests shmsync workers
 	$(MAKE) test-legs LEGS_MARK=torchrl
+	$(MAKE) test-nightly
 
 # The core's quick tests: protocol, store, reader, files, CLI, relay wire; the multi-process
 # ones (seconds each: every child imports torch) are marked slow. Under a minute.
@@ -83,11 +92,39 @@ test-protocol: install
 	.venv-torchrl-$*/bin/python -m pip install -q "torchrl~=$*.0" "tensordict~=$*.0"
 	touch $@
 
-test-legs: $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed)
+# .venv-torch-2.14.1: that torch release, the rest from .venv as for the TorchRL legs.
+.venv-torch-%/.installed: $(VENV)/.installed pyproject.toml
+	rm -rf .venv-torch-$*
+	$(PYTHON) -m venv .venv-torch-$*
+	echo "import site; site.addsitedir($$($(BIN)/python -c "import sysconfig; print(repr(sysconfig.get_paths()['purelib']))"))" > \
+		"$$(.venv-torch-$*/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_shmsync_base_venv.pth"
+	.venv-torch-$*/bin/python -m pip install -q $(TORCH_PIP_ARGS) "torch==$*"
+	touch $@
+
+test-legs: $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed) $(foreach v,$(TORCH_LEGS),.venv-torch-$(v)/.installed)
 	set -e; for v in $(TORCHRL_LEGS); do \
 		echo "== torchrl $$v: $$(.venv-torchrl-$$v/bin/python -c 'import torchrl, tensordict; print(torchrl.__version__, tensordict.__version__)')"; \
 		.venv-torchrl-$$v/bin/python -m pytest $(LEGS_PYTEST_ARGS) -m "$(LEGS_MARK)" tests; \
+	done; \
+	for v in $(TORCH_LEGS); do \
+		echo "== torch $$v: $$(.venv-torch-$$v/bin/python -c 'import torch, torchrl; print(torch.__version__, torchrl.__version__)')"; \
+		.venv-torch-$$v/bin/python -m pytest $(LEGS_PYTEST_ARGS) -m "$(TORCH_LEGS_MARK)" tests shmsync; \
 	done
+
+# Its own venv: a nightly tells its version through its distribution's metadata, which .venv's
+# torchrl would shadow. shmsync's extras first, then the nightlies in place of the releases.
+.venv-torchrl-nightly/.installed: pyproject.toml
+	rm -rf .venv-torchrl-nightly
+	$(PYTHON) -m venv .venv-torchrl-nightly
+	.venv-torchrl-nightly/bin/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
+	.venv-torchrl-nightly/bin/python -m pip install -q -e ".[test,ray,relay]"
+	.venv-torchrl-nightly/bin/python -m pip uninstall -q -y torchrl tensordict
+	.venv-torchrl-nightly/bin/python -m pip install -q "torchrl-nightly==$(TORCHRL_NIGHTLY)" "tensordict-nightly==$(TENSORDICT_NIGHTLY)"
+	touch $@
+
+test-nightly: .venv-torchrl-nightly/.installed
+	@echo "== torchrl $$(.venv-torchrl-nightly/bin/python -c 'import torchrl, tensordict; print(torchrl.__version__, tensordict.__version__)')"
+	.venv-torchrl-nightly/bin/python -m pytest $(PYTEST_ARGS) -m torchrl tests
 
 docs: install
 	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
@@ -106,4 +143,4 @@ soak: install
 	$(BIN)/python benchmarks/soak.py
 
 clean:
-	rm -rf $(VENV) .venv-torchrl-* *.egg-info .pytest_cache docs/_build
+	rm -rf $(VENV) .venv-torchrl-* .venv-torch-* *.egg-info .pytest_cache docs/_build

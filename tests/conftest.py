@@ -124,7 +124,7 @@ def pytest_collection_modifyitems(config, items):
 
     items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))  # stable: otherwise as collected
 
-    newest = compat.SUPPORTED[1] <= compat.TORCHRL_VERSION  # as test_torchrl_compat's _applies has it
+    newest = compat.NEWEST_RELEASE <= compat.TORCHRL_VERSION  # as test_torchrl_compat's _applies has it
     for item in items:
         function, _, param = item.nodeid.partition("[")
         param = param[:-1]

@@ -15,7 +15,7 @@ import torch
 from shmsync import WeightReader, WeightStore
 from shmsync.core import segment
 
-from helpers import cli, use_store_dir
+from helpers import SECRET, cli, use_store_dir
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -134,6 +134,26 @@ def test_ls_name_lists_every_reader_worst_first_in_text_and_json(store_dir, star
             (1, second.pid, 1, 0, "zero-copy"),
         ]
         assert all(r["state"] in ("sleeping", "running") and r["uss"] > 0 for r in doc["readers"])
+
+
+def _readers_column(listing, name):
+    lines = listing.splitlines()
+    at = lines[0].index("READERS")  # columns are aligned; some cells hold spaces ("144.0 KiB")
+    return next(line for line in lines if line.startswith(name))[at:].split()[0]
+
+
+def test_ls_and_ls_name_count_the_same_readers_beside_a_relay_link(store_dir):
+    # A trainer's RelaySender holds a row of the table for its link: no reader, in both views.
+    from shmsync.relay import RelaySender
+
+    store = WeightStore.create(torch.nn.Linear(4, 2), name="relayed")
+    with store, RelaySender(store, "127.0.0.1", 0, secret=SECRET):
+        reader = WeightReader(store, torch.nn.Linear(4, 2))
+        reader.poll()
+        count = _readers_column(cli("ls", env=_env(store_dir)).stdout, "relayed")
+        head = cli("ls", "relayed", env=_env(store_dir)).stdout.splitlines()[0]
+        assert count == "1" and head.startswith("relayed: version 0, 1 reader"), (count, head)
+        reader.close()
 
 
 def test_ls_of_an_unknown_store_names_the_close_ones_in_one_line(store_dir):

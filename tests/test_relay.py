@@ -512,10 +512,10 @@ def one_host(host, monkeypatch):
         ("short version", r"announced 100 bytes for version 1"),
         ("long piece", r"DATA message of"),
         ("empty piece", r"DATA message of 0 bytes"),
-        ("pieces of 1 byte", r"piece size is 1 bytes, 4096 to"),  # 17 bytes held for each
+        ("pieces of 1 byte", r"piece size is 1 bytes; 4096 to"),  # 17 bytes held for each
         ("a version inside a version", r"sent a b'VERS' message where only"),
         ("negative version", r"sent version -1"),
-        ("a version header of 8 bytes", r"VERS message of 8 bytes, 56"),
+        ("a version header of 8 bytes", r"VERS message of 8 bytes; one of exactly 56 bytes was expected"),
         ("the largest version", r"sent version 9223372036854775807"),
         ("a layout of 2**61 bytes", r"past 1099511627776"),
         ("30 MiB of lists", r"lists; a layout of at most"),
@@ -1035,6 +1035,29 @@ def test_the_relay_command_never_takes_a_secret_on_its_command_line(host):
     )
     assert short.returncode == 2 and "32 to 4096 random bytes" in short.stderr
     assert "passwordpassword" not in short.stderr
+
+
+def _relay_command(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "shmsync.workers.relay", *args], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_the_relay_command_without_a_secret_says_how_to_give_one():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHMSYNC_RELAY_SECRET")}
+    proc = _relay_command("--connect", "127.0.0.1:1", "--store", "policy", env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "--secret-file FILE" in line and "$SHMSYNC_RELAY_SECRET" in line and "secret=" not in line
+
+
+@pytest.mark.parametrize("command", ["relay", "launch"])
+def test_each_commands_help_describes_it_in_whole_sentences(command):
+    proc = subprocess.run(
+        [sys.executable, "-m", f"shmsync.workers.{command}", "--help"], capture_output=True, text=True, timeout=60
+    )
+    description = " ".join(proc.stdout.split("\n\n")[1].split())  # after the usage lines
+    assert proc.returncode == 0 and description.endswith(".") and ":mod:" not in description, description
 
 
 def test_the_trainers_table_lists_every_hosts_readers_and_marks_a_lost_host(store_factory, start, host, tmp_path):

@@ -122,10 +122,10 @@ def test_pieces_open_only_in_order():
 @pytest.mark.parametrize(
     "header, match",
     [
-        (b"\0" * (HEADER.size - 1), "header of 55 bytes, 56"),
-        (HEADER.pack(1, len(PAYLOAD) + 1, PIECE, bytes(32)), "announced 14337 bytes for version 1, the layout 14336"),
+        (b"\0" * (HEADER.size - 1), "header of 55 bytes; 56 bytes were expected"),
+        (HEADER.pack(1, len(PAYLOAD) + 1, PIECE, bytes(32)), "announced 14337 bytes for version 1; the layout holds"),
         (HEADER.pack(1, len(PAYLOAD), 0, bytes(32)), "piece size is 0 bytes"),
-        (HEADER.pack(1, len(PAYLOAD), 1, bytes(32)), "piece size is 1 bytes, 4096 to"),  # 17x the payload
+        (HEADER.pack(1, len(PAYLOAD), 1, bytes(32)), "piece size is 1 bytes; 4096 to"),  # 17x the payload
         (HEADER.pack(1, len(PAYLOAD), (1 << 30) + 1, bytes(32)), "piece size is 1073741825 bytes"),
         (HEADER.pack(1, len(PAYLOAD), (1 << 64) - 1, bytes(32)), "piece size is 18446744073709551615 bytes"),
     ],

@@ -46,14 +46,33 @@ def test_an_entry_found_otherwise_names_itself_the_torchrl_and_the_versions_that
     message = str(info.value)
     assert f'"{compat.SCHEMES}"' in message and "checked on torchrl 0.11-0.14" in message
     assert f"installed torchrl {torchrl.__version__}" in message and "it is a int" in message
-    assert "shmsync supports torchrl 0.11 to 0.14" in message
+    assert "shmsync supports torchrl 0.11 to 0.15" in message
 
 
-def test_a_torchrl_outside_the_tested_range_is_refused_at_import_with_a_clear_message():
-    code = "import torchrl; torchrl.__version__ = '0.15.0'; import shmsync.torchrl.scheme"
+@pytest.mark.parametrize(
+    "version, advice",
+    [
+        ("0.16.0", "pip install 'torchrl>=0.11,<0.16'"),
+        ("0.10.2", "pip install 'torchrl>=0.11,<0.16'"),
+        ("2026.9.1", "pip install -U torchrl-nightly tensordict-nightly"),
+    ],
+)
+def test_a_torchrl_outside_the_tested_range_is_refused_at_import_with_a_clear_message(version, advice):
+    code = f"import torchrl; torchrl.__version__ = {version!r}; import shmsync.torchrl.scheme"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "shmsync supports torchrl 0.11 to 0.14, each minor tested; this is torchrl 0.15.0" in proc.stderr
+    assert (
+        f"shmsync supports torchrl 0.11 to 0.15 (and torchrl-nightly from 2026.10.27); this is torchrl {version}."
+        in proc.stderr
+    )
+    assert advice in proc.stderr
+
+
+@pytest.mark.parametrize("version, minor", [("0.15.0", (0, 15)), ("0.15.0rc1+cpu", (0, 15)), ("2026.11.3", (0, 15))])
+def test_the_next_minor_and_a_nightly_from_the_tested_one_on_are_let_in_as_0_15(version, minor):
+    from shmsync.torchrl import releases
+
+    assert releases.refusal(version) is None and releases.minor(version) == minor
 
 
 BOUNDARY = ROOT / "shmsync" / "torchrl" / "compat.py"
@@ -457,8 +476,8 @@ def _applies(change: Change) -> str | None:
         return "shmsync's remote legs need torchrl >= 0.14"
     if change.play == "ray" and importlib.util.find_spec("ray") is None:
         return "ray is not installed"
-    if not change.every_leg and compat.SUPPORTED[1] > compat.TORCHRL_VERSION:
-        return f"the full list of changes plays on torchrl {compat._minor(compat.SUPPORTED[1])}"
+    if not change.every_leg and compat.NEWEST_RELEASE > compat.TORCHRL_VERSION:
+        return f"the full list of changes plays on torchrl {compat._minor(compat.NEWEST_RELEASE)}"
     return None
 
 

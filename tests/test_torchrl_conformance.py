@@ -11,6 +11,7 @@ the trainer's policy reaches no worker until ``update_policy_weights_()`` publis
 import functools
 import time
 
+import psutil
 import pytest
 import torch
 from tensordict import TensorDict
@@ -308,6 +309,41 @@ def test_track_policy_version_reports_the_loaded_version():
         assert restored.get_policy_version() == 3
     finally:
         restored.shutdown()
+
+
+def _table_versions(scheme):
+    return {row.worker: row.version for row in scheme.readers()}
+
+
+@LEG
+@pytest.mark.skipif(TORCHRL_VERSION < (0, 15), reason="worker_policy_versions() came in torchrl 0.15")
+def test_worker_policy_versions_come_from_the_table_while_a_worker_is_frozen():
+    # TorchRL asks each worker over its pipe (pausing asynchronous collection): a frozen worker
+    # would never answer. shmsync answers from the readers' table.
+    scheme = ShmWeightSyncScheme()
+    collector = _collector(MultiAsyncCollector, [make_env] * 2, make_policy(), scheme, track_policy_version=True)
+    frozen = None
+    try:
+        it = iter(collector)
+        next(it)
+        collector.update_policy_weights_()
+        assert collector.get_policy_version() is None  # asynchronous: no one version for every worker
+        deadline = time.monotonic() + 60
+        while _table_versions(scheme) != {0: 1, 1: 1}:  # each worker loads version 1 as it collects
+            assert time.monotonic() < deadline, f"the workers never loaded version 1: {_table_versions(scheme)}"
+            next(it)
+        frozen = psutil.Process(next(r.pid for r in scheme.readers() if r.worker == 1))
+        frozen.suspend()
+        collector.update_policy_weights_()
+        started = time.monotonic()
+        versions = collector.worker_policy_versions()
+        assert time.monotonic() - started < 10, "the query waited for the frozen worker"
+        assert versions[1] == 1 and versions[0] in (1, 2) and set(versions) == {0, 1}
+        assert versions[0] <= _table_versions(scheme)[0]
+    finally:
+        if frozen is not None:
+            frozen.resume()
+        collector.shutdown()
 
 
 # -- weights right after an update: parameters, buffers, every form TorchRL accepts ---------------------

@@ -271,7 +271,9 @@ def launch(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shmsync.workers.launch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m shmsync.workers.launch", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
     parser.add_argument("--store", required=True, help="name of the trainer's store")
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--env", default="CartPole-v1")

@@ -1,7 +1,8 @@
 """One host's relay: receives the trainer's versions over its relay link and publishes each into
-this host's store, under the trainer's version number (see :mod:`shmsync.relay`).
+this host's store, under the trainer's version number.
 
-Run one per host besides the trainer's, then start that host's workers on the same store name::
+Run one per host besides the trainer's (see :mod:`shmsync.relay`), then start that host's workers
+on the same store name::
 
     shmsync new-secret ~/.shmsync-secret                 # once; copy it to every host
     export SHMSYNC_RELAY_SECRET_FILE=~/.shmsync-secret
@@ -113,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return EXIT_USAGE
     parser = argparse.ArgumentParser(
-        prog="python -m shmsync.workers.relay", description=__doc__.splitlines()[0], allow_abbrev=False
+        prog="python -m shmsync.workers.relay",
+        description=" ".join(__doc__.split("\n\n")[0].split()),
+        allow_abbrev=False,
     )
     parser.add_argument("--connect", required=True, help="ADDRESS:PORT of the trainer's RelaySender")
     parser.add_argument("--store", required=True, help="name of this host's store (created if it does not exist)")
@@ -151,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         listen = (host, int(lport))
     try:
         secret = read_secret_file(args.secret_file) if args.secret_file else None
-        secret = resolve_secret(secret)[0]  # where it comes from, checked before anything is imported
+        # Where it comes from, checked before anything is imported.
+        secret = resolve_secret(secret, given_as="pass --secret-file FILE")[0]
     except (ValueError, PermissionError, OSError) as e:
         parser.error(str(e))
     from shmsync.relay import Relay

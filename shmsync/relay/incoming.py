@@ -49,7 +49,9 @@ def follow(relay: Any, link: wire.Link, max_versions: int | None) -> str:
                 f"{MAX_VERSION_LEAP} at a time, to at most {MAX_VERSION})"
             )
         if size != nbytes:
-            raise ProtocolError(f"{link.peer} announced {size} bytes for version {version}, the layout {nbytes}")
+            raise ProtocolError(
+                f"{link.peer} announced {size} bytes for version {version}; the layout holds {nbytes} bytes"
+            )
         sealed = None
         if link.keys is not None:  # whole: kept for the relays below (if any may come)
             sealed = SealedVersion.receiving(relay.secret, header, nbytes, whole=relay.server is not None)

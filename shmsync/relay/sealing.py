@@ -103,7 +103,9 @@ class SealedVersion:
     ) -> None:
         fewest = min(MIN_PIECE_BYTES, max(nbytes, 1))
         if not fewest <= piece <= MAX_PIECE_BYTES:
-            raise ProtocolError(f"a sealed version's piece size is {piece} bytes, {fewest} to {MAX_PIECE_BYTES}")
+            raise ProtocolError(
+                f"a sealed version's piece size is {piece} bytes; {fewest} to {MAX_PIECE_BYTES} bytes were expected"
+            )
         self.version, self.nbytes, self.piece, self.salt = version, nbytes, piece, salt
         self.count = max(1, -(-nbytes // piece))
         self._aead = _key(secret, salt, version, nbytes, piece)
@@ -129,10 +131,10 @@ class SealedVersion:
                 ``nbytes`` (the layout's) or a piece size out of range.
         """
         if len(header) != HEADER.size:
-            raise ProtocolError(f"a sealed version's header of {len(header)} bytes, {HEADER.size}")
+            raise ProtocolError(f"a sealed version's header of {len(header)} bytes; {HEADER.size} bytes were expected")
         version, size, piece, salt = HEADER.unpack(header)
         if size != nbytes:
-            raise ProtocolError(f"announced {size} bytes for version {version}, the layout {nbytes}")
+            raise ProtocolError(f"announced {size} bytes for version {version}; the layout holds {nbytes} bytes")
         return cls(secret, version, nbytes, piece, salt, whole=whole)
 
     def header(self) -> bytes:

@@ -441,8 +441,10 @@ class Link:
             )
         fewest, most = allowed[kind] if isinstance(allowed[kind], tuple) else (0, allowed[kind])
         if not fewest <= length <= most:
-            limit = f"at most {most}" if fewest == 0 else f"{fewest} to {most}" if fewest != most else f"{most}"
-            raise ProtocolError(f"{self.peer} sent a {kind.decode()} message of {length} bytes, {limit}")
+            limit = f"at most {most}" if fewest == 0 else f"{fewest} to {most}" if fewest != most else f"exactly {most}"
+            raise ProtocolError(
+                f"{self.peer} sent a {kind.decode()} message of {length} bytes; one of {limit} bytes was expected"
+            )
         self._frame = (kind, length)
         if length == 0:
             self.recv_payload_into(memoryview(bytearray()), timeout)  # an empty frame is checked at once

@@ -31,10 +31,13 @@ def new_secret() -> str:
     return secrets.token_urlsafe(SECRET_BYTES)
 
 
-def resolve_secret(secret: str | bytes | None = None, *, generate: bool = False) -> tuple[bytes, bool]:
+def resolve_secret(
+    secret: str | bytes | None = None, *, generate: bool = False, given_as: str = "pass secret=..."
+) -> tuple[bytes, bool]:
     """The relay secret: ``secret`` itself, else ``$SHMSYNC_RELAY_SECRET``, else the file named by
     ``$SHMSYNC_RELAY_SECRET_FILE`` (which only this user may read), else, with ``generate``, a new
-    random one. Returns ``(secret, generated)``.
+    random one. Returns ``(secret, generated)``. ``given_as``: how the caller's user gives
+    ``secret`` (a command says ``--secret-file FILE``), for the message when there is none.
 
     Raises:
         ValueError: no secret anywhere (and ``generate`` is False), or one shorter than 32 bytes
@@ -49,8 +52,8 @@ def resolve_secret(secret: str | bytes | None = None, *, generate: bool = False)
     if secret is None:
         if not generate:
             raise ValueError(
-                f"no relay secret: pass secret=..., set {SECRET_ENV}, or name a file only you can read in "
-                f"{SECRET_FILE_ENV} (`shmsync new-secret FILE` makes one)"
+                f"no relay secret: {given_as}, set ${SECRET_ENV}, or name a file only you can read in "
+                f"${SECRET_FILE_ENV} (`shmsync new-secret FILE` makes one)"
             )
         secret, generated = new_secret(), True
     raw = secret.encode() if isinstance(secret, str) else bytes(secret)

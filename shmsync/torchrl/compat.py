@@ -29,9 +29,14 @@ import torch
 import torchrl
 
 from shmsync.errors import ShmSyncError
+from shmsync.torchrl import releases
 
-TORCHRL_VERSION = tuple(int(p) for p in torchrl.__version__.split("+")[0].split(".")[:2])
-SUPPORTED = ((0, 11), (0, 14))  # the minors make test runs, first and last
+REFUSAL = releases.refusal(torchrl.__version__)
+if REFUSAL is not None:
+    raise ImportError(REFUSAL)
+TORCHRL_VERSION: tuple[int, int] = releases.minor(torchrl.__version__)  # a nightly counts as the next minor
+SUPPORTED = releases.SUPPORTED  # the minors the gate lets in, first and last
+NEWEST_RELEASE = releases.NEWEST_RELEASE  # the newest released minor (the main tier's)
 
 
 def _minor(v: tuple[int, int]) -> str:
@@ -42,14 +47,6 @@ class TorchRLChangedError(ShmSyncError):
     """A TorchRL internal shmsync relies on is missing or has another shape in the installed
     torchrl, or TorchRL no longer behaves as shmsync relies on: shmsync stops rather than sync
     weights on a guess. The message names the entry of the catalogue (see the docs' TorchRL page)."""
-
-
-if not SUPPORTED[0] <= TORCHRL_VERSION <= SUPPORTED[1]:
-    raise ImportError(
-        f"shmsync supports torchrl {_minor(SUPPORTED[0])} to {_minor(SUPPORTED[1])}, each minor tested; this is "
-        f"torchrl {torchrl.__version__}. Install a torchrl in that range (pip install 'torchrl>={_minor(SUPPORTED[0])},"
-        f"<{SUPPORTED[1][0]}.{SUPPORTED[1][1] + 1}'), or a shmsync that supports {_minor(TORCHRL_VERSION)}"
-    )
 
 
 @dataclass(frozen=True)
@@ -72,6 +69,8 @@ NEXT_BATCH = "MultiSyncCollector's next batch runs the weights update_policy_wei
 WORKERS_SET_UP = "WeightSyncScheme.init_on_receiver and connect, in every worker"
 ROLLOUT = "Collector.rollout, shadowed on the worker's instance"
 TRACKER = "BaseCollector.policy_version_tracker"
+ACKNOWLEDGED = "MultiCollector._acknowledged_policy_version, behind policy_version (torchrl 0.15)"
+WORKER_VERSIONS = "MultiCollector.worker_policy_versions (torchrl 0.15), wrapped on the instance"
 OPTIM_COUNT = "Trainer._optim_count"
 TRAINER_MODULES = "Trainer._modules"
 CONTAINER = "Distributed(Sync)Collector._tensordict_out, the trainer's receive buffers"
@@ -153,6 +152,26 @@ CATALOGUE: dict[str, Internal] = {
             "the attribute exists on the collector and is None or has a `version`",
             "TorchRLChangedError at the trainer's start, or at the worker's start",
             "a public `collector.set_policy_version(v)`",
+        ),
+        Internal(
+            ACKNOWLEDGED,
+            "0.15 (nightly)",
+            "0.15's `policy_version` / `get_policy_version()` report the version every worker acknowledged, which "
+            "TorchRL advances in the `update_policy_weights_` shmsync's wrapper replaces: it is set to the version "
+            "sent where the collector's next batch runs it on every worker (MultiSyncCollector), to None (no single "
+            "version describes every worker, as TorchRL has it) after an asynchronous or partial update",
+            "from 0.15 on, the collector has the attribute once built",
+            "TorchRLChangedError at the trainer's start",
+            "a public `collector.set_policy_version(v)` that keeps the aggregate",
+        ),
+        Internal(
+            WORKER_VERSIONS,
+            "0.15 (nightly)",
+            "each worker's loaded version, answered from the readers' table instead of TorchRL's round of messages, "
+            "which pauses asynchronous collection and waits for every worker (a frozen one too)",
+            "where the collector has the method, it is callable",
+            "TorchRLChangedError at the trainer's start",
+            "a scheme hook: `WeightSyncScheme.worker_versions()`, asked before the workers are",
         ),
         Internal(
             OPTIM_COUNT,
@@ -363,17 +382,33 @@ def tracker_of(collector: Any) -> Any:
     return tracker
 
 
-def version_setter(collector: Any) -> Callable[[int], None] | None:
-    """What makes ``collector``'s ``track_policy_version`` tracker report a version (checked now),
-    or None if it tracks none."""
+def version_setter(collector: Any) -> Callable[[list[int]], None] | None:
+    """What makes ``collector``'s ``track_policy_version`` tracker report the versions just sent
+    (one per store; checked now), or None if it tracks none. From torchrl 0.15 on, it also sets the
+    version every worker acknowledged (``policy_version``): the one sent where the next batch runs
+    it on every worker, else None."""
     tracker = tracker_of(collector)
     if tracker is None:
         return None
+    aggregate = TORCHRL_VERSION >= (0, 15)
+    check(ACKNOWLEDGED, not aggregate or "_acknowledged_policy_version" in vars(collector), "the attribute is missing")
+    exact = runs_sent_weights_next(collector)
 
-    def report(version: int) -> None:
-        tracker.version = version
+    def report(versions: list[int]) -> None:
+        tracker.version = max(versions)
+        if aggregate:
+            every_worker = exact and len(set(versions)) == 1
+            collector._acknowledged_policy_version = versions[0] if every_worker else None
 
     return report
+
+
+def has_worker_versions(collector: Any) -> bool:
+    """Whether ``collector`` answers a per-worker version query (torchrl 0.15's, checked now)."""
+    if TORCHRL_VERSION < (0, 15):
+        return False
+    check(WORKER_VERSIONS, callable(getattr(collector, "worker_policy_versions", None)), "the method is missing")
+    return True
 
 
 def set_policy_version(collector: Any, version: int, *, built: bool = True) -> None:

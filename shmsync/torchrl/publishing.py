@@ -266,7 +266,10 @@ class Publisher:
         self.report_version = None
         if collector is not None:
             self.report_version = compat.version_setter(collector)  # checked now, before any worker starts
-            for method in ("update_policy_weights_", "shutdown", "load_state_dict", "iterator"):
+            methods = ["update_policy_weights_", "shutdown", "load_state_dict", "iterator"]
+            if compat.has_worker_versions(collector):
+                methods.append("worker_policy_versions")
+            for method in methods:
                 compat.wrap_on_instance(collector, method, functools.partial(_bind, getattr(self, _WRAPPERS[method])))
             _PUBLISHERS[collector] = self
 
@@ -322,7 +325,7 @@ class Publisher:
             leg.failed(error)
             return
         if self.report_version is not None:
-            self.report_version(newest)
+            self.report_version([s.promised for g in self.live_groups() for s in g.stores])
         if leg is not None:
             leg.applied(newest)
 
@@ -342,7 +345,7 @@ class Publisher:
         """Make ``track_policy_version``'s tracker report the version last published."""
         groups = self.live_groups()
         if self.report_version is not None and groups:
-            self.report_version(max(g.version for g in groups))
+            self.report_version([s.promised for g in groups for s in g.stores])
 
     # -- the wrappers -----------------------------------------------------------------------------
     def update(self, original: Callable, *args: Any, version: int | None = None, **kwargs: Any) -> Any:
@@ -367,6 +370,20 @@ class Publisher:
             g.relabel(saved if g.per_worker else [max((v for v in saved if v is not None), default=None)])
         return result
 
+    def worker_versions(self, original: Callable, *args: Any, **kwargs: Any) -> dict[int, int | None]:
+        """``worker_policy_versions()`` (torchrl 0.15): each worker's loaded version, from the readers'
+        table (no message, no pause; a frozen worker answers too); None for a worker with no reader
+        attached, and for every worker without ``track_policy_version``, as TorchRL answers."""
+        if "policy" not in self.keys:  # another scheme syncs the policy: TorchRL asks the workers
+            return original(*args, **kwargs)
+        if self.report_version is None:  # no track_policy_version
+            return dict.fromkeys(range(self.num_workers))
+        loaded: dict[int, int] = {}
+        for row in merge([g.readers() for g in self.live_groups()]):
+            if row.worker is not None:  # a worker runs the oldest of its keys' versions
+                loaded[row.worker] = min(row.version, loaded.get(row.worker, row.version))
+        return {w: loaded.get(w) for w in range(self.num_workers)}
+
     def iterator(self, original: Callable, *args: Any, **kwargs: Any) -> Iterator[Any]:
         self._check_attached()  # before the first batch: a worker left out would run its first weights
         for batch in original(*args, **kwargs):
@@ -382,6 +399,7 @@ _WRAPPERS = {
     "shutdown": "shutdown",
     "load_state_dict": "load_state_dict",
     "iterator": "iterator",
+    "worker_policy_versions": "worker_versions",
 }
 
 
@@ -392,11 +410,13 @@ def _bind(method: Callable, original: Callable) -> Callable:
     return wrapper
 
 
-def join(scheme: Any, collector: Any, make_leg: Callable[[], RemoteLeg | None]) -> tuple[Publisher, StoreGroup]:
+def join(scheme: Any, collector: Any, make_leg: Callable[[], RemoteLeg] | None) -> tuple[Publisher, StoreGroup]:
     """The publisher of ``collector`` and the group that holds ``scheme``'s key: the one the
     collector made for all its shmsync keys at once, the one ``scheme`` made before the collector
     existed, or a new one for every shmsync key of the collector; ``make_leg()`` gives a new
-    publisher its remote leg, if the collector is another process's.
+    publisher its remote leg, where the collector is another process's (None: it is not). A
+    remote leg copies each push before it returns: TorchRL's receiving thread writes the next
+    push into the same module, which a copy in the background might still be reading.
 
     Raises:
         TypeError: a single-process collector (nothing to sync).
@@ -419,7 +439,8 @@ def join(scheme: Any, collector: Any, make_leg: Callable[[], RemoteLeg | None]) 
             k: s for k, s in compat.schemes_of(collector).items() if isinstance(s, type(scheme)) and s.group is None
         }
         schemes[scheme.model_id] = scheme
-        group = group_for(collector, schemes, scheme.num_slots, scheme.background)
+        background = scheme.background if make_leg is None else False
+        group = group_for(collector, schemes, scheme.num_slots, background)
     try:
         if group.per_worker and collector.num_workers != group.num_workers:
             raise ValueError(
@@ -427,7 +448,7 @@ def join(scheme: Any, collector: Any, make_leg: Callable[[], RemoteLeg | None]) 
                 f"the collector has {collector.num_workers}"
             )
         if publisher is None:
-            publisher = Publisher(collector, make_leg())
+            publisher = Publisher(collector, make_leg() if make_leg is not None else None)
         publisher.add(group, scheme.version_key)
     except BaseException:
         if scheme.group is None:

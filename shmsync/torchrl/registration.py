@@ -16,6 +16,8 @@ import importlib.util
 import sys
 from typing import Any
 
+from shmsync.torchrl import releases
+
 REGISTRY_MODULE = "torchrl.weight_update.weight_sync_schemes"
 BACKEND = "shmsync"
 
@@ -39,15 +41,17 @@ def register(module: Any) -> None:
 
 
 def _supported() -> bool:
-    """Whether the installed torchrl is one shmsync supports (read from its metadata: TorchRL is not
-    imported for this). Outside that range the scheme refuses to import, saying why."""
+    """Whether the installed torchrl (or torchrl-nightly) is one shmsync supports, read from its
+    metadata: TorchRL is not imported for this. Outside that range the scheme refuses to import,
+    saying why."""
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        minor = tuple(int(p) for p in version("torchrl").split("+")[0].split(".")[:2])
-    except (PackageNotFoundError, ValueError):
-        return False
-    return (0, 11) <= minor <= (0, 14)
+    for distribution in ("torchrl", "torchrl-nightly"):  # in TorchRL's own order
+        try:
+            return releases.refusal(version(distribution)) is None
+        except PackageNotFoundError:
+            continue
+    return False
 
 
 class _AfterRegistryLoads(importlib.abc.MetaPathFinder):

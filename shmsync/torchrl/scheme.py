@@ -60,10 +60,10 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         zero_copy: workers run their policy on the store's memory in place (see
             :class:`~shmsync.WeightReader`). Default (None): where they can. False gives every
             worker a private copy, for a policy that writes its own parameters.
-        background: copy each CPU publish on a background thread (see :meth:`WeightStore.create`):
-            ``update_policy_weights_()`` returns at once. Default (None): under
-            ``MultiSyncCollector``, whose next batch runs the weights just sent (the trainer writes
-            them again only after that batch came, so after the copy landed); not elsewhere.
+        background: copy each CPU publish on a background thread (see :meth:`WeightStore.create`): the update
+            returns at once. Default (None): under ``MultiSyncCollector``, whose next batch runs the weights just
+            sent (the trainer writes them again only after the copy landed); never on a remote collector's node or
+            actor, whose policy TorchRL writes from a receiving thread while a copy could still read it.
         source: the trainer-side module for this key, when the collector cannot resolve it in the
             main process (a key such as ``"env.transform[0]"`` that exists only in each worker).
         per_worker_weights: give each worker its own weights and versions (one store per worker),
@@ -176,7 +176,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
                 return  # the trainer's single-process probe of a distributed collector: nothing to sync
             kind, upstream = self._leg, self.upstream
             self.publisher, self.group = join(
-                self, context, lambda: make_leg(kind, context, model_id, upstream) if kind else None
+                self, context, (lambda: make_leg(kind, context, model_id, upstream)) if kind else None
             )
             self._awaiting_collector = False
             self.exact = compat.runs_sent_weights_next(context)
