@@ -7,6 +7,9 @@ BIN := $(VENV)/bin
 # TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
 TORCH ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
+# An editable install of a package whose folders are mapped (workers/ is shmsync.workers) makes
+# setuptools say that folders named like the package could shadow it: nothing to act on here.
+EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
 # Three test processes on two cores: many tests spend seconds waiting on their children (spawn,
 # imports, deadlines), and a third keeps both cores busy meanwhile.
 PYTEST_ARGS ?= -n 3
@@ -34,17 +37,19 @@ $(BIN)/python:
 $(VENV)/.demo-installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[examples]"
+	$(EDITABLE) $(BIN)/python -m pip install -q -e ".[examples]"
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.demo-installed
-	$(BIN)/python -m pip install -q -e ".[test,dev,docs,ray,relay]"
+	$(EDITABLE) $(BIN)/python -m pip install -q -e ".[test,dev,docs,ray,relay]"
 	touch $@
 
 install: $(VENV)/.installed
 
+# `make demo DEMO_ARGS=--keep-running` trains until Ctrl-C, to watch it with `shmsync ls NAME --watch`.
+DEMO_ARGS ?=
 demo: $(VENV)/.demo-installed
-	$(BIN)/python examples/train_cartpole.py
+	$(BIN)/python examples/train_cartpole.py $(DEMO_ARGS)
 
 # CI's command. Beside the main tier, the older minors' venvs install (mostly waiting on the
 # package index), the docs build, and then the legs run one after the other in one process each:
@@ -117,7 +122,7 @@ test-legs: $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed) $(foreach 
 	rm -rf .venv-torchrl-nightly
 	$(PYTHON) -m venv .venv-torchrl-nightly
 	.venv-torchrl-nightly/bin/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
-	.venv-torchrl-nightly/bin/python -m pip install -q -e ".[test,ray,relay]"
+	$(EDITABLE) .venv-torchrl-nightly/bin/python -m pip install -q -e ".[test,ray,relay]"
 	.venv-torchrl-nightly/bin/python -m pip uninstall -q -y torchrl tensordict
 	.venv-torchrl-nightly/bin/python -m pip install -q "torchrl-nightly==$(TORCHRL_NIGHTLY)" "tensordict-nightly==$(TENSORDICT_NIGHTLY)"
 	touch $@

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On a GPU machine: the CUDA tests, then the GPU benchmark. Under 5 minutes.
+# On a GPU machine: the CUDA tests, the GPU benchmark, then the collectors side by side with
+# TorchRL's SharedMemWeightSyncScheme (benchmarks/gpu_collectors.py). Under 8 minutes on an H200.
 #
 # Needs a Python (PYTHON, default python3) whose torch has CUDA, with tensordict, torchrl, psutil,
 # gymnasium, pytest, pytest-timeout and pytest-xdist importable. shmsync itself is installed here
@@ -36,6 +37,9 @@ EOF
 status=0
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rA tests/test_cuda.py tests/test_scheme.py \
     2>&1 | tee "$out/gpu_tests.log" || status=1
-timeout 150 "$PY" benchmarks/gpu_bench.py --reps 10 --out "$out/gpu_bench.json" \
+timeout 100 "$PY" benchmarks/gpu_bench.py --reps 10 --out "$out/gpu_bench.json" \
     2>&1 | tee "$out/gpu_bench.txt" || status=1
+timeout 200 "$PY" benchmarks/gpu_collectors.py --sizes 64MB 512MB --workers 2 4 --batches 15 \
+    --async-size 256MB --seconds 12 --big "${BIG_GB:-14}" --out "$out/gpu_collectors.json" \
+    2>&1 | tee "$out/gpu_collectors.txt" || status=1
 exit $status

@@ -1,9 +1,12 @@
 """DQN on CartPole-v1 with TorchRL's Trainer, a 2-worker collector and shmsync weight sync.
 
-    python examples/train_cartpole.py            # MultiSyncCollector
-    python examples/train_cartpole.py --async    # MultiAsyncCollector
+    python examples/train_cartpole.py                  # MultiSyncCollector, until return 195
+    python examples/train_cartpole.py --keep-running   # until Ctrl-C: watch it with `shmsync ls NAME --watch`
+    python examples/train_cartpole.py --async          # MultiAsyncCollector
     python examples/train_cartpole.py --log-dir runs   # also the policy lag, as CSV, per batch
     python examples/train_cartpole.py --help
+
+At its start it prints its store's name and the command that watches the workers live.
 
 The collector's workers get the trainer's weights through a shared-memory store
 (`ShmWeightSyncScheme`); the `UpdateWeights` hook publishes after every batch without
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -49,12 +54,13 @@ class Args:
     buffer_size: int = 50_000
     eval_every: int = 5  # batches between evaluations
     eval_episodes: int = 5
-    target_return: float = 195.0  # stop when the evaluation average reaches it (0: never)
+    target_return: float = 195.0  # stop when the evaluation average reaches it (0: never; run every frame)
+    keep_running: bool = False  # train until Ctrl-C (no frame budget, no target), to watch it live
     seed: int = 0
     use_async: bool = False  # MultiAsyncCollector instead of MultiSyncCollector
     scheme: str = "shmsync"  # or "torchrl": TorchRL's default weight sync, for comparison
     private_copy: bool = False  # each worker copies the weights into its own (default: runs them in place)
-    progress: bool = True
+    progress: bool = True  # a line per evaluation: frames, return, frames per second
     log_dir: str = ""  # write the trainer's scalars (the policy lag too) as CSV under this folder
 
 
@@ -65,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
         if f.type in ("bool", bool):
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default)
         else:
-            parser.add_argument(flag, dest=f.name, type=type(f.default), default=f.default)
+            choices = ("shmsync", "torchrl") if f.name == "scheme" else None
+            parser.add_argument(flag, dest=f.name, type=type(f.default), default=f.default, choices=choices)
     return Args(**vars(parser.parse_args(argv)))
 
 
@@ -85,6 +92,13 @@ def evaluate(actor, episodes: int, seed: int) -> float:
     return sum(returns) / len(returns)
 
 
+def say_how_to_watch(name: str) -> None:
+    """The store's name is random: print it, and the command that watches its workers."""
+    python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
+    print(f"store {name}: watch its workers live from another terminal with")
+    print(f"  {python} -m shmsync ls {name} --watch")
+
+
 def main(args: Args) -> dict:
     torch.manual_seed(args.seed)
     start = time.perf_counter()
@@ -96,18 +110,19 @@ def main(args: Args) -> dict:
     policy = TensorDictSequential(actor, greedy)
 
     # Workers load `policy` from shared memory and reload only when a new version is published.
-    if args.scheme not in ("shmsync", "torchrl"):
-        raise ValueError(f"--scheme must be 'shmsync' or 'torchrl', got {args.scheme!r}")
     scheme = ShmWeightSyncScheme(zero_copy=False if args.private_copy else None) if args.scheme == "shmsync" else None
     collector_cls = MultiAsyncCollector if args.use_async else MultiSyncCollector
     collector = collector_cls(
         [make_env] * args.workers,
         policy,
         frames_per_batch=args.frames_per_batch,
-        total_frames=args.total_frames,
+        total_frames=-1 if args.keep_running else args.total_frames,
         weight_sync_schemes={"policy": scheme} if scheme is not None else None,
     )
     collector.set_seed(args.seed)  # each worker's env gets its own seed derived from it
+    if scheme is not None:
+        say_how_to_watch(scheme.store.name)
+    budget = "until Ctrl-C" if args.keep_running else f"of at most {args.total_frames}"
 
     loss = DQNLoss(actor, action_space=spec, delay_value=True)
     loss.make_value_estimator(gamma=args.gamma)
@@ -115,14 +130,14 @@ def main(args: Args) -> dict:
     buffer = TensorDictReplayBuffer(storage=LazyTensorStorage(args.buffer_size), batch_size=args.batch_size)
     trainer = Trainer(
         collector=collector,
-        total_frames=args.total_frames,
+        total_frames=args.total_frames,  # with --keep-running, the collector's -1: no end
         frame_skip=1,
         optim_steps_per_batch=args.optim_steps_per_batch,
         loss_module=loss,
         optimizer=torch.optim.Adam(loss.parameters(), lr=args.lr),
         optimization_stepper=DefaultOptimizationStepper(),
         target_net_updater=target_updater,
-        progress_bar=args.progress,
+        progress_bar=False,  # one line per evaluation instead (see maybe_evaluate)
         logger=CSVLogger("cartpole", log_dir=args.log_dir) if args.log_dir else None,
         log_interval=1 if args.log_dir else 10**9,
     )
@@ -152,21 +167,26 @@ def main(args: Args) -> dict:
 
     evals: list[tuple[int, float, float]] = []
     batches = [0]
+    clock = [0.0, 0.0]  # when the first and the latest batch came
+
+    def frames_per_second() -> float:
+        """Frames collected after the first batch, over the time since it (one figure, everywhere)."""
+        return (trainer.collected_frames - args.frames_per_batch) / max(clock[1] - clock[0], 1e-9)
 
     def maybe_evaluate():
         batches[0] += 1
+        clock[1] = time.perf_counter()
+        if batches[0] == 1:
+            clock[0] = clock[1]
         if batches[0] % args.eval_every:
             return
         avg = evaluate(actor, args.eval_episodes, args.seed + 1000 + batches[0])
-        evals.append((trainer.collected_frames, avg, time.perf_counter() - start))
-        if getattr(trainer, "_pbar", None) is not None:
-            trainer._pbar.set_postfix(eval_return=f"{avg:.0f}")
-        if args.target_return and avg >= args.target_return:
+        evals.append((trainer.collected_frames, avg, clock[1] - start))
+        if args.progress:
+            rate = frames_per_second()
+            print(f"frames {trainer.collected_frames:7d} {budget}  eval return {avg:5.0f}  {rate:6.0f} frames/s")
+        if args.target_return and not args.keep_running and avg >= args.target_return:
             trainer.request_stop(f"evaluation return {avg:.0f} >= {args.target_return}")
-            pbar = getattr(trainer, "_pbar", None)
-            if pbar is not None:  # end the bar at the frames actually collected, not at 46%
-                pbar.n = pbar.total = trainer.collected_frames
-                pbar.refresh()
 
     trainer.register_op("post_steps", maybe_evaluate)
 
@@ -175,17 +195,27 @@ def main(args: Args) -> dict:
             warnings.simplefilter("ignore", FutureWarning)
             warnings.filterwarnings("ignore", "Converting a tensor with requires_grad")  # TorchRL logging its loss
             trainer.train()  # shuts the collector (and its store) down at the end
+    except KeyboardInterrupt:
+        if not args.keep_running:
+            raise
+        print("\nstopped (Ctrl-C)")
     finally:
         collector.shutdown()  # also on errors, or worker processes would keep the program alive
     total = time.perf_counter() - start
+    rate = frames_per_second() if batches[0] > 1 else 0.0
 
+    return summarize(args, trainer.collected_frames, total, rate, actor, scheme, stats, evals)
+
+
+def summarize(args: Args, frames: int, total: float, rate: float, actor, scheme, stats: dict, evals: list) -> dict:
+    """Print the run's summary (and the readers' table); return its figures."""
     final = evaluate(actor, 10, args.seed + 999)
     store = scheme.store if scheme is not None else None
     tags = torch.cat(stats["staleness"]) if stats["staleness"] else torch.zeros(1, dtype=torch.long)
     summary = {
-        "frames": trainer.collected_frames,
+        "frames": frames,
         "seconds": total,
-        "frames_per_second": trainer.collected_frames / total,
+        "frames_per_second": rate,
         "final_eval_return": final,
         "target_reached_at": next(
             ((f, t) for f, r, t in evals if args.target_return and r >= args.target_return), None
@@ -194,8 +224,9 @@ def main(args: Args) -> dict:
     print("\n--- summary ---")
     private = args.private_copy and args.scheme == "shmsync"
     sync = f"{args.scheme} weight sync" + (", private copies" if private else "")
-    print(f"collector            {collector_cls.__name__}, {args.workers} workers, {sync}")
-    print(f"frames               {summary['frames']} in {total:.1f}s ({summary['frames_per_second']:.0f} frames/s)")
+    collector = "MultiAsyncCollector" if args.use_async else "MultiSyncCollector"
+    print(f"collector            {collector}, {args.workers} workers, {sync}")
+    print(f"frames               {summary['frames']} in {total:.1f}s ({rate:.0f} frames/s after the first batch)")
     if store is not None:
         summary.update(
             versions_published=store.version,
@@ -217,7 +248,7 @@ def main(args: Args) -> dict:
     outcome = (
         f"target {args.target_return:.0f} reached after {reached[0]} frames, {reached[1]:.0f}s"
         if reached
-        else ("no target set" if not args.target_return else "target not reached")
+        else ("no target set" if not args.target_return or args.keep_running else "target not reached")
     )
     print(f"evaluation           final average return {final:.1f} over 10 episodes; {outcome}")
     return summary

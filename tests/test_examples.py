@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -82,9 +83,37 @@ def test_train_with_workers_tiny_budget():
         "--optim-steps-per-batch",
         "2",
         "--target-return",
-        "10000",
+        "0",  # never stop early, as in train_cartpole.py (an evaluation return is always >= 0)
     )
-    assert "batch    4" in out and "versions published" in out and "staleness of frames" in out
+    assert "batch    2" in out and "batch    4" in out and "versions published" in out and "staleness of frames" in out
+    assert re.search(r"store (\S+): watch its workers live with  shmsync ls \1 --watch", out)
+
+
+@pytest.mark.timeout(180)
+def test_the_demo_says_how_to_watch_it_and_keeps_running_until_ctrl_c():
+    cmd = [sys.executable, "examples/train_cartpole.py", "--keep-running", "--frames-per-batch", "128"]
+    cmd += ["--optim-steps-per-batch", "2", "--eval-every", "2", "--eval-episodes", "1"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Its own process group, as a terminal's Ctrl-C reaches the demo and its workers together.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        head = [proc.stdout.readline(), proc.stdout.readline()]
+        name = re.match(r"store (\S+): watch its workers live", head[0]).group(1)
+        assert head[1].split()[-4:] == ["shmsync", "ls", name, "--watch"], head
+        progress = [proc.stdout.readline() for _ in range(3)]  # two evaluations (and TorchRL's one line)
+        assert sum("until Ctrl-C" in line for line in progress) >= 1, progress
+        listing = subprocess.run([sys.executable, "-m", "shmsync", "ls", name], capture_output=True, text=True,
+                                 timeout=60)  # fmt: skip
+        assert listing.stdout.startswith(f"{name}: version ") and ", 2 readers on 1 host" in listing.stdout
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == 0 and "stopped (Ctrl-C)" in out and "--- summary ---" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
 
 
 @pytest.mark.timeout(300)
