@@ -23,6 +23,10 @@ LEGS_PYTEST_ARGS ?= $(PYTEST_ARGS)
 # tests and the `minors` set on it, with the newest torchrl; the main tier runs on $(TORCH).
 TORCH_LEGS ?= 2.14.1
 TORCH_LEGS_MARK ?= not full and (minors or not (slow or torchrl or distributed or cuda))
+# The tests of torch-free code (the slot protocol and its checker, the header, the fences, the
+# relay wire) run the same on every torch: the main tier runs them.
+TORCH_FREE := protocol_interleavings interleavings protocol_model protocol header fences wire sealing acceptor
+TORCH_LEGS_ARGS ?= $(foreach t,$(TORCH_FREE),--ignore=tests/test_$(t).py)
 # TorchRL's next release, ahead of time (`make test-full`): these nightlies, bumped by hand with
 # NIGHTLY_TESTED in shmsync/torchrl/releases.py.
 TORCHRL_NIGHTLY ?= 2026.10.27
@@ -113,7 +117,7 @@ test-legs: $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed) $(foreach 
 	done; \
 	for v in $(TORCH_LEGS); do \
 		echo "== torch $$v: $$(.venv-torch-$$v/bin/python -c 'import torch, torchrl; print(torch.__version__, torchrl.__version__)')"; \
-		.venv-torch-$$v/bin/python -m pytest $(LEGS_PYTEST_ARGS) -m "$(TORCH_LEGS_MARK)" tests shmsync; \
+		.venv-torch-$$v/bin/python -m pytest $(LEGS_PYTEST_ARGS) -m "$(TORCH_LEGS_MARK)" $(TORCH_LEGS_ARGS) tests shmsync; \
 	done
 
 # Its own venv: a nightly tells its version through its distribution's metadata, which .venv's

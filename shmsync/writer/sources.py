@@ -125,17 +125,27 @@ class SourceMatcher:
 
     def __init__(self, layout: Any, destinations: tuple[str, ...] | None) -> None:
         self.layout, self.destinations = layout, destinations
-        # The last source checked: (it, its keys or None, its parts, what they held, the tensors in entry order).
+        # The last source checked: (it, its keys or None, its parts, their ids, what they held, the
+        # ids of those, the tensors in entry order). Holding the objects keeps their ids theirs.
         self._last: tuple | None = None
 
     def match(self, source: Any, what: str) -> list[torch.Tensor]:
         """The source's tensors in entry order, checked against the layout (nothing written)."""
         last = self._last
         if last is not None:
-            before, keys, held_parts, held, tensors = last
-            now = list(source.values()) if type(source) is dict else [source]
+            before, keys, held_parts, part_ids, _, held_ids, tensors = last
+            now = source.values() if type(source) is dict else (source,)
             same = source is before or keys is not None and type(source) is dict and source.keys() == keys
-            if same and _holding(now, held_parts, held, tensors, self.layout):
+            # The very parts of last time, holding the very tensors, shaped and typed as published.
+            if (
+                same
+                and list(map(id, now)) == part_ids
+                and list(map(id, _held(held_parts))) == held_ids
+                and all(
+                    t.shape == e.shape and t.dtype == e.dtype and not t.is_meta
+                    for t, e in zip(tensors, self.layout.entries)
+                )
+            ):
                 return tensors
         return self._match(source, what)
 
@@ -157,7 +167,9 @@ class SourceMatcher:
             held = _held(held_parts)
             mine = {id(t) for t in held}
             if all(id(t) in mine for t in tensors):  # each tensor published is one the parts hold
-                self._last = (source, set(source) if mapping else None, held_parts, held, tensors)
+                part_ids = [id(p) for p, _ in held_parts]
+                keys = set(source) if mapping else None
+                self._last = (source, keys, held_parts, part_ids, held, [id(t) for t in held], tensors)
         return tensors
 
 
@@ -174,17 +186,3 @@ def _held(held_parts: list[tuple[Any, list | None]]) -> list[torch.Tensor | None
         )
         if keys is not None or t is not None
     ]
-
-
-def _holding(now: list, held_parts: list, held: list, tensors: list[torch.Tensor], layout: Any) -> bool:
-    """Whether the parts given ``now`` are the very objects of ``held_parts``, still holding the very
-    tensors ``held``, those published still with their entries' shapes and dtypes, and data."""
-    if len(now) != len(held_parts) or not all(a is b for a, (b, _) in zip(now, held_parts)):
-        return False
-    holds = _held(held_parts)
-    entries = layout.entries
-    return (
-        len(holds) == len(held)
-        and all(a is b for a, b in zip(holds, held))
-        and all(t.shape == e.shape and t.dtype == e.dtype and not t.is_meta for t, e in zip(tensors, entries))
-    )
