@@ -495,7 +495,8 @@ def _slow_reader(name: str, nbytes: int, seconds: float, pin_first: bool, conn) 
             dst.copy_(src)
         copies.append(time.perf_counter_ns() - began)
     copy_ns = statistics.median(copies)
-    conn.send({"loads": loads, "failed_copies": store.retries, "pinned": store.pinned_reads, "copy_ns": copy_ns})
+    role = reader._reader  # this reader's protocol role counts its failed copies and pins
+    conn.send({"loads": loads, "failed_copies": role.retries, "pinned": role.pinned_reads, "copy_ns": copy_ns})
     reader.close()
     store.close()
 

@@ -307,34 +307,37 @@ class Publisher:
         """Publish ``weights`` (key -> weights, or None for the key's model) as one version, whatever
         groups the keys live in (checked all before any is written); then tell the tracker, and the
         trainer if this collector is a remote leg."""
-        if self.unchecked and self.leg is None:  # a remote leg applies pushes while still being built
+        leg = self.leg
+        if self.unchecked and leg is None:  # a remote leg applies pushes while still being built
             self._check_attached()
         groups = [g for g in self.groups if not g.closed and any(k in g.keys for k in weights)]
         if not groups:
             return
-        leg = self.leg
+        if leg is None:
+            self._publish_in(groups, weights, worker_ids, given)
+            return
+        # A remote leg: the trainer's number of the push, and the trainer told how it went.
         try:
-            version = given if given is not None or leg is None else leg.take()
-            if len(groups) == 1:
-                newest = groups[0].publish(weights, worker_ids, version)
-            else:
-                newest = self._publish_in(groups, weights, worker_ids, version)
+            newest = self._publish_in(groups, weights, worker_ids, given if given is not None else leg.take())
         except BaseException as error:
-            if leg is None:
-                raise
             leg.failed(error)
             return
-        if self.report_version is not None:
-            self.report_version([s.promised for g in self.live_groups() for s in g.stores])
-        if leg is not None:
-            leg.applied(newest)
+        leg.applied(newest)
 
-    @staticmethod
-    def _publish_in(groups: list[StoreGroup], weights: dict[str, Any], worker_ids: Any, version: int | None) -> int:
-        parts = [(g, {k: w for k, w in weights.items() if k in g.keys}) for g in groups]
-        # Several groups: all are checked before any is written.
-        check_all([pair for g, w in parts for pair in g.prepare(w, worker_ids)], version)
-        return max(g.publish(w, worker_ids, version) for g, w in parts)
+    def _publish_in(
+        self, groups: list[StoreGroup], weights: dict[str, Any], worker_ids: Any, version: int | None
+    ) -> int:
+        """One version in ``groups``; the tracker told. Returns the newest version published."""
+        if len(groups) == 1:
+            newest = groups[0].publish(weights, worker_ids, version)
+        else:
+            parts = [(g, {k: w for k, w in weights.items() if k in g.keys}) for g in groups]
+            # Several groups: all are checked before any is written.
+            check_all([pair for g, w in parts for pair in g.prepare(w, worker_ids)], version)
+            newest = max(g.publish(w, worker_ids, version) for g, w in parts)
+        if self.report_version is not None:
+            self.report_version([s.promised for g in self.groups if not g.closed for s in g.stores])
+        return newest
 
     def _check_attached(self) -> None:
         """Once per group: every worker's reader attached (TorchRL set the scheme up in each)."""
