@@ -594,9 +594,18 @@ def _probe_collector(policy, **kwargs):
     )
 
 
+# torchrl 0.11 and 0.12 hand the scheme no worker collector, so no rollout is shadowed there: the
+# policy's own check is the only reload (docs/torchrl.md, the rollout's row of the catalogue).
+_NO_SHADOW = pytest.mark.skipif(
+    compat.TORCHRL_VERSION < (0, 13), reason="torchrl < 0.13 hands the scheme no worker collector: nothing to shadow"
+)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("worker_class", ["RolloutCannotBeShadowed", "PolicyHooksBypassed"])
+@pytest.mark.parametrize(
+    "worker_class", ["RolloutCannotBeShadowed", pytest.param("PolicyHooksBypassed", marks=_NO_SHADOW)]
+)
 def test_workers_load_and_tag_every_version_when_their_collector_works_another_way(worker_class):
     """A worker collector whose rollout cannot be shadowed (the policy's own check reloads; the
     trainer completes ``("next", key)``), or that calls its policy without its module hooks (the
@@ -614,6 +623,7 @@ def test_workers_load_and_tag_every_version_when_their_collector_works_another_w
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@_NO_SHADOW
 def test_workers_load_every_version_without_the_collector_method_wrappers():
     """The wrappers removed from the collector: each update still publishes (key by key), the
     workers load it and tag both keys."""
