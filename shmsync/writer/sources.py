@@ -125,22 +125,22 @@ class SourceMatcher:
 
     def __init__(self, layout: Any, destinations: tuple[str, ...] | None) -> None:
         self.layout, self.destinations = layout, destinations
-        # The last source checked: (it, its keys or None, its parts, their ids, what they held, the
-        # ids of those, the tensors in entry order). Holding the objects keeps their ids theirs.
+        # The last source checked: (it, its keys or None, its parts, what they held, the tensors in entry order).
         self._last: tuple | None = None
 
     def match(self, source: Any, what: str) -> list[torch.Tensor]:
         """The source's tensors in entry order, checked against the layout (nothing written)."""
         last = self._last
         if last is not None:
-            before, keys, held_parts, part_ids, _, held_ids, tensors = last
+            before, keys, held_parts, held, tensors = last
             now = source.values() if type(source) is dict else (source,)
             same = source is before or keys is not None and type(source) is dict and source.keys() == keys
-            # The very parts of last time, holding the very tensors, shaped and typed as published.
+            # The very parts of last time, holding the very tensors, shaped and typed as published
+            # (both kept in `_last`, so an equal id is the same object).
             if (
                 same
-                and list(map(id, now)) == part_ids
-                and list(map(id, _held(held_parts))) == held_ids
+                and list(map(id, now)) == [id(p) for p, _ in held_parts]
+                and list(map(id, _held(held_parts))) == list(map(id, held))
                 and all(
                     t.shape == e.shape and t.dtype == e.dtype and not t.is_meta
                     for t, e in zip(tensors, self.layout.entries)
@@ -167,9 +167,7 @@ class SourceMatcher:
             held = _held(held_parts)
             mine = {id(t) for t in held}
             if all(id(t) in mine for t in tensors):  # each tensor published is one the parts hold
-                part_ids = [id(p) for p, _ in held_parts]
-                keys = set(source) if mapping else None
-                self._last = (source, keys, held_parts, part_ids, held, [id(t) for t in held], tensors)
+                self._last = (source, set(source) if mapping else None, held_parts, held, tensors)
         return tensors
 
 
