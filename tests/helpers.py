@@ -288,6 +288,51 @@ def writer_killed_mid_copy(store_name: str, sizes, publishes: int, conn) -> None
     time.sleep(3600)
 
 
+def promise_and_stop_mid_copy(sizes, conn) -> None:
+    """Create a store (``unsafe_background_copy``), then publish version 1 and stall its background
+    copy halfway: the version is promised and never lands. Say so and wait to be killed."""
+    import threading
+
+    from shmsync.writer import store as store_module
+
+    torch.set_num_threads(1)
+    weights = blob_weights(sizes, 0.0)
+    store = WeightStore.create(weights, unsafe_background_copy=True)
+    copying = threading.Event()
+
+    def stalled_copy(dst, src, on_cpu=None, threads=None):
+        for d, s in zip(dst[: len(dst) // 2], src):
+            d.copy_(s)
+        copying.set()
+        time.sleep(3600)
+
+    store_module.copy_all = stalled_copy
+    set_all(weights, 1.0)
+    store.publish(weights)
+    copying.wait(30)
+    conn.send(("mid-copy", store.name, store.info()["promised"]))
+    time.sleep(3600)
+
+
+def wait_for_the_promise(store_name: str, sizes, conn) -> None:
+    """Attach, load, then on the parent's word wait for the promised version; report what was
+    loaded and when the wait ended (``time.monotonic()``: one clock for every process)."""
+    store = WeightStore.attach(store_name)
+    module = ParamBlob(sizes)
+    reader = WeightReader(store, module)
+    reader.poll()
+    conn.send(("ready", reader.version))
+    conn.recv()
+    try:
+        reader.poll_promised(timeout=30)
+    except Exception as e:  # the parent asserts on it
+        conn.send(("went on", reader.version, time.monotonic(), repr(e)))
+    else:
+        conn.send(("went on", reader.version, time.monotonic(), None))
+    conn.send(("loaded", sorted(mixed_values(module))))
+    store.close()
+
+
 def stuck_reader(store: WeightStore, how: str, conn) -> None:
     """Enter a pinned reload and stop in the middle of the copy (the parent then kills or stops us)."""
 

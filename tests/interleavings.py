@@ -419,6 +419,8 @@ class Explorer:
             if chosen is None:
                 continue
             moves = [m for t in chosen for m in groups[t]]
+            if all(m.label[0][1] == "dies" for m in moves):
+                continue  # deaths alone (parties that wait for a lock): the progress check needs a move that lasts
             if any(m.state in on_stack for m in moves):
                 continue  # the cycle proviso: never put the others off around a loop
             if any(self._facts(m.state) != seen for m in moves):

@@ -16,7 +16,10 @@ The invariant (:func:`check`) in every state:
 Beside it the explorer checks that the store's version never goes back, that every copy a reader
 accepts is whole (its cells hold the version it read), that no party runs into a ``Fail`` (the
 writer that would have to wait, a pinned copy that fails validation with 3 slots or more), and
-that the parties still alive can always all get done.
+that the parties still alive can always all get done. With ``promises`` the writer promises each
+version before its copy (as a CUDA or background publish does), and the copy may fail; a waiting
+reader waits for a promised version as a synchronous collector's worker does: that it always gets
+done, whatever fails or dies, is what keeps no promise hanging.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 
 from interleavings import Accept, Choose, Explorer, Fail, Fence, Load, Lock, Mark, Party, Result, Store, Unlock
 
-# -- the protocol, party by party (follow ``_protocol.py``) ------------------------------------------
+# -- the protocol, party by party (follow ``shmsync/core/protocol.py``) ------------------------------
 CELLS = 1  # a slot's contents beside its version word: a copy that mixes two writes holds a cell of another version
 
 
@@ -51,12 +54,20 @@ class Options:
     reclaim_pinned: bool = False  # reclaim does not leave the pinned slot alone
     accept_empty: bool = False  # try_read copies a slot whose version is -1 (given back after `latest` was read)
     reloads: int = 2  # the zero-copy reader's reloads (its lease moves between them)
+    promises: bool = False  # each publish promises its version first; its copy may fail
+    copy_fails: int | None = None  # with promises: 1 every copy fails, 0 none does (None: both explored)
+    no_withdraw: bool = False  # a failed copy leaves its promise standing
+    wait_on_withdrawn: bool = False  # a waiting reader keeps waiting for a withdrawn promise
 
 
-def writer(o: Options, publishes: int, begun: bool = False) -> Generator:
+def writer(o: Options, publishes: int, begun: bool = False, takeover: bool = False) -> Generator:
     """``begin_write`` (with ``choose_target`` and ``pin_candidate``), the copy, ``commit``.
     ``begun``: the first publish has already begun and copied version 1 into slot 1 (see
-    :func:`initial_memory`); it goes on from there."""
+    :func:`initial_memory`); it goes on from there. ``takeover``: a new writer, which first takes
+    the writer's lock (``acquire``) and, with promises, withdraws what a dead writer promised."""
+    if takeover and o.promises:
+        yield Lock("writer")
+        yield from withdraw(o)
     for k in range(publishes):
         if begun and k == 0:
             yield Mark("writing", 1)
@@ -90,8 +101,19 @@ def writer(o: Options, publishes: int, begun: bool = False) -> Generator:
         yield Mark("writing", target)
         version = yield Load("version")
         version = version + 1
+        if o.promises:
+            promised = yield Load("promised")
+            if version > promised:
+                yield Store("promised", version)
         for cell in range(CELLS):
             yield Store(("data", target, cell), version)
+        if o.promises:
+            fails = o.copy_fails if o.copy_fails is not None else (yield Choose(2, "the copy fails"))
+            if fails:
+                yield from abort(o, target, odd)
+                if not o.no_withdraw:
+                    yield from withdraw(o)
+                continue
         yield from commit(o, target, odd, version)
         if o.reclaim:
             yield from reclaim(o, seen_latest)
@@ -146,6 +168,41 @@ def reclaim(o: Options, replaced: int) -> Generator:
         yield Fence()
         yield Store(("seq", s), odd + 1)
         yield Mark("writing")
+
+
+def abort(o: Options, target: int, odd: int) -> Generator:
+    """``abort``: the slot left empty, its sequence even again."""
+    yield Store(("ver", target), -1)
+    yield Fence()
+    yield Store(("seq", target), odd + 1)
+    yield Mark("writing")
+
+
+def withdraw(o: Options) -> Generator:
+    """``withdraw``: promise only the version the bank holds."""
+    version = yield Load("version")
+    yield Store("promised", version)
+
+
+def promise_stands(o: Options, target: int) -> Generator:
+    """``Reader.promise_stands``: ``target`` has not landed, and is still promised."""
+    version = yield Load("version")
+    if version >= target:
+        return False
+    promised = yield Load("promised")
+    return promised >= target or o.wait_on_withdrawn
+
+
+def waiting_reader(o: Options) -> Generator:
+    """``poll_promised``: the promise read once, then waited for while it stands and a writer lives
+    (the code asks the writer's kernel lock, ``publisher_alive``; taken here, it is free: the
+    writer died, and the wait ends in ``WriterGoneError``). Its loads of the newest version are the
+    plain reader's, checked there."""
+    target = yield Load("promised")
+    while (yield from promise_stands(o, target)):
+        if (yield Lock("writer", wait=False)):
+            yield Unlock("writer")
+            return
 
 
 def commit(o: Options, target: int, odd: int, version: int) -> Generator:
@@ -439,7 +496,7 @@ READER_PID, STOPPED_PID = 7, 9
 def initial_memory(slots: int, begun: bool = False) -> dict:
     """A fresh store holding version 0 in slot 0 (as ``create`` leaves it); ``begun``: and the
     writer's first publish has marked slot 1 and copied version 1 into it, not committed yet."""
-    mem = {"version": 0, "latest": 0, "publish_count": 1, "token_pid": 0}
+    mem = {"version": 0, "latest": 0, "publish_count": 1, "token_pid": 0, "promised": 0}
     mem |= {"pin_request": 0, "pin_grant": 0, "pin_slot": 0, "pin_release": 0, ("row", 0): 0}
     for s in range(slots):
         mem[("seq", s)] = 2 if s == 0 else 0
@@ -488,7 +545,9 @@ def check(facts: tuple) -> str | None:
 
 
 # -- configurations ------------------------------------------------------------------------------------
-WRITER_STORES = frozenset({"seq", "data", "ver", "latest", "version", "publish_count", "pin_slot", "pin_grant"})
+WRITER_STORES = frozenset(
+    {"seq", "data", "ver", "latest", "version", "publish_count", "pin_slot", "pin_grant", "promised"}
+)
 READER_STORES = frozenset({"token_pid", "pin_request", "pin_release"})
 
 
@@ -507,13 +566,15 @@ def explorer(
 
     ``readers``: a comma-separated list of ``plain`` (optimistic copies first, or the pin at once
     when its copies outlast the writer's interval: both explored), ``optimistic`` and ``pinned``
-    (each of those two alone), ``zero-copy`` and ``stopped`` (takes the token, asks for a pin and
-    is stopped there for good). With ``crashes``, any party may die anywhere; with ``new_writer``
+    (each of those two alone), ``zero-copy``, ``stopped`` (takes the token, asks for a pin and
+    is stopped there for good) and ``waiting`` (waits for a promised version, with
+    ``promises``). With ``crashes``, any party may die anywhere; with ``new_writer``
     a new writer publishing once then takes over from a dead one, without it the readers must
     still get done on what the dead writer left. With ``begun`` the exploration starts with the
     writer's first publish copied and not yet committed (the readers may start anywhere after)."""
     o = options or Options()
-    parties = [Party("writer", lambda: writer(o, publishes, begun), stores=WRITER_STORES, writer=True)]
+    held = ("writer",) if o.promises else ()  # the writer's kernel lock, which a waiting reader asks
+    parties = [Party("writer", lambda: writer(o, publishes, begun), locks=held, stores=WRITER_STORES, writer=True)]
     for kind in readers.split(","):
         if kind in ("plain", "pinned", "optimistic"):
             outpaced = {"plain": None, "pinned": True, "optimistic": False}[kind]
@@ -536,10 +597,14 @@ def explorer(
                     stores=frozenset({"token_pid", "pin_request"}),
                 )
             )
+        elif kind == "waiting":
+            parties.append(Party("waiting reader", lambda: waiting_reader(o)))
         else:
-            raise ValueError(f"reader {kind!r}: plain, pinned, zero-copy or stopped")
+            raise ValueError(f"reader {kind!r}: plain, pinned, zero-copy, stopped or waiting")
     replacement = (
-        Party("new writer", lambda: writer(o, 1), stores=WRITER_STORES, writer=True) if crashes and new_writer else None
+        Party("new writer", lambda: writer(o, 1, takeover=True), stores=WRITER_STORES, writer=True)
+        if crashes and new_writer
+        else None
     )
     x = Explorer(
         parties,

@@ -107,7 +107,7 @@ def test_one_update_takes_the_documented_path():
         tracer.on = True
         collector.update_policy_weights_()
         sys.setprofile(None)
-        scheme.store.flush(timeout=30)  # the copier's part, still traced on its own thread
+        scheme.store.flush(timeout=30)  # the give-backs, still traced on the copier's thread
         tracer.on = False
     finally:
         sys.setprofile(None)

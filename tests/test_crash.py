@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -20,6 +21,8 @@ from helpers import (
     blob_weights,
     cli,
     create_and_hang,
+    mixed_values,
+    promise_and_stop_mid_copy,
     stress_reader,
     writer,
     writer_killed_mid_copy,
@@ -84,6 +87,43 @@ def test_orphaned_reader_learns_the_writer_is_gone(start):
         assert name not in segment.list_names()
         assert reader.version == 0  # the reader keeps its mapping and its weights
     finally:
+        store.close()
+
+
+def test_a_trainer_killed_while_its_promised_version_is_copied_lets_its_workers_go_in_a_second(start):
+    """A worker waiting for a promised version learns within a second that its trainer died in the
+    middle of that copy (a named error), and keeps the newest whole version."""
+    child = start(promise_and_stop_mid_copy, {"a": 1 << 20, "b": 1 << 20})
+    name, promised = child.expect("mid-copy", timeout=60)
+    store = WeightStore.attach(name)
+    try:
+        module = Blob({"a": 1 << 20, "b": 1 << 20})
+        reader = WeightReader(store, module)
+        reader.poll()
+        assert (reader.version, promised) == (0, 1)
+        ended: dict = {}
+
+        def wait():
+            try:
+                reader.poll_promised(timeout=30)
+            except Exception as e:
+                ended["error"] = e
+            ended["at"] = time.monotonic()
+
+        waiting = threading.Thread(target=wait)
+        waiting.start()
+        time.sleep(0.5)
+        assert waiting.is_alive(), "the worker did not wait for the promised version"
+        killed = time.monotonic()
+        os.kill(child.pid, signal.SIGKILL)
+        child.proc.join(10)
+        waiting.join(10)
+        assert isinstance(ended.get("error"), WriterGoneError), ended
+        assert "version 1, promised by the trainer's last publish, will never be published" in str(ended["error"])
+        assert ended["at"] - killed < 1.0, f"the worker learned it {ended['at'] - killed:.2f} s after the kill"
+        assert reader.version == 0 and mixed_values(module) == {0.0}
+    finally:
+        store.unlink()  # orphaned: its creator died (`shmsync gc --orphaned` does the same)
         store.close()
 
 

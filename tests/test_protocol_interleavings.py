@@ -74,13 +74,35 @@ CONFIGURATIONS = {
         {"readers": "zero-copy", "reloads": 2, "reclaim": True},
     ),
     "weak give-backs: a zero-copy reader": ("weak", 3, {"publishes": 2, "readers": "zero-copy", "reclaim": True}),
+    # Promises: each version promised before its copy, which may fail; a worker waits for it.
+    "sc crashes, promises: a waiting reader, a new writer": (
+        "sc",
+        3,
+        {"publishes": 2, "readers": "waiting", "crashes": True, "promises": True},
+    ),
+    "sc crashes, promises: a waiting and an optimistic reader, no new writer": (
+        "sc",
+        3,
+        {"publishes": 2, "readers": "waiting,optimistic", "crashes": True, "new_writer": False, "promises": True},
+    ),
+    "tso crashes, promises: a waiting and an optimistic reader": (
+        "tso",
+        3,
+        {"publishes": 2, "readers": "waiting,optimistic", "crashes": True, "promises": True},
+    ),
+    "tso crashes, promises: a waiting reader, one publish": (
+        "tso",
+        3,
+        {"publishes": 1, "readers": "waiting", "crashes": True, "promises": True},
+    ),
 }
 
 
 def _explore(mode: str, slots: int, arguments: dict, **mutation):
     arguments = dict(arguments)
     reloads, reclaim = arguments.pop("reloads", 1), arguments.pop("reclaim", False)
-    options = Options(slots=slots, reloads=reloads, reclaim=reclaim, **mutation)
+    promises = arguments.pop("promises", False)
+    options = Options(slots=slots, reloads=reloads, reclaim=reclaim, promises=promises, **mutation)
     return explore(mode, options, **arguments)
 
 
@@ -129,6 +151,9 @@ MUTATIONS = {
         "being written while a reader copies",
     ),
     "accept_empty": ("sc", 3, {"readers": "zero-copy", "reloads": 2, "reclaim": True}, "accepted slot"),
+    # A promise left hanging: a worker waiting for it, with its writer alive, never gets done.
+    "no_withdraw": ("sc", 3, {"publishes": 1, "readers": "waiting", "promises": True}, "can never all get done"),
+    "wait_on_withdrawn": ("sc", 3, {"publishes": 1, "readers": "waiting", "promises": True}, "can never all get done"),
 }
 SLOW_MUTATIONS = {"no_reader_full_fence", "reclaim_pinned"}  # their counterexamples lie deep: 20 s, 10 s
 

@@ -3,6 +3,7 @@
 makes the same stores, fences and lock operations, and the same loads of words another party
 writes, in the same order, with the same values, and leaves the same words behind."""
 
+import dataclasses
 import itertools
 from contextlib import contextmanager
 
@@ -18,6 +19,7 @@ from protocol_model import (
     Options,
     initial_memory,
     lease_latest,
+    promise_stands,
     reader,
     release_lease,
     try_read,
@@ -42,6 +44,8 @@ ZERO_COPY_STORES = frozenset({"row", "leases"})
 
 def header_index(word) -> int | None:
     """The header word the model's ``word`` stands for (None: a slot's contents)."""
+    if word == "promised":
+        return H.W_PROMISED  # the store's word, not a bank's
     if isinstance(word, tuple):
         name, *index = word
         base = {"seq": bank(H.B_SEQ), "ver": bank(H.B_SLOT_VERSION), "leases": bank(H.B_LEASES)}.get(name)
@@ -199,9 +203,38 @@ class Pair:
         model, _ = run_model(writer(self.o, 1), self.memory)
         return relevant(code, WRITER_STORES), relevant(model, WRITER_STORES)
 
-    def _publish_code(self, p: WriterParty) -> None:
+    def promised_publish(self):
+        """A publish that returns before its copy (CUDA, or the opt-in background copy): promised first."""
+        code: list = []
+        self._publish_code(self.protocol(1, code), promise=True)
+        model, _ = run_model(writer(dataclasses.replace(self.o, promises=True, copy_fails=0), 1), self.memory)
+        return relevant(code, WRITER_STORES), relevant(model, WRITER_STORES)
+
+    def failed_publish(self):
+        """A promised publish whose copy fails: aborted, its promise withdrawn."""
+        code: list = []
+        p = self.protocol(1, code)
+        write = p.begin_write()
+        p.promise(self.h[bank(H.B_VERSION)] + 1)
+        p.abort(write)
+        p.withdraw()
+        model, _ = run_model(writer(dataclasses.replace(self.o, promises=True, copy_fails=1), 1), self.memory)
+        return relevant(code, WRITER_STORES), relevant(model, WRITER_STORES)
+
+    def wait_check(self):
+        """A waiting reader's look at the promise it read (the newest one)."""
+        code: list = []
+        target = self.h[H.W_PROMISED]
+        stands = self.protocol(READER_PID, code).promise_stands(target)
+        model, result = run_model(promise_stands(self.o, target), self.memory)
+        assert stands == result
+        return relevant(code, READER_STORES), relevant(model, READER_STORES)
+
+    def _publish_code(self, p: WriterParty, promise: bool = False) -> None:
         write = p.begin_write()
         version = self.h[bank(H.B_VERSION)] + 1
+        if promise:
+            p.promise(version)
         self.slots[write.slot] = [version] * CELLS
         p.commit(write)
         p.reclaim(
@@ -259,7 +292,7 @@ class Pair:
                 assert self.h[k] == value, f"{word}: the code left {self.h[k]}, the model {value}"
 
 
-OPERATIONS = ["publish", "read", "lease", "release", "pinned_read"]
+OPERATIONS = ["publish", "read", "lease", "release", "pinned_read", "promised_publish", "failed_publish", "wait_check"]
 
 
 def scenarios(slots: int, length: int):

@@ -117,17 +117,18 @@ def test_tags_follow_published_versions_in_sync_collector():
         collector.shutdown()
 
 
-def test_the_batch_after_each_update_runs_it_while_the_copy_runs_in_the_background():
-    """MultiSyncCollector's stores copy in the background (``update_policy_weights_()`` returns once
-    the version is promised); its workers wait for the promised version at the start of their next
-    rollout, so the batch after each update runs the weights just sent, whole."""
+def test_with_the_opt_in_background_copy_the_next_batch_still_runs_the_weights_sent():
+    """``unsafe_background_copy=True``: ``update_policy_weights_()`` returns once the version is
+    promised, and the workers wait for it at the start of their next rollout, so the batch after each
+    update runs the weights just sent, whole, while the trainer keeps its side of the contract (no
+    write until the copy landed: here, the next update)."""
     policy = make_probe_policy(big=2048)  # 16 MB: a copy that takes a while
-    scheme = ShmWeightSyncScheme()
+    scheme = ShmWeightSyncScheme(unsafe_background_copy=True)
     collector = MultiSyncCollector(
         [make_pendulum] * 2, policy, frames_per_batch=40, total_frames=-1, weight_sync_schemes={"policy": scheme}
     )
     try:
-        assert scheme.store.background, "MultiSyncCollector's stores copy in the background by default"
+        assert scheme.store.unsafe_background_copy
         it = iter(collector)
         next(it)
         for version in range(1, 7):
@@ -166,7 +167,7 @@ def test_the_store_leaves_the_host_once_every_worker_attached_and_shutdown_frees
         it = iter(collector)
         next(it)
         collector.update_policy_weights_()
-        store.flush()  # the background copy landed: version 1 is published
+        store.flush()  # version 1 is published
         # Between batches each worker waits, one version behind; the table says which is which.
         table = scheme.readers()
         assert sorted((r.worker, r.version, r.behind, r.waiting) for r in table) == [(0, 0, 1, True), (1, 0, 1, True)]

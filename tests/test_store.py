@@ -21,10 +21,12 @@ from helpers import (
     blob_weights,
     lease_and_hang,
     mixed_values,
+    set_all,
     slow_reader,
     store_state,
     stress_reader,
     stuck_reader,
+    wait_for_the_promise,
     writer,
 )
 
@@ -465,7 +467,7 @@ def test_the_constructor_points_to_create_and_attach():
 # -- background publishes ----------------------------------------------------------------------------
 def test_a_background_publish_promises_its_version_and_lands_whole(store_factory):
     weights = blob_weights(SMALL, 0.0)
-    store = store_factory(weights, background=True)
+    store = store_factory(weights, unsafe_background_copy=True)
     reader = WeightReader(store, ParamBlob(SMALL))
     for version in range(1, 20):
         for t in weights.values():
@@ -485,7 +487,7 @@ def test_weights_written_while_their_background_copy_runs_are_not_published(stor
     from shmsync.writer import store as store_module
 
     weights = blob_weights({"a": 1 << 20}, 1.0)
-    store = store_factory(weights, background=True)
+    store = store_factory(weights, unsafe_background_copy=True)
     copying, written = threading.Event(), threading.Event()
     copy_all = store_module.copy_all
 
@@ -508,6 +510,52 @@ def test_weights_written_while_their_background_copy_runs_are_not_published(stor
         written.set()
     assert store.version == 0 and store.info()["promised"] == 0
     assert store.publish(weights) == 1 and store.snapshot().version == 1  # the next publish goes through
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failure", ["the source written meanwhile", "the copy raises"])
+def test_a_worker_waiting_for_a_promise_that_cannot_land_goes_on_within_a_second(store_factory, start, failure):
+    """The promise is withdrawn the moment its copy fails: a reader in another process waiting for
+    it goes on at once with the newest whole version, instead of waiting out its timeout."""
+    import threading
+
+    from shmsync.writer import store as store_module
+
+    weights = blob_weights(SMALL, 0.0)
+    store = store_factory(weights, unsafe_background_copy=True)
+    child = start(wait_for_the_promise, store.name, SMALL)
+    assert child.expect("ready") == (0,)
+    copying, release = threading.Event(), threading.Event()
+    copy_all = store_module.copy_all
+
+    def held_copy(dst, src, on_cpu=None, threads=None):
+        copying.set()
+        release.wait(30)
+        if failure == "the copy raises":
+            raise OSError("no room left in /dev/shm")
+        copy_all(dst, src, on_cpu, threads)
+
+    store_module.copy_all = held_copy
+    try:
+        set_all(weights, 1.0)
+        assert store.publish(weights) == 1 and store.info()["promised"] == 1
+        assert copying.wait(10)
+        child.conn.send("wait")
+        time.sleep(0.5)  # the worker waits for version 1 meanwhile
+        if failure == "the source written meanwhile":
+            set_all(weights, 2.0)
+        failed = time.monotonic()
+        release.set()
+        version, at, error = child.expect("went on", timeout=30)
+    finally:
+        store_module.copy_all = copy_all
+        release.set()
+    assert error is None and version == 0, (version, error)
+    assert at - failed < 1.0, f"the worker went on {at - failed:.2f} s after the copy failed"
+    assert child.expect("loaded") == ([0.0],)  # the newest whole version
+    with pytest.raises(RuntimeError, match="a background publish failed"):
+        store.flush(timeout=10)
+    assert store.version == 0 and store.info()["promised"] == 0
 
 
 def test_a_reader_waiting_for_a_promise_that_never_lands_is_told_in_time(store_factory):

@@ -129,11 +129,22 @@ hold three slots of three between them, and the writer would have to write into 
 
 The promise
 -----------
-A publish that returns before its version is visible (a background copy, a CUDA copy) first
-*promises* the version (:meth:`Writer.promise`, the store's ``promised`` word). A reader that must
-run the newest weights at the start of its next batch waits until its bank's version reaches the
-promise; a publish that fails withdraws it. The promise is a hint for liveness, never for safety:
-what a reader accepts is decided by the words above alone.
+A publish that returns before its version is visible (a CUDA copy, or the opt-in background copy
+of CPU tensors) first *promises* the version (:meth:`Writer.promise`, the store's ``promised``
+word). A reader that must run the newest weights at the start of its next batch waits while
+:meth:`Reader.promise_stands`: until its bank's version reaches the promise, or the promise is
+withdrawn. No promise is left hanging:
+
+* a copy that fails is aborted and its promise withdrawn at once (:meth:`Writer.withdraw`: the
+  promised word back to the version the bank holds), so the waiting reader goes on with the
+  newest whole version;
+* a writer that dies leaves its promise, but its kernel lock goes with it: a waiting reader looks
+  at that lock twice a second and stops waiting (the store's ``publisher_alive``); a new writer
+  withdraws the dead one's promise when it takes the role.
+
+``tests/protocol_model.py`` checks both over every interleaving, the writer dying at every step,
+and finds a waiting reader stuck for good when either rule is taken away. The promise is a hint
+for liveness, never for safety: what a reader accepts is decided by the words above alone.
 
 Ordering
 --------
@@ -631,9 +642,10 @@ class Writer:
             h[W_PROMISED] = version
 
     def withdraw(self) -> None:
-        """A promised version will not come (its publish failed): promise only what is there."""
+        """A promised version will not come (its copy failed, or a writer died before it landed):
+        promise only what this bank holds, so that readers waiting for it go on at once."""
         h = self.words.h
-        h[W_PROMISED] = h[W_VERSION]
+        h[W_PROMISED] = h[self.words.version]
 
     def choose_target(self, backed_off: tuple[int, ...] = ()) -> int | None:
         """Serve a pending pin request, then pick the slot to write (None if every slot but
@@ -893,6 +905,13 @@ class Reader:
                 waited_since = time.monotonic()
             self._check_deadline(deadline, "waiting for the writer to pin a slot")
             time.sleep(0.0001)
+
+    def promise_stands(self, target: int) -> bool:
+        """Whether version ``target``, once promised, may still land in this bank: it has not
+        (the bank's version is below it) and it was not withdrawn (the promised word is still at
+        or above it). A reader waiting for ``target`` stops waiting when this turns False."""
+        h = self.words.h
+        return h[self.words.version] < target and h[W_PROMISED] >= target
 
     def _check_deadline(self, deadline: float, doing: str) -> None:
         if time.monotonic() > deadline:

@@ -198,6 +198,13 @@ class WeightReader:
             if self._finalizer.alive and not self._memory.closed:
                 self._table.set_row_word(self._row, R_FLAGS, flags)
 
+    def up_to_date(self) -> bool:
+        """Whether the loaded version is the newest, none newer promised (False once closed here)."""
+        try:
+            return self._hdr[self._version_word] == self._version >= self._hdr[W_PROMISED]
+        except ValueError:  # the header's mapping was released: poll() says so
+            return False
+
     def poll(self) -> bool:
         """Reload if a newer version was published.
 
@@ -278,13 +285,18 @@ class WeightReader:
 
     def poll_promised(self, timeout: float = 60.0) -> bool:
         """Load the newest version, waiting for one a publish promised and has not landed yet (the
-        next batch of a synchronous collector runs the weights just sent); True if reloaded.
-        ``ReloadTimeoutError`` after ``timeout`` seconds, ``WriterGoneError`` if no writer lives.
+        next batch of a synchronous collector runs the weights just sent); True if reloaded. A
+        promise withdrawn (its copy failed) ends the wait at once, the newest whole version loaded.
+
+        Raises:
+            WriterGoneError: the promised version will never come: no live process can publish
+                (checked twice a second).
+            ReloadTimeoutError: it did not come within ``timeout`` seconds.
 
         Examples:
             >>> import torch
             >>> from shmsync import WeightReader, WeightStore
-            >>> with WeightStore.create(torch.nn.Linear(4, 2), background=True) as store:
+            >>> with WeightStore.create(torch.nn.Linear(4, 2), unsafe_background_copy=True) as store:
             ...     reader = WeightReader(store, torch.nn.Linear(4, 2))
             ...     v = store.publish(torch.nn.Linear(4, 2))  # returns once promised
             ...     reader.poll_promised(), reader.version == v
@@ -293,17 +305,18 @@ class WeightReader:
         promised = self._memory.header[W_PROMISED]
         reloaded = self.poll()
         if self._version < promised:
-            self.wait(promised, timeout, waiting_for="promised by the trainer's last publish")
+            _wait_for(self, promised, timeout, f"version {promised}, promised by the trainer's last publish,", True)
             reloaded = True
         return reloaded
 
-    def wait(self, min_version: int, timeout: float | None = None, *, waiting_for: str = "") -> int:
-        """Block until at least ``min_version`` is loaded; returns the loaded version. Raises
-        ``WriterGoneError`` once no live process can publish any more (checked twice a second),
-        ``ReloadTimeoutError`` when ``min_version`` did not come within ``timeout`` seconds."""
-        return _wait_for(
-            self, min_version, timeout, f"version {min_version}" + (f", {waiting_for}," if waiting_for else "")
-        )
+    def wait(self, min_version: int, timeout: float | None = None) -> int:
+        """Block until at least ``min_version`` is loaded; returns the loaded version.
+
+        Raises:
+            WriterGoneError: no live process can publish any more (checked twice a second).
+            ReloadTimeoutError: ``min_version`` did not come within ``timeout`` seconds.
+        """
+        return _wait_for(self, min_version, timeout, f"version {min_version}")
 
     def close(self) -> None:
         """Leave the store's reader table (the module keeps its weights)."""
@@ -353,13 +366,18 @@ class WeightReader:
         return f"WeightReader(store={self.store.name!r}, version={self._version}, reloads={self.reloads})"
 
 
-def _wait_for(reader: WeightReader, min_version: int, timeout: float | None, what: str) -> int:
-    """:meth:`WeightReader.wait`'s loop: poll, backing off to 2 ms, until ``min_version`` is loaded."""
+def _wait_for(reader: WeightReader, min_version: int, timeout: float | None, what: str, promise: bool = False) -> int:
+    """:meth:`WeightReader.wait`'s loop: poll, backing off to 1 ms, until ``min_version`` is loaded.
+    ``promise``: ``min_version`` was promised, and the wait ends too once the promise is withdrawn
+    (the promised word fell below it: the newest whole version is then loaded)."""
     store = reader.store
     deadline = None if timeout is None else time.monotonic() + timeout
     pause, next_check = 5e-5, time.monotonic() + 0.5
     reader.poll()
     while reader.version < min_version:
+        if promise and not reader._reader.promise_stands(min_version):
+            reader.poll()  # landed, or withdrawn: the newest whole version is the one to run
+            break
         now = time.monotonic()
         if now >= next_check or (deadline is not None and now > deadline):
             next_check = now + 0.5
@@ -379,7 +397,7 @@ def _wait_for(reader: WeightReader, min_version: int, timeout: float | None, wha
                 f"(latest published: {store.version}, loaded: {reader.version})"
             )
         time.sleep(pause)
-        pause = min(pause * 2, 0.002)
+        pause = min(pause * 2, 0.001)
         reader.poll()
     return reader.version
 

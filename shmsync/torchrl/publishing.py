@@ -70,11 +70,8 @@ class StoreGroup:
         num_slots: copies kept in shared memory per store.
         num_workers: the number of workers when known (checks ``worker_ids``).
         devices: each worker's policy device when known (resolves device ``worker_ids``).
-        background: copy CPU publishes in the background (see :meth:`~shmsync.WeightStore.create`).
-            Default (None): under a collector whose next batch runs the weights just sent
-            (``exact``: the trainer writes them again only once that batch came, after the copy
-            landed; an optimizer step waits for it anyway); never elsewhere.
-        exact: the collector's next batch runs the weights just sent (its workers wait for them).
+        unsafe_background_copy: CPU publishes return before their copy (see
+            :meth:`~shmsync.WeightStore.create`; this gives up the snapshot). Default False.
     """
 
     def __init__(
@@ -84,8 +81,7 @@ class StoreGroup:
         num_slots: int,
         num_workers: int | None = None,
         devices: Sequence[Any] | None = None,
-        background: bool | None = None,
-        exact: bool = False,
+        unsafe_background_copy: bool = False,
     ) -> None:
         self.keys = list(models[0])
         self.models = models  # held: a model built here from a factory has no other owner
@@ -99,8 +95,9 @@ class StoreGroup:
         try:
             for i, m in enumerate(models):
                 name = f"{base}-w{i}" if self.per_worker else base
-                store = WeightStore.create(m, name=name, num_slots=num_slots)
-                store.writer.background = exact if background is None else background
+                store = WeightStore.create(
+                    m, name=name, num_slots=num_slots, unsafe_background_copy=unsafe_background_copy
+                )
                 self.stores.append(store)
         except BaseException:
             self.close()
@@ -127,7 +124,7 @@ class StoreGroup:
 
     @property
     def version(self) -> int:
-        """The newest version sent to any of the stores (published, or promised by a background copy)."""
+        """The newest version sent to any of the stores (published, or promised by a copy still landing)."""
         return max(s.promised for s in self.stores)
 
     def publish(self, weights: dict[str, Any], worker_ids: Any = None, version: int | None = None) -> int:
@@ -392,7 +389,7 @@ class Publisher:
         for batch in original(*args, **kwargs):
             if self.version_keys and isinstance(batch, TensorDictBase):
                 for key in self.version_keys:
-                    if key in batch.keys() and ("next", key) not in batch.keys(True):
+                    if batch.get(("next", key), None) is None and key in batch.keys():
                         tag_next(batch, key)
             yield batch
 
@@ -418,8 +415,8 @@ def join(scheme: Any, collector: Any, make_leg: Callable[[], RemoteLeg] | None) 
     collector made for all its shmsync keys at once, the one ``scheme`` made before the collector
     existed, or a new one for every shmsync key of the collector; ``make_leg()`` gives a new
     publisher its remote leg, where the collector is another process's (None: it is not). A
-    remote leg copies each push before it returns: TorchRL's receiving thread writes the next
-    push into the same module, which a copy in the background might still be reading.
+    remote leg copies each push before it returns, even with ``unsafe_background_copy``: TorchRL's
+    receiving thread writes the next push into the same module at once.
 
     Raises:
         TypeError: a single-process collector (nothing to sync).
@@ -442,7 +439,7 @@ def join(scheme: Any, collector: Any, make_leg: Callable[[], RemoteLeg] | None) 
             k: s for k, s in compat.schemes_of(collector).items() if isinstance(s, type(scheme)) and s.group is None
         }
         schemes[scheme.model_id] = scheme
-        background = scheme.background if make_leg is None else False
+        background = scheme.unsafe_background_copy if make_leg is None else False
         group = group_for(collector, schemes, scheme.num_slots, background)
     try:
         if group.per_worker and collector.num_workers != group.num_workers:
@@ -478,11 +475,15 @@ def group_before_collector(
     )
     per_store = [{scheme.model_id: m} for m in models]
     return StoreGroup(
-        per_store, num_slots=scheme.num_slots, num_workers=workers, devices=devices, background=scheme.background
+        per_store,
+        num_slots=scheme.num_slots,
+        num_workers=workers,
+        devices=devices,
+        unsafe_background_copy=scheme.unsafe_background_copy,
     )
 
 
-def group_for(collector: Any, schemes: dict[str, Any], num_slots: int, background: bool | None) -> StoreGroup:
+def group_for(collector: Any, schemes: dict[str, Any], num_slots: int, background: bool) -> StoreGroup:
     """The group of stores for a collector's shmsync ``schemes`` (key -> scheme): one store, or one
     per worker when any key has per-worker weights (then every scheme says so)."""
     workers = collector.num_workers
@@ -495,8 +496,7 @@ def group_for(collector: Any, schemes: dict[str, Any], num_slots: int, backgroun
         num_slots=num_slots,
         num_workers=workers,
         devices=getattr(collector, "policy_device", None),
-        background=background,
-        exact=compat.runs_sent_weights_next(collector),
+        unsafe_background_copy=background,
     )
 
 

@@ -198,6 +198,9 @@ def _step_poll_hook(receiver: Receiver, every: int | None) -> Callable:
         receiver.calls += 1
         receiver.hooked_calls += 1
         if every is None or not receiver.in_rollout or receiver.calls % every == 0:
-            receiver.poll()
+            reader = receiver.reader
+            # Nothing new for the module this reader loads: one look at two shared words.
+            if reader is None or reader.module is not module or not reader.up_to_date():
+                receiver.poll()
 
     return hook

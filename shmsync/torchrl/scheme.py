@@ -35,13 +35,17 @@ from shmsync.writer.store import WeightStore
 class ShmWeightSyncScheme(WeightSyncScheme):
     """Weight sync for ``MultiSyncCollector`` / ``MultiAsyncCollector`` through shared memory.
 
-    Workers never see half-written weights (each reload is one complete version), the trainer
-    never waits for workers, and workers run only published versions: an in-place edit of the
-    trainer's parameters reaches no worker until it is published. Workers on the CPU, and on the
-    GPU the trainer publishes from, run on the published memory in place (no copy of the weights
-    per worker); others copy it into their device. Under ``MultiSyncCollector`` the batch after
+    Each update is a snapshot: the version holds the trainer's weights as they were when
+    ``update_policy_weights_()`` was called, and once it returns the trainer may write them any
+    way (in place, ``.data``, ``load_state_dict``, from another thread). Workers never see
+    half-written weights (each reload is one complete version), the trainer never waits for
+    workers, and workers run only published versions: an in-place edit of the trainer's
+    parameters reaches no worker until it is published. Workers on the CPU, and on the GPU the
+    trainer publishes from, run on the published memory in place (no copy of the weights per
+    worker); others copy it into their device. Under ``MultiSyncCollector`` the batch after
     ``update_policy_weights_()`` runs the weights just sent, even from a CUDA trainer that does
-    not synchronize, or a background copy still in flight: the workers wait for that version.
+    not synchronize: the workers wait for that version (or, if it cannot land, go on with the
+    newest whole one at once).
 
     Every way TorchRL initializes a scheme works: by the collector (the usual way), or before any
     collector exists with ``init_on_sender(model=..., devices=...)``, ``init_on_sender(weights=...,
@@ -60,10 +64,14 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         zero_copy: workers run their policy on the store's memory in place (see
             :class:`~shmsync.WeightReader`). Default (None): where they can. False gives every
             worker a private copy, for a policy that writes its own parameters.
-        background: copy each CPU publish on a background thread (see :meth:`WeightStore.create`): the update
-            returns at once. Default (None): under ``MultiSyncCollector``, whose next batch runs the weights just
-            sent (the trainer writes them again only after the copy landed); never on a remote collector's node or
-            actor, whose policy TorchRL writes from a receiving thread while a copy could still read it.
+        unsafe_background_copy: let each update from CPU tensors return before its copy, which
+            then reads the trainer's live weights on a background thread. This gives up the
+            snapshot: the trainer must not write those weights until the copy landed (an
+            optimizer step waits by itself; ``scheme.store.flush()`` waits too). A write through
+            ``.data`` meanwhile may be published mixed; any other write is found, that version is
+            dropped and its promise withdrawn. Never used on a remote collector's node or actor.
+            Default False: every update copies before it returns, so the trainer may write its
+            weights any way at once.
         source: the trainer-side module for this key, when the collector cannot resolve it in the
             main process (a key such as ``"env.transform[0]"`` that exists only in each worker).
         per_worker_weights: give each worker its own weights and versions (one store per worker),
@@ -103,7 +111,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         version_key: str | None = "policy_version",
         num_slots: int | None = None,
         zero_copy: bool | None = None,
-        background: bool | None = None,
+        unsafe_background_copy: bool = False,
         source: nn.Module | None = None,
         per_worker_weights: bool = False,
         stale_after: float | None = STALE_AFTER,
@@ -125,7 +133,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         self.poll_every_steps = poll_every_steps
         self.version_key = version_key
         self.zero_copy = zero_copy
-        self.background = background
+        self.unsafe_background_copy = bool(unsafe_background_copy)
         self.num_slots = num_slots if num_slots is not None else 4
         self.per_worker_weights = per_worker_weights
         self.exact = False  # its collector's next batch runs the weights sent: workers wait for promises

@@ -30,6 +30,9 @@ def tag_versions(module: nn.Module, version: Callable[[], int], key: str = "poli
     """
 
     warned = []
+    # The last tag made, reused while the version, shape and device stay (a collector stacks its
+    # frames into a buffer of its own: the tensor is only read). Made anew at every change.
+    last: list = [None, None]
 
     def hook(mod, args, output):
         if not isinstance(output, TensorDictBase):
@@ -41,7 +44,11 @@ def tag_versions(module: nn.Module, version: Callable[[], int], key: str = "poli
                 warned.append(True)
                 warn_clash(key, existing.dtype)
             return
-        output.set(key, torch.full(output.batch_size, version(), dtype=torch.int64, device=output.device))
+        v, tag = version(), last[1]
+        if last[0] != v or tag.shape != output.batch_size or tag.device != output.device:
+            tag = torch.full(output.batch_size, v, dtype=torch.int64, device=output.device)
+            last[:] = v, tag
+        output.set(key, tag)
 
     module.register_forward_hook(hook)
 

@@ -138,10 +138,11 @@ class Copier:
     """One background thread that runs one store's copies in the order they were handed over
     (started at the first, kept for the next ones): a publish that returns before its copy is done.
 
-    A task that raises ends the tasks queued behind it too (they are dropped, each ``on_drop``
-    called): the error is raised by the next :meth:`submit` or :meth:`wait`. While a task runs, an
-    optimizer step in this process waits for it (a step pre-hook, registered at the first task),
-    so the weights being copied are not written meanwhile by a step.
+    The error of a task that raises is raised by the next :meth:`submit` or :meth:`wait` (the
+    tasks behind it still run). While a task that
+    reads the caller's weights runs (``guards_sources``), an optimizer step in this process waits
+    for it (a step pre-hook, registered at the first such task), so a step does not write them
+    meanwhile.
 
     Args:
         name: the thread's name (``shmsync-publish-STORE``).
@@ -161,12 +162,16 @@ class Copier:
         self._tasks: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self.pending = 0  # tasks handed over and not yet done
+        self.guarding = 0  # of those, the ones that read the caller's weights
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
 
-    def submit(self, task: Callable[[], None]) -> None:
+    def submit(self, task: Callable[[], None], *, guards_sources: bool = True) -> None:
         """Run ``task`` on the background thread, after the tasks handed over before it.
+
+        Args:
+            guards_sources: the task reads the caller's weights: optimizer steps wait for it.
 
         Raises:
             RuntimeError: an earlier task failed (its error is the cause); ``task`` is not run.
@@ -174,13 +179,15 @@ class Copier:
         with self._cv:
             if self._error is not None:
                 self._raise_pending()
-            self._tasks.append(task)
+            self._tasks.append((task, guards_sources))
             self.pending += 1
             if self._thread is None:
-                _watch_optimizers()
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
-            _BUSY.add(self)
+            if guards_sources:
+                _watch_optimizers()
+                self.guarding += 1
+                _BUSY.add(self)
             self._cv.notify_all()
 
     def wait(self, timeout: float | None = None) -> None:
@@ -205,10 +212,10 @@ class Copier:
             self._thread.join()
 
     def drain(self) -> None:
-        """Wait until every task handed over is done, raising nothing (an error waits for the next
-        :meth:`submit` or :meth:`wait`)."""
+        """Wait until every task that reads the caller's weights is done, raising nothing (an
+        error waits for the next :meth:`submit` or :meth:`wait`)."""
         with self._cv:
-            self._cv.wait_for(lambda: self.pending == 0)
+            self._cv.wait_for(lambda: self.guarding == 0)
 
     def _raise_pending(self) -> None:
         if self._error is not None:
@@ -221,7 +228,7 @@ class Copier:
                 self._cv.wait_for(lambda: self._tasks or self._closing)
                 if not self._tasks:
                     return
-                task = self._tasks.popleft()
+                task, guards = self._tasks.popleft()
             try:
                 task()
             except BaseException as e:  # surfaced by the next submit() or wait()
@@ -229,8 +236,10 @@ class Copier:
                     self._error = self._error or e
             with self._cv:
                 self.pending -= 1
-                if self.pending == 0:
-                    _BUSY.discard(self)
+                if guards:
+                    self.guarding -= 1
+                    if self.guarding == 0:
+                        _BUSY.discard(self)
                 self._cv.notify_all()
 
 

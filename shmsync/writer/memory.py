@@ -36,6 +36,8 @@ from shmsync.core.header import (
     W_CREATOR_PPID,
     W_CREATOR_START,
     W_DATA_OFFSET,
+    W_DEVICE,
+    W_DEVICE_BYTES,
     W_FORMAT,
     W_GIVE_BACK_BEGUN,
     W_GIVE_BACK_DONE,
@@ -44,8 +46,13 @@ from shmsync.core.header import (
     W_MAGIC,
     W_NUM_SLOTS,
     W_PAYLOAD_BYTES,
+    W_PROMISED,
+    W_PUBLISH_COUNT,
+    W_PUBLISH_NS,
     W_SLOT_BYTES,
     W_STORE_FLAGS,
+    W_VERSION,
+    W_WRITER_PID,
     check_words,
     header_view,
 )
@@ -56,6 +63,19 @@ from shmsync.core.segment import CREATOR_LOCK, Segment, SegmentLocks
 from shmsync.errors import StoreCorruptError
 from shmsync.writer.layout import Layout, segment_bytes
 
+_FACTS = {
+    "version": W_VERSION,
+    "promised": W_PROMISED,
+    "creator_pid": W_CREATOR_PID,
+    "creator_start_ns": W_CREATOR_START,
+    "creator_ppid": W_CREATOR_PPID,
+    "writer_pid": W_WRITER_PID,
+    "publish_count": W_PUBLISH_COUNT,
+    "last_publish_ns": W_PUBLISH_NS,
+    "create_ns": W_CREATE_NS,
+    "payload_bytes": W_PAYLOAD_BYTES,
+    "device_bytes": W_DEVICE_BYTES,
+}
 RECHECK_EMPTY_S = 10.0  # a slot given back is looked at again this often (a late reader's copy refills it)
 
 
@@ -242,6 +262,14 @@ class StoreMemory:
         fence()
         h[W_GIVE_BACK_DONE] += 1
         return given
+
+    def facts(self) -> dict[str, int]:
+        """The header's facts (see :meth:`shmsync.WeightStore.info`)."""
+        h = self.header
+        facts = {name: h[word] for name, word in _FACTS.items()}
+        device = h[W_DEVICE]
+        extra = {"shm_bytes": self.segment.size, "resident_bytes": self.resident_bytes()}
+        return {**facts, **extra, "num_slots": self.num_slots, "device": device - 1 if device else -1}
 
     def resident_bytes(self) -> int:
         """Bytes of memory the store's file takes now (header and the slots holding pages)."""

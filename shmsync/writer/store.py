@@ -8,14 +8,17 @@ One publish, on the trainer's thread (:meth:`WeightStore.publish`)::
     writer.commit(write)                                  (the version and the latest slot: two words)
     give back the slots no reader can use                 (writer.idle_slots, then their pages)
 
-With ``background=True`` the copy, the commit and the give-backs run on the store's
-:class:`~shmsync.writer.copies.Copier` thread: ``publish()`` returns once the write is begun and its
-version promised. From CUDA tensors, :mod:`shmsync.writer.cuda` copies into the
-store's device slots instead.
+A version is a snapshot: ``publish()`` returns once the weights are copied into the slot (from
+CPU tensors), or once the copy is enqueued on the trainer's current CUDA stream (from CUDA tensors,
+:mod:`shmsync.writer.cuda`), so that any later write of the source reaches no version. Only the
+opt-in ``unsafe_background_copy=True`` returns before the bytes are copied: the copy, the commit
+and the give-backs then run on the store's :class:`~shmsync.writer.copies.Copier` thread, reading
+the caller's live tensors.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 import weakref
@@ -27,16 +30,9 @@ from tensordict import TensorDict
 
 from shmsync.core.header import (
     STORE_PAGE_LOCKED,
-    W_CREATE_NS,
-    W_CREATOR_PID,
-    W_CREATOR_PPID,
-    W_CREATOR_START,
-    W_DEVICE,
     W_DEVICE_BYTES,
     W_PAYLOAD_BYTES,
     W_PROMISED,
-    W_PUBLISH_COUNT,
-    W_PUBLISH_NS,
     W_STORE_FLAGS,
     W_VERSION,
     W_WRITER_PID,
@@ -59,21 +55,6 @@ class Snapshot(NamedTuple):
     weights: TensorDict
 
 
-_INFO = {
-    "version": W_VERSION,
-    "promised": W_PROMISED,
-    "creator_pid": W_CREATOR_PID,
-    "creator_start_ns": W_CREATOR_START,
-    "creator_ppid": W_CREATOR_PPID,
-    "writer_pid": W_WRITER_PID,
-    "publish_count": W_PUBLISH_COUNT,
-    "last_publish_ns": W_PUBLISH_NS,
-    "create_ns": W_CREATE_NS,
-    "payload_bytes": W_PAYLOAD_BYTES,
-    "device_bytes": W_DEVICE_BYTES,
-}
-
-
 class StoreWriter:
     """This process's writing into one store: the writer role of its host bank, the check of each
     source against the layout, the background copier, the CUDA publisher, and the give-backs.
@@ -89,7 +70,8 @@ class StoreWriter:
         self.memory = memory
         self.name = memory.name
         self.role = Writer(memory.host, table)
-        self.background = False
+        self.unsafe_background = False  # see WeightStore.create(unsafe_background_copy=...)
+        self.lock = threading.Lock()  # one publish at a time, whichever thread calls
         self.holding = False  # this process holds the writer role
         self.seconds = 0.0  # time spent publishing by this process
         self.copier = Copier(f"shmsync-publish-{memory.name}")
@@ -99,31 +81,34 @@ class StoreWriter:
         self._what = f"weights published to store {memory.name!r}"
         self._empty: dict[int, float] = {}  # slots seen holding no pages, and when
 
-    def publish(self, source: Any, version: int | None = None, background: bool | None = None) -> int:
-        """See :meth:`WeightStore.publish`; ``background`` overrides the store's setting."""
-        start = time.perf_counter()
-        if self.memory.closed:
-            raise ShmSyncError(f"store {self.name!r} is closed in this process")
-        tensors = self._matcher.match(source, self._what)
-        if version is not None:
-            self.check_version(version)
-        if not self.holding:
-            self.acquire()
-        if self.cuda is not None or any(t.is_cuda for t in tensors):
-            version = self._cuda(tensors).publish(tensors, version)
-        elif self.background if background is None else background:
-            version = self._in_background(tensors, version)
-        else:
-            if self.copier.pending:
-                self.copier.wait()  # one write at a time: after the one in flight
-            slots = self.memory.slots
-            version = self._write(lambda slot: copy_all(slots[slot], tensors, True), version)
-        self.seconds += time.perf_counter() - start
-        return version
+    def publish(self, source: Any, version: int | None = None, unsafe_background: bool | None = None) -> int:
+        """See :meth:`WeightStore.publish`; ``unsafe_background`` overrides the store's setting."""
+        with self.lock:  # a publisher thread beside the trainer's: one version after the other
+            start = time.perf_counter()
+            if self.memory.closed:
+                raise ShmSyncError(f"store {self.name!r} is closed in this process")
+            tensors = self._matcher.match(source, self._what)
+            if version is not None:
+                self.check_version(version)
+            if not self.holding:
+                self.acquire()
+            if self.cuda is not None or any(t.is_cuda for t in tensors):
+                version = self._cuda(tensors).publish(tensors, version)
+            elif self.unsafe_background if unsafe_background is None else unsafe_background:
+                version = self._in_background(tensors, version)
+            else:
+                if self.copier.pending:
+                    self.copier.wait()  # one write at a time: after the one in flight
+                slots = self.memory.slots
+                version = self._write(lambda slot: copy_all(slots[slot], tensors, True), version)
+            self.seconds += time.perf_counter() - start
+            return version
 
     def _in_background(self, tensors: list[torch.Tensor], version: int | None) -> int:
-        """Begin the write and promise its version; the copy (checked against writes to the source
-        tensors meanwhile) and the commit run on the copier's thread."""
+        """Begin the write and promise its version; the copy and the commit run on the copier's
+        thread, reading the caller's live tensors (``unsafe_background_copy``). A write to them that
+        moves a version counter meanwhile is found, and the promise withdrawn; a write through
+        ``.data`` is not, and may be published mixed."""
         if self.copier.pending:
             self.copier.wait()  # one write at a time: back-pressure only when publishing faster than copying
         role, memory = self.role, self.memory
@@ -137,8 +122,9 @@ class StoreWriter:
             if [t._version for t in tensors] != seen:  # written while copied: the copy is no version at all
                 raise ShmSyncError(
                     f"store {self.name!r}: the weights were written while version {version} was being copied in the "
-                    "background, so it was not published; wait with store.flush() before writing them (an optimizer "
-                    "step waits by itself), or publish with background=False"
+                    "background, so it was not published and its promise was withdrawn; with "
+                    "unsafe_background_copy=True, wait with store.flush() before writing them (an optimizer step "
+                    "waits by itself), or leave it off: a publish then copies before it returns"
                 )
 
         self.copier.submit(lambda: self._write(copy, version, write))
@@ -159,20 +145,20 @@ class StoreWriter:
             role.withdraw()
             raise
         version = role.commit(write, version)
-        if not memory.header[W_STORE_FLAGS] & STORE_PAGE_LOCKED:  # else the device reads the pages it locked
-            # Slots given back lately stay empty, unless a late reader's copy refilled them: looked at
-            # again now and then only.
-            now, empty = time.monotonic(), self._empty
-            idle = [s for s in role.idle_slots() if now - empty.get(s, -RECHECK_EMPTY_S) >= RECHECK_EMPTY_S]
-            if idle:
-                self._give_back(idle, now)
         for listener in self.listeners:
             listener(version)
+        if not memory.header[W_STORE_FLAGS] & STORE_PAGE_LOCKED:  # else the device reads the pages it locked
+            # Off the trainer's thread: the next publish waits for it before it begins a write.
+            self.copier.submit(self._give_back_idle, guards_sources=False)
         return version
 
-    def _give_back(self, idle: list[int], now: float) -> None:
-        """Give back the memory of the ``idle`` slots (see ``Writer.idle_slots``)."""
+    def _give_back_idle(self) -> None:
+        """Give back the memory of the slots no reader can use (see ``Writer.idle_slots``). Slots
+        given back lately stay empty, unless a late reader's copy refilled them: they are looked
+        at again now and then only."""
         memory, role = self.memory, self.role
+        now, empty = time.monotonic(), self._empty
+        idle = [s for s in role.idle_slots() if now - empty.get(s, -RECHECK_EMPTY_S) >= RECHECK_EMPTY_S]
         try:
             for slot in idle:
                 if not memory.holds_pages(slot):
@@ -186,22 +172,23 @@ class StoreWriter:
                     finally:
                         role.abort(write)
         except OSError as e:  # the version is out: memory that stays is no reason to fail a publish
-            warnings.warn(f"store {self.name!r}: unused slots keep their memory ({e})", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"store {self.name!r}: unused slots keep their memory ({e})", RuntimeWarning, stacklevel=2)
 
     def publish_bytes(self, fill: Callable[[memoryview], None], version: int) -> int:
         """See :meth:`WeightStore.publish_bytes`."""
-        if self.memory.closed:
-            raise ShmSyncError(f"store {self.name!r} is closed in this process")
-        self.check_version(version)
-        self.flush()
-        if not self.holding:
-            self.acquire()
+        with self.lock:
+            if self.memory.closed:
+                raise ShmSyncError(f"store {self.name!r} is closed in this process")
+            self.check_version(version)
+            self.flush()
+            if not self.holding:
+                self.acquire()
 
-        def copy(slot: int) -> None:
-            with self.memory.slot_buffer(slot, writable=True) as buffer:
-                fill(buffer)
+            def copy(slot: int) -> None:
+                with self.memory.slot_buffer(slot, writable=True) as buffer:
+                    fill(buffer)
 
-        return self._write(copy, version)
+            return self._write(copy, version)
 
     def add_listener(self, listener: Callable[[int], None]) -> None:
         """Call ``listener(version)`` right after each version this process publishes turns visible,
@@ -260,6 +247,7 @@ class StoreWriter:
             )
         self.memory.map_slots()
         self.holding = True
+        self.role.withdraw()  # a promise a dead writer left: it will never land
 
     def release(self) -> None:
         """Give up the writer role, after every publish of this process landed."""
@@ -314,7 +302,7 @@ class WeightStore:
         num_slots: int = 4,
         unlink_at_exit: bool = True,
         version: int = 0,
-        background: bool = False,
+        unsafe_background_copy: bool = False,
     ) -> WeightStore:
         """Allocate a store shaped like ``source`` and publish its weights as version 0.
 
@@ -331,9 +319,11 @@ class WeightStore:
             unlink_at_exit: remove the shared memory when this process exits or the store is
                 garbage collected. Existing readers keep their mapping.
             version: the version of these first weights. Default 0.
-            background: copy each publish from CPU tensors on a background thread (see
-                :meth:`publish`): the source must not be written until it landed (:meth:`flush`;
-                an optimizer step waits by itself), else that version is not published.
+            unsafe_background_copy: CPU publishes return before their copy, which reads the live
+                source on a background thread: this gives up the snapshot. Write the source only
+                once it landed (:meth:`flush`; an optimizer step waits by itself): a write through
+                ``.data`` meanwhile may publish a mix of two states (other writes are found, and
+                that version withdrawn). Default False: each publish copies before it returns.
 
         Returns:
             The store at ``version``, this process its writer; only this user may open it.
@@ -349,9 +339,9 @@ class WeightStore:
         layout.match(td, "weights given to WeightStore.create()")
         name = default_name() if name is None else name
         store = create_empty(layout, destinations, Segment.create, name, num_slots, unlink_at_exit)
-        store.writer.background = bool(background)
+        store.writer.unsafe_background = bool(unsafe_background_copy)
         try:
-            store.writer.publish(source, version, background=False)
+            store.writer.publish(source, version, unsafe_background=False)
             store.flush()
         except BaseException:
             store.unlink()
@@ -406,7 +396,10 @@ class WeightStore:
     num_slots = property(lambda self: self.memory.num_slots, doc="Slots per bank.")
     closed = property(lambda self: self.memory.closed, doc="Whether this process closed it.")
     publish_seconds = property(lambda self: self.writer.seconds, doc="Time spent in publish() by this process.")
-    background = property(lambda self: self.writer.background, doc="Whether CPU publishes copy in the background.")
+    unsafe_background_copy = property(
+        lambda self: self.writer.unsafe_background,
+        doc="Whether CPU publishes return before their copy (see :meth:`create`); False by default.",
+    )
     layout_description = property(
         lambda self: self.memory.layout.to_json(self.memory.destinations),
         doc="The layout (keys, shapes, dtypes, offsets, destinations) as bytes: equal descriptions, equal bytes.",
@@ -419,11 +412,7 @@ class WeightStore:
     def info(self) -> dict[str, int]:
         """Header facts: versions (published and promised), creator and writer pids, publish count
         and times (ns), bytes of host and device memory, the device (-1: none)."""
-        memory = self.memory
-        facts = {name: memory.header[word] for name, word in _INFO.items()}
-        device = memory.header[W_DEVICE]
-        extra = {"shm_bytes": memory.segment.size, "resident_bytes": memory.resident_bytes()}
-        return {**facts, **extra, "num_slots": memory.num_slots, "device": device - 1 if device else -1}
+        return self.memory.facts()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"version={self.version}"
@@ -433,10 +422,11 @@ class WeightStore:
     def publish(self, source: Any, *, version: int | None = None) -> int:
         """Copy ``source``'s weights in and make them visible as one new version.
 
-        Never waits for readers. One process publishes at a time: the creator, until
-        :meth:`release_writer` or :meth:`close`. From CUDA tensors, and with ``background``, it
-        returns once the version is promised: readers that must run it wait for it, and
-        :meth:`flush` waits for it here.
+        Never waits for readers. The version is a snapshot of ``source`` as it is now: CPU
+        tensors are copied before this returns, so ``source`` may be written any way at once.
+        From CUDA the copy is enqueued on the current stream (later writes on it come after; see
+        the GPUs page for other streams) and the version promised until it lands (:meth:`flush`
+        waits for it). One process publishes at a time; any of its threads may.
 
         Args:
             source: the same kind of object the store was created from, with the same keys,
