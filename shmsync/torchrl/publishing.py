@@ -140,12 +140,13 @@ class StoreGroup:
         if self.alarm is not None and self.alarm.pending:
             self.alarm.raise_pending()
         models = self.models[0]
-        if (
-            worker_ids is None
-            and not self.per_worker
-            and all(models.get(k, k) is w or w is None for k, w in weights.items())
-        ):
-            return self.stores[0].publish(models, version=version)  # the trainer's own models: checked fast
+        if worker_ids is None and not self.per_worker and all(k in models for k in weights):
+            # One store for every worker: its keys' new weights, the others' models as they are.
+            if all(models[k] is w or w is None for k, w in weights.items()):
+                return self.stores[0].publish(models, version=version)  # the trainer's own models: checked fast
+            if not any(_is_per_worker(w) for w in weights.values()):
+                source = {k: m if weights.get(k) is None else weights[k] for k, m in models.items()}
+                return self.stores[0].publish(source, version=version)
         prepared = self.prepare(weights, worker_ids)
         check_all(prepared, version)
         return max(store.publish(source, version=version) for store, source in prepared)

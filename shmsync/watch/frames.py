@@ -32,7 +32,7 @@ def tag_versions(module: nn.Module, version: Callable[[], int], key: str = "poli
     warned = []
     # The last tag made, reused while the version, shape and device stay (a collector stacks its
     # frames into a buffer of its own: the tensor is only read). Made anew at every change.
-    last: list = [None, None]
+    last: list = [None, None]  # (version, batch size, device) and the tag
 
     def hook(mod, args, output):
         if not isinstance(output, TensorDictBase):
@@ -44,11 +44,10 @@ def tag_versions(module: nn.Module, version: Callable[[], int], key: str = "poli
                 warned.append(True)
                 warn_clash(key, existing.dtype)
             return
-        v, tag = version(), last[1]
-        if last[0] != v or tag.shape != output.batch_size or tag.device != output.device:
-            tag = torch.full(output.batch_size, v, dtype=torch.int64, device=output.device)
-            last[:] = v, tag
-        output.set(key, tag)
+        made = (version(), output.batch_size, output.device)
+        if last[0] != made:
+            last[:] = made, torch.full(made[1], made[0], dtype=torch.int64, device=made[2])
+        output.set(key, last[1])
 
     module.register_forward_hook(hook)
 
