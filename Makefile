@@ -19,9 +19,15 @@ PYTEST_ARGS ?= -n 3
 TORCHRL_LEGS ?= 0.13 0.12 0.11
 LEGS_MARK ?= minors and not full
 LEGS_PYTEST_ARGS ?= $(PYTEST_ARGS)
-# The other torch release shmsync declares (pyproject.toml): `make test` runs the core's quick
-# tests and the `minors` set on it, with the newest torchrl; the main tier runs on $(TORCH).
-TORCH_LEGS ?= 2.14.1
+# The other torch releases shmsync declares (pyproject.toml), with the newest torchrl: `make test`
+# runs the quick tests of every torch-using module and the `minors` set on the current release
+# (TORCH_LEGS); `make test-full` runs everything on it (CURRENT_TORCH) and that set on the others.
+# The main tier runs on $(TORCH): its CPU build installs in seconds, the others' CUDA builds take
+# minutes (docs/testing.md). Their installs empty PIP_CONSTRAINT: a pip configured to cap torch
+# (some CI images are) would refuse the release asked for.
+TORCH_LEGS ?= 2.15.0
+TORCH_FULL_LEGS ?= 2.14.1
+CURRENT_TORCH ?= 2.15.0
 TORCH_LEGS_MARK ?= not full and (minors or not (slow or torchrl or distributed or cuda))
 # The tests of torch-free code (the slot protocol and its checker, the header, the fences, the
 # relay wire) run the same on every torch: the main tier runs them.
@@ -32,7 +38,7 @@ TORCH_LEGS_ARGS ?= $(foreach t,$(TORCH_FREE),--ignore=tests/test_$(t).py)
 TORCHRL_NIGHTLY ?= 2026.10.27
 TENSORDICT_NIGHTLY ?= 2026.10.26
 
-.PHONY: install demo test test-full test-main test-fast test-busy test-protocol test-legs test-nightly docs lint bench bench-quick soak clean
+.PHONY: install demo test test-full test-main test-fast test-busy test-protocol test-legs test-torch-current test-nightly docs lint bench bench-quick soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -70,8 +76,14 @@ test-main: install
 # stress run and doc block.
 test-full: lint install $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed) docs
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests shmsync workers
-	$(MAKE) test-legs LEGS_MARK=torchrl
+	$(MAKE) test-legs LEGS_MARK=torchrl TORCH_LEGS="$(TORCH_FULL_LEGS)"
+	$(MAKE) test-torch-current
 	$(MAKE) test-nightly
+
+# Every test on the current torch release (the one a new user installs), the newest torchrl.
+test-torch-current: .venv-torch-$(CURRENT_TORCH)/.installed
+	@echo "== torch $$(.venv-torch-$(CURRENT_TORCH)/bin/python -c 'import torch, torchrl; print(torch.__version__, torchrl.__version__)')"
+	.venv-torch-$(CURRENT_TORCH)/bin/python -m pytest $(PYTEST_ARGS) tests shmsync workers
 
 # The core's quick tests: protocol, store, reader, files, CLI, relay wire; the multi-process
 # ones (seconds each: every child imports torch) are marked slow. Under a minute.
@@ -101,13 +113,13 @@ test-protocol: install
 	.venv-torchrl-$*/bin/python -m pip install -q "torchrl~=$*.0" "tensordict~=$*.0"
 	touch $@
 
-# .venv-torch-2.14.1: that torch release, the rest from .venv as for the TorchRL legs.
+# .venv-torch-2.15.0 (and so on): that torch release, the rest from .venv as for the TorchRL legs.
 .venv-torch-%/.installed: $(VENV)/.installed pyproject.toml
 	rm -rf .venv-torch-$*
 	$(PYTHON) -m venv .venv-torch-$*
 	echo "import site; site.addsitedir($$($(BIN)/python -c "import sysconfig; print(repr(sysconfig.get_paths()['purelib']))"))" > \
 		"$$(.venv-torch-$*/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_shmsync_base_venv.pth"
-	.venv-torch-$*/bin/python -m pip install -q $(TORCH_PIP_ARGS) "torch==$*"
+	PIP_CONSTRAINT=/dev/null .venv-torch-$*/bin/python -m pip install -q $(TORCH_PIP_ARGS) "torch==$*"
 	touch $@
 
 test-legs: $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed) $(foreach v,$(TORCH_LEGS),.venv-torch-$(v)/.installed)

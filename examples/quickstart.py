@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from shmsync import WeightReader, WeightStore
+from shmsync.tools.ctrl_c import CtrlC
 
 
 @dataclass
@@ -49,32 +50,37 @@ def worker(store: WeightStore, worker_id: int, last_version: int) -> None:
 def main(args: Args) -> None:
     policy = make_policy()
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.01)
-    store = WeightStore.create(policy)
     last_version = args.steps // args.publish_every
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(store, i, last_version)) for i in range(args.workers)]
-    for p in procs:
-        p.start()
-    try:
-        # Wait until every worker has attached and loaded version 0 (they start in ~1-2 s).
-        while sum(r.version >= 0 for r in store.readers()) < args.workers:
-            time.sleep(0.05)
-        for step in range(1, args.steps + 1):
-            loss = policy(torch.randn(32, 8)).pow(2).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            if step % args.publish_every == 0:
-                version = store.publish(policy)  # never waits for the workers
-                print(f"trainer: step {step}, published version {version}", flush=True)
-            time.sleep(args.step_seconds)
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        store.close()  # the creator removes the shared memory
+    # A Ctrl-C stops the trainer after its step at hand; the workers never see it (they are stopped).
+    with CtrlC() as ctrl_c, WeightStore.create(policy) as store:  # the creator removes the shared memory
+        procs = [ctx.Process(target=worker, args=(store, i, last_version)) for i in range(args.workers)]
+        with ctrl_c.shielded():
+            for p in procs:
+                p.start()
+        try:
+            # Wait until every worker has attached and loaded version 0 (they start in ~1-2 s).
+            while sum(r.version >= 0 for r in store.readers(processes=False)) < args.workers and not ctrl_c.pressed:
+                time.sleep(0.05)
+            for step in range(1, args.steps + 1):
+                if ctrl_c.pressed:
+                    break
+                loss = policy(torch.randn(32, 8)).pow(2).mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if step % args.publish_every == 0:
+                    version = store.publish(policy)  # never waits for the workers
+                    print(f"trainer: step {step}, published version {version}", flush=True)
+                time.sleep(args.step_seconds)
+            for p in procs:
+                p.join(timeout=0 if ctrl_c.pressed else 30)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        print("stopped by Ctrl-C" if ctrl_c.pressed else "done", f"at version {store.version}")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from torchrl.modules import MLP, EGreedyModule, QValueActor
 from torchrl.objectives import DQNLoss, SoftUpdate
 
 from shmsync import ShmWeightSyncScheme
+from shmsync.tools.ctrl_c import CtrlC
 
 
 @dataclass
@@ -71,6 +72,11 @@ def evaluate(actor, seed: int) -> float:
 
 
 def main(args: Args) -> None:
+    with CtrlC() as ctrl_c:  # a Ctrl-C, at any moment, stops after the batch at hand; the summary still prints
+        train(args, ctrl_c)
+
+
+def train(args: Args, ctrl_c: CtrlC) -> None:
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     spec = make_env().action_spec
@@ -87,19 +93,22 @@ def main(args: Args) -> None:
     buffer = TensorDictReplayBuffer(
         storage=LazyTensorStorage(args.buffer_size), sampler=sampler, batch_size=args.batch_size
     )
-    collector = MultiAsyncCollector(
-        [make_env] * args.workers,
-        policy,
-        frames_per_batch=args.frames_per_batch,
-        total_frames=args.total_frames,
-        weight_sync_schemes={"policy": ShmWeightSyncScheme()},
-    )
-    collector.set_seed(args.seed)
+    with ctrl_c.shielded():  # the workers never see Ctrl-C: the trainer shuts them down
+        collector = MultiAsyncCollector(
+            [make_env] * args.workers,
+            policy,
+            frames_per_batch=args.frames_per_batch,
+            total_frames=args.total_frames,
+            weight_sync_schemes={"policy": ShmWeightSyncScheme()},
+        )
 
     steps, published, frames, newest, skipped, staleness_seen = 0, 0, 0, 0, 0, []
     start = time.perf_counter()
     try:
+        collector.set_seed(args.seed)
         for i, batch in enumerate(collector):
+            if ctrl_c.pressed:
+                break
             batch = batch.reshape(-1)
             frames += batch.numel()
             staleness_seen.append(steps - batch["policy_version"].float().mean().item())
@@ -130,8 +139,10 @@ def main(args: Args) -> None:
     print(f"frames/s              {frames / elapsed:.0f}")
     print(f"optimizer steps       {steps}")
     print(f"batches with no fresh frames  {skipped}")
-    print(f"staleness of batches  mean {sum(staleness_seen) / len(staleness_seen):.1f} optimizer steps")
+    mean = sum(staleness_seen) / len(staleness_seen) if staleness_seen else 0.0
+    print(f"staleness of batches  mean {mean:.1f} optimizer steps")
     print(f"final return          {evaluate(actor, args.seed + 1):.1f}")
+    print(f"stopped by Ctrl-C after {frames} frames" if ctrl_c.pressed else f"all {frames} frames collected")
 
 
 if __name__ == "__main__":  # TorchRL spawns its workers: they import this file

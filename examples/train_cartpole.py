@@ -37,6 +37,7 @@ from torchrl.record.loggers.csv import CSVLogger
 from torchrl.trainers import DefaultOptimizationStepper, Trainer
 
 from shmsync import LogLag, ShmWeightSyncScheme, UpdateWeights, staleness
+from shmsync.tools.ctrl_c import CtrlC
 
 
 @dataclass
@@ -100,115 +101,131 @@ def say_how_to_watch(name: str) -> None:
 
 
 def main(args: Args) -> dict:
-    torch.manual_seed(args.seed)
-    start = time.perf_counter()
-    spec = make_env().action_spec
+    # A Ctrl-C, at any moment, stops training after the batch at hand; the summary still prints.
+    with CtrlC() as ctrl_c:
+        kind = "MultiAsyncCollector" if args.use_async else "MultiSyncCollector"
+        print(f"DQN on CartPole-v1: {kind}, {args.workers} workers, {args.scheme} weight sync", flush=True)
+        torch.manual_seed(args.seed)
+        start = time.perf_counter()
+        spec = make_env().action_spec
 
-    # Policy: a Q-network, plus epsilon-greedy exploration for the collectors.
-    actor = QValueActor(MLP(in_features=4, out_features=2, num_cells=[128, 128]), in_keys=["observation"], spec=spec)
-    greedy = EGreedyModule(spec, annealing_num_steps=args.eps_frames, eps_init=1.0, eps_end=args.eps_end)
-    policy = TensorDictSequential(actor, greedy)
+        # Policy: a Q-network, plus epsilon-greedy exploration for the collectors.
+        actor = QValueActor(
+            MLP(in_features=4, out_features=2, num_cells=[128, 128]), in_keys=["observation"], spec=spec
+        )
+        greedy = EGreedyModule(spec, annealing_num_steps=args.eps_frames, eps_init=1.0, eps_end=args.eps_end)
+        policy = TensorDictSequential(actor, greedy)
 
-    # Workers load `policy` from shared memory and reload only when a new version is published.
-    scheme = ShmWeightSyncScheme(zero_copy=False if args.private_copy else None) if args.scheme == "shmsync" else None
-    collector_cls = MultiAsyncCollector if args.use_async else MultiSyncCollector
-    collector = collector_cls(
-        [make_env] * args.workers,
-        policy,
-        frames_per_batch=args.frames_per_batch,
-        total_frames=-1 if args.keep_running else args.total_frames,
-        weight_sync_schemes={"policy": scheme} if scheme is not None else None,
-    )
-    collector.set_seed(args.seed)  # each worker's env gets its own seed derived from it
-    if scheme is not None:
-        say_how_to_watch(scheme.store.name)
-    budget = "until Ctrl-C" if args.keep_running else f"of at most {args.total_frames}"
+        # Workers load `policy` from shared memory and reload only when a new version is published.
+        scheme = (
+            ShmWeightSyncScheme(zero_copy=False if args.private_copy else None) if args.scheme == "shmsync" else None
+        )
+        collector_cls = MultiAsyncCollector if args.use_async else MultiSyncCollector
+        with ctrl_c.shielded():  # the workers never see Ctrl-C: the trainer stops them
+            collector = collector_cls(
+                [make_env] * args.workers,
+                policy,
+                frames_per_batch=args.frames_per_batch,
+                total_frames=-1 if args.keep_running else args.total_frames,
+                weight_sync_schemes={"policy": scheme} if scheme is not None else None,
+            )
+        try:
+            collector.set_seed(args.seed)  # each worker's env gets its own seed derived from it
+            if scheme is not None:
+                say_how_to_watch(scheme.store.name)
+            budget = "until Ctrl-C" if args.keep_running else f"of at most {args.total_frames}"
 
-    loss = DQNLoss(actor, action_space=spec, delay_value=True)
-    loss.make_value_estimator(gamma=args.gamma)
-    target_updater = SoftUpdate(loss, tau=args.tau)
-    buffer = TensorDictReplayBuffer(storage=LazyTensorStorage(args.buffer_size), batch_size=args.batch_size)
-    trainer = Trainer(
-        collector=collector,
-        total_frames=args.total_frames,  # with --keep-running, the collector's -1: no end
-        frame_skip=1,
-        optim_steps_per_batch=args.optim_steps_per_batch,
-        loss_module=loss,
-        optimizer=torch.optim.Adam(loss.parameters(), lr=args.lr),
-        optimization_stepper=DefaultOptimizationStepper(),
-        target_net_updater=target_updater,
-        progress_bar=False,  # one line per evaluation instead (see maybe_evaluate)
-        logger=CSVLogger("cartpole", log_dir=args.log_dir) if args.log_dir else None,
-        log_interval=1 if args.log_dir else 10**9,
-    )
-    if scheme is not None:  # the lag of each batch's frames and of each worker, in the logger and progress bar
-        LogLag(scheme).register(trainer)
+            loss = DQNLoss(actor, action_space=spec, delay_value=True)
+            loss.make_value_estimator(gamma=args.gamma)
+            target_updater = SoftUpdate(loss, tau=args.tau)
+            buffer = TensorDictReplayBuffer(storage=LazyTensorStorage(args.buffer_size), batch_size=args.batch_size)
+            trainer = Trainer(
+                collector=collector,
+                total_frames=args.total_frames,  # with --keep-running, the collector's -1: no end
+                frame_skip=1,
+                optim_steps_per_batch=args.optim_steps_per_batch,
+                loss_module=loss,
+                optimizer=torch.optim.Adam(loss.parameters(), lr=args.lr),
+                optimization_stepper=DefaultOptimizationStepper(),
+                target_net_updater=target_updater,
+                progress_bar=False,  # one line per evaluation instead (see maybe_evaluate)
+                logger=CSVLogger("cartpole", log_dir=args.log_dir) if args.log_dir else None,
+                log_interval=1 if args.log_dir else 10**9,
+            )
+            if scheme is not None:  # the lag of each batch's frames and of each worker, in the logger and progress bar
+                LogLag(scheme).register(trainer)
 
-    # The replay buffer, by hand: extend with each batch, sample for each optimizer step.
-    stats = {"staleness": [], "versions_per_worker": [set() for _ in range(args.workers)]}
+            # The replay buffer, by hand: extend with each batch, sample for each optimizer step.
+            stats = {"staleness": [], "versions_per_worker": [set() for _ in range(args.workers)]}
 
-    def record(batch):
-        if scheme is not None:
-            stats["staleness"].append(staleness(batch, scheme).flatten())
-            stats["readers"] = scheme.readers(processes=True).format()  # every worker, as an operator sees it
-        if scheme is not None and not args.use_async:  # [workers, time]
-            for w in range(args.workers):
-                stats["versions_per_worker"][w].update(batch["policy_version"][w].unique().tolist())
-        greedy.step(batch.numel())
-        buffer.extend(batch.reshape(-1))
+            def record(batch):
+                if scheme is not None:
+                    stats["staleness"].append(staleness(batch, scheme).flatten())
+                    stats["readers"] = scheme.readers().format()  # every worker, as an operator sees it
+                if scheme is not None and not args.use_async:  # [workers, time]
+                    for w in range(args.workers):
+                        stats["versions_per_worker"][w].update(batch["policy_version"][w].unique().tolist())
+                greedy.step(batch.numel())
+                buffer.extend(batch.reshape(-1))
 
-    trainer.register_op("batch_process", record)
-    trainer.register_op("process_optim_batch", lambda _: buffer.sample())
-    trainer.register_op("post_optim", target_updater.step)
+            trainer.register_op("batch_process", record)
+            trainer.register_op("process_optim_batch", lambda _: buffer.sample())
+            trainer.register_op("post_optim", target_updater.step)
 
-    # Publish the exploration policy (registered on the trainer) after every batch.
-    trainer.register_module("exploration_policy", policy)
-    UpdateWeights(collector, 1, weight_update_map={"policy": "exploration_policy"}, trainer=trainer).register(trainer)
+            # Publish the exploration policy (registered on the trainer) after every batch.
+            trainer.register_module("exploration_policy", policy)
+            UpdateWeights(collector, 1, weight_update_map={"policy": "exploration_policy"}, trainer=trainer).register(
+                trainer
+            )
 
-    evals: list[tuple[int, float, float]] = []
-    batches = [0]
-    clock = [0.0, 0.0]  # when the first and the latest batch came
+            evals: list[tuple[int, float, float]] = []
+            batches = [0]
+            clock = [0.0, 0.0]  # when the first and the latest batch came
 
-    def frames_per_second() -> float:
-        """Frames collected after the first batch, over the time since it (one figure, everywhere)."""
-        return (trainer.collected_frames - args.frames_per_batch) / max(clock[1] - clock[0], 1e-9)
+            def frames_per_second() -> float:
+                """Frames collected after the first batch, over the time since it (one figure, everywhere)."""
+                return (trainer.collected_frames - args.frames_per_batch) / max(clock[1] - clock[0], 1e-9)
 
-    def maybe_evaluate():
-        batches[0] += 1
-        clock[1] = time.perf_counter()
-        if batches[0] == 1:
-            clock[0] = clock[1]
-        if batches[0] % args.eval_every:
-            return
-        avg = evaluate(actor, args.eval_episodes, args.seed + 1000 + batches[0])
-        evals.append((trainer.collected_frames, avg, clock[1] - start))
-        if args.progress:
-            rate = frames_per_second()
-            print(f"frames {trainer.collected_frames:7d} {budget}  eval return {avg:5.0f}  {rate:6.0f} frames/s")
-        if args.target_return and not args.keep_running and avg >= args.target_return:
-            trainer.request_stop(f"evaluation return {avg:.0f} >= {args.target_return}")
+            def maybe_evaluate():
+                batches[0] += 1
+                clock[1] = time.perf_counter()
+                if batches[0] == 1:
+                    clock[0] = clock[1]
+                if batches[0] % args.eval_every:
+                    return
+                avg = evaluate(actor, args.eval_episodes, args.seed + 1000 + batches[0])
+                evals.append((trainer.collected_frames, avg, clock[1] - start))
+                if args.progress:
+                    rate = frames_per_second()
+                    print(
+                        f"frames {trainer.collected_frames:7d} {budget}  eval return {avg:5.0f}  {rate:6.0f} frames/s"
+                    )
+                if args.target_return and not args.keep_running and avg >= args.target_return:
+                    stopped[0] = "target"
+                    trainer.request_stop(f"evaluation return {avg:.0f} >= {args.target_return}")
 
-    trainer.register_op("post_steps", maybe_evaluate)
+            stopped: list[str | None] = [None]  # "target" once the evaluation reached it
+            trainer.register_op("post_steps", maybe_evaluate)
+            # After the batch at hand, the trainer stops; the workers and the store shut down.
+            ctrl_c.when_pressed(lambda: trainer.request_stop("Ctrl-C"))
 
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            warnings.filterwarnings("ignore", "Converting a tensor with requires_grad")  # TorchRL logging its loss
-            trainer.train()  # shuts the collector (and its store) down at the end
-    except KeyboardInterrupt:
-        if not args.keep_running:
-            raise
-        print("\nstopped (Ctrl-C)")
-    finally:
-        collector.shutdown()  # also on errors, or worker processes would keep the program alive
-    total = time.perf_counter() - start
-    rate = frames_per_second() if batches[0] > 1 else 0.0
-
-    return summarize(args, trainer.collected_frames, total, rate, actor, scheme, stats, evals)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                warnings.filterwarnings("ignore", "Converting a tensor with requires_grad")  # TorchRL logging its loss
+                trainer.train()  # shuts the collector (and its store) down at the end
+            total = time.perf_counter() - start
+            rate = frames_per_second() if batches[0] > 1 else 0.0
+            why = stopped[0] or ("Ctrl-C" if ctrl_c.pressed else None)
+            return summarize(args, trainer.collected_frames, total, rate, actor, scheme, stats, evals, why)
+        finally:
+            collector.shutdown()  # also on errors, or worker processes would keep the program alive
 
 
-def summarize(args: Args, frames: int, total: float, rate: float, actor, scheme, stats: dict, evals: list) -> dict:
-    """Print the run's summary (and the readers' table); return its figures."""
+def summarize(
+    args: Args, frames: int, total: float, rate: float, actor, scheme, stats: dict, evals: list, stopped: str | None
+) -> dict:
+    """Print the run's summary (and the readers' table); return its figures. ``stopped``: why
+    training ended before its frame budget ("target", "Ctrl-C"), or None."""
     final = evaluate(actor, 10, args.seed + 999)
     store = scheme.store if scheme is not None else None
     tags = torch.cat(stats["staleness"]) if stats["staleness"] else torch.zeros(1, dtype=torch.long)
@@ -217,9 +234,10 @@ def summarize(args: Args, frames: int, total: float, rate: float, actor, scheme,
         "seconds": total,
         "frames_per_second": rate,
         "final_eval_return": final,
-        "target_reached_at": next(
-            ((f, t) for f, r, t in evals if args.target_return and r >= args.target_return), None
-        ),
+        "target_reached_at": next(((f, t) for f, r, t in evals if r >= args.target_return), None)
+        if stopped == "target"
+        else None,
+        "stopped_by": stopped,
     }
     print("\n--- summary ---")
     private = args.private_copy and args.scheme == "shmsync"
@@ -245,11 +263,12 @@ def summarize(args: Args, frames: int, total: float, rate: float, actor, scheme,
         print(f"time publishing      {store.publish_seconds * 1e3:.1f} ms ({share:.3f}% of total)")
         print(f"readers' table at the last batch:\n{stats['readers']}")
     reached = summary["target_reached_at"]
-    outcome = (
-        f"target {args.target_return:.0f} reached after {reached[0]} frames, {reached[1]:.0f}s"
-        if reached
-        else ("no target set" if not args.target_return or args.keep_running else "target not reached")
-    )
+    if stopped == "Ctrl-C":
+        outcome = f"stopped by Ctrl-C after {frames} frames"
+    elif reached:
+        outcome = f"target {args.target_return:.0f} reached after {reached[0]} frames, {reached[1]:.0f}s"
+    else:
+        outcome = "no target set" if not args.target_return or args.keep_running else "target not reached"
     print(f"evaluation           final average return {final:.1f} over 10 episodes; {outcome}")
     return summary
 

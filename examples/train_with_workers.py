@@ -20,6 +20,7 @@ from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl.objectives import DQNLoss, SoftUpdate
 
 from shmsync import WeightStore, staleness
+from shmsync.tools.ctrl_c import CtrlC
 from shmsync.workers.launch import launch
 from shmsync.workers.policies import egreedy_policy, make_env
 
@@ -67,41 +68,47 @@ def main(args: Args) -> None:
     optimizer = torch.optim.Adam(loss.parameters(), lr=args.lr)
     buffer = TensorDictReplayBuffer(storage=LazyTensorStorage(50_000), batch_size=args.batch_size)
 
-    store = WeightStore.create(policy)
-    print(f"store {store.name}: watch its workers live with  shmsync ls {store.name} --watch")
-    start = time.perf_counter()
-    frames, stale = 0, []
-    pool = launch(
-        store.name,
-        args.workers,
-        args.env,
-        frames_per_batch=args.frames_per_batch,
-        policy="shmsync.workers.policies:egreedy_policy",
-    )
-    with pool:
-        for i, (_worker, batch) in enumerate(pool.batches(args.max_batches)):
-            stale.append(staleness(batch, store))
-            greedy.step(batch.numel())
-            buffer.extend(batch)
-            frames += batch.numel()
-            for _ in range(args.optim_steps_per_batch):
-                losses = loss(buffer.sample())
-                optimizer.zero_grad()
-                losses["loss"].backward()
-                optimizer.step()
-                target.step()
-            store.publish(policy)  # returns at once; workers reload at their next rollout
-            if (i + 1) % args.eval_every == 0:
-                score = evaluate(actor, args.env)
-                print(f"batch {i + 1:4d}  frames {frames:6d}  version {store.version:4d}  eval return {score:6.1f}")
-                if args.target_return and score >= args.target_return:
+    # A Ctrl-C, at any moment, stops after the batch at hand; the summary still prints.
+    with CtrlC() as ctrl_c, WeightStore.create(policy) as store:
+        print(f"store {store.name}: watch its workers live with  shmsync ls {store.name} --watch")
+        start = time.perf_counter()
+        frames, stale, outcome = 0, [], "batch budget spent"
+        with ctrl_c.shielded():  # the workers never see Ctrl-C: the pool stops them
+            pool = launch(
+                store.name,
+                args.workers,
+                args.env,
+                frames_per_batch=args.frames_per_batch,
+                policy="shmsync.workers.policies:egreedy_policy",
+            )
+        with pool:
+            for i, (_worker, batch) in enumerate(pool.batches(args.max_batches)):
+                stale.append(staleness(batch, store))
+                greedy.step(batch.numel())
+                buffer.extend(batch)
+                frames += batch.numel()
+                for _ in range(args.optim_steps_per_batch):
+                    losses = loss(buffer.sample())
+                    optimizer.zero_grad()
+                    losses["loss"].backward()
+                    optimizer.step()
+                    target.step()
+                store.publish(policy)  # a snapshot: the next step may write the weights at once
+                if ctrl_c.pressed:
+                    outcome = f"stopped by Ctrl-C after {frames} frames"
                     break
-    seconds = time.perf_counter() - start
-    s = torch.cat(stale).float()
-    print(f"\n{frames} frames in {seconds:.1f}s; {store.version} versions published; reloads per worker {pool.reloads}")
-    final = evaluate(actor, args.env, 10)
-    print(f"staleness of frames: mean {s.mean():.2f}, max {s.max():.0f}; final eval return {final:.1f}")
-    store.close()
+                if (i + 1) % args.eval_every == 0:
+                    score = evaluate(actor, args.env)
+                    print(f"batch {i + 1:4d}  frames {frames:6d}  version {store.version:4d}  eval return {score:6.1f}")
+                    if args.target_return and score >= args.target_return:
+                        outcome = f"target {args.target_return:.0f} reached"
+                        break
+        seconds = time.perf_counter() - start
+        s = torch.cat(stale).float() if stale else torch.zeros(1)
+        versions = f"{store.version} versions published; reloads per worker {pool.reloads}"
+        print(f"\n{frames} frames in {seconds:.1f}s; {versions}")
+        final = evaluate(actor, args.env, 10)
+        print(f"staleness of frames: mean {s.mean():.2f}, max {s.max():.0f}; final eval return {final:.1f}; {outcome}")
 
 
 if __name__ == "__main__":

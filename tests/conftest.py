@@ -56,6 +56,7 @@ FULL_ONLY = {
     # the demo's --keep-running test stay).
     "tests/test_examples.py::test_train_cartpole_tiny_budget": ["async-private-copy"],
     "tests/test_examples.py::test_train_async_tiny_budget": None,
+    "tests/test_examples.py::test_a_ctrl_c_pressed_at_any_point_ends_the_demo_with_its_summary": ["20"],
     "tests/test_ray.py::test_a_push_to_some_actors_only_still_carries_the_trainers_number": None,
     "tests/test_registration.py::test_a_config_driven_trainer_selects_shmsync_by_an_override": None,
     # Trees of relays beyond the one that grows, feeds and loses no version.

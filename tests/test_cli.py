@@ -121,7 +121,7 @@ def test_ls_name_lists_every_reader_worst_first_in_text_and_json(store_dir, star
         second = start(_hold, str(store_dir), "policy", 1)
         second.expect("loaded")
         out = cli("ls", "policy", env=_env(store_dir)).stdout.splitlines()
-        assert out[0].startswith("policy: version 1, 2 readers on 1 host; 1 behind (worst: 1 version, worker 0")
+        assert out[0].startswith("policy: version 1, 2 readers on 1 host; 1 reader behind (worst: 1 version, worker 0")
         assert out[1].split()[:5] == ["HOST", "WORKER", "PID", "VERSION", "BEHIND"]
         assert [line.split()[1:5] for line in out[2:]] == [
             ["0", str(first.pid), "0", "1"],

@@ -5,6 +5,8 @@ import re
 import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -98,6 +100,7 @@ def test_the_demo_says_how_to_watch_it_and_keeps_running_until_ctrl_c():
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     try:
+        assert proc.stdout.readline().startswith("DQN on CartPole-v1: MultiSyncCollector, 2 workers")
         head = [proc.stdout.readline(), proc.stdout.readline()]
         name = re.match(r"store (\S+): watch its workers live", head[0]).group(1)
         assert head[1].split()[-4:] == ["shmsync", "ls", name, "--watch"], head
@@ -112,8 +115,51 @@ def test_the_demo_says_how_to_watch_it_and_keeps_running_until_ctrl_c():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-    assert proc.returncode == 0 and "stopped (Ctrl-C)" in out and "--- summary ---" in out, out[-3000:]
+    assert proc.returncode == 0 and "--- summary ---" in out, out[-3000:]
+    assert re.search(r"stopped by Ctrl-C after \d+ frames", out) and "reached" not in out, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
+
+
+def _demo_with_a_ctrl_c(delay: float) -> tuple[int, str]:
+    """Run the demo until Ctrl-C, pressed (SIGINT to its process group, as a terminal does)
+    ``delay`` seconds after it said it started; its exit code and output."""
+    cmd = [sys.executable, "examples/train_cartpole.py", "--keep-running", "--frames-per-batch", "128"]
+    cmd += ["--optim-steps-per-batch", "16", "--eval-every", "2", "--eval-episodes", "1"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        first = proc.stdout.readline()  # the demo's first line: training starts
+        assert first.startswith("DQN on CartPole-v1"), first
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=90)
+        return proc.returncode, first + out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+# Seconds after the demo said it started: from inside the collector's start to training well under
+# way (the loss, the optimizer step, an evaluation). `make test` presses at 4 of them, `make
+# test-full` at all 20.
+CTRL_C_POINTS = {"20": [0.35 * i for i in range(20)], "4": [0.0, 1.4, 3.5, 6.3]}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("points", list(CTRL_C_POINTS))
+def test_a_ctrl_c_pressed_at_any_point_ends_the_demo_with_its_summary(points):
+    """Wherever the press lands, the demo stops after the batch at hand, prints its summary, says it
+    was stopped, exits 0, with no traceback."""
+    delays = CTRL_C_POINTS[points]
+    failed = []
+    with ThreadPoolExecutor(2) as pool:  # two demos at a time: each waits on its workers' start often
+        for delay, (code, out) in zip(delays, pool.map(_demo_with_a_ctrl_c, delays)):
+            whole = code == 0 and "--- summary ---" in out and "Traceback" not in out
+            if not (whole and re.search(r"stopped by Ctrl-C after \d+ frames", out)):
+                failed.append(f"Ctrl-C at {delay:.2f} s: exit {code}\n{out[-2000:]}")
+    assert not failed, f"{len(failed)} of {len(delays)} runs failed:\n" + "\n\n".join(failed)
 
 
 @pytest.mark.timeout(300)

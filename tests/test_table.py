@@ -83,7 +83,7 @@ def test_each_reader_has_a_row_with_its_worker_version_lag_mode_and_state(store_
     table = store.readers(processes=True)
     assert sorted(r.worker for r in table) == [0, 1]
     assert [(r.worker, r.state) for r in table.gone] == [(2, "gone")], "a dead reader's row is shown as gone"
-    assert "2 readers on 1 host; 1 behind (worst: 3 versions, worker 1" in table.summary()
+    assert "2 readers on 1 host; 1 reader behind (worst: 3 versions, worker 1" in table.summary()
     assert "1 gone" in table.summary()
 
 
@@ -109,8 +109,8 @@ def test_a_table_of_a_thousand_readers_stays_readable(store_factory):
     assert len(table) == 1000
     text = table.format(limit=20)
     lines = text.splitlines()
-    assert lines[0].startswith(f"{store.name}: version 1, 1000 readers on 1 host; 10 behind (worst: 1 version")
-    assert lines[0].endswith("; 10 not loaded yet")
+    assert lines[0].startswith(f"{store.name}: version 1, 1000 readers on 1 host; 10 readers behind (worst: 1 version")
+    assert lines[0].endswith("; 10 readers not loaded yet")
     assert len(lines) == 1 + 1 + 20 + 1 and lines[-1].startswith("... and 980 more")
     shown = [line.split()[1] for line in lines[2:22]]
     assert set(shown[:10]) == {str(i) for i in range(990, 1000)}, "readers that never loaded come first"

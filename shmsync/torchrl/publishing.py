@@ -175,7 +175,7 @@ class StoreGroup:
             return
         deadline = time.monotonic() + ATTACH_PATIENCE
         while True:
-            attached = [len(store.readers()) for store in self.stores]
+            attached = [len(store.readers(processes=False)) for store in self.stores]
             if min(attached) >= expected or time.monotonic() > deadline:
                 break
             time.sleep(0.05)

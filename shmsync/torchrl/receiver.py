@@ -80,7 +80,7 @@ class Receiver:
 
     def _unlink_once_all_attached(self) -> None:
         expected = self.expected_readers
-        if expected is not None and len(self.store.readers()) >= expected:
+        if expected is not None and len(self.store.readers(processes=False)) >= expected:
             self.store.unlink()  # every reader holds its mapping: the name is no longer needed
 
     def poll(self) -> bool:

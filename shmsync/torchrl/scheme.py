@@ -245,10 +245,11 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         """Sender: the last version sent to each store (one per worker with ``per_worker_weights``)."""
         return [s.promised for s in self.stores]
 
-    def readers(self, *, processes: bool = False) -> ReaderTable:
+    def readers(self, *, processes: bool = True) -> ReaderTable:
         """The readers' table (:mod:`shmsync.watch.table`): on the trainer, every worker (each
         store's, and a distributed or Ray collector's nodes' or actors', as last reported); in a
         worker, its store's. No message, no wait: it works mid-rollout, with a frozen worker too.
+        ``processes=False`` leaves out each worker's process state and memory (faster).
 
         Examples:
             >>> scheme = ShmWeightSyncScheme()

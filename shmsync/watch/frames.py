@@ -159,7 +159,7 @@ def lag_stats(
             out[prefix + "frames_max"] = float(lag.max())
     readers = getattr(current, "readers", None)
     if callable(readers):
-        rows = [r.behind for r in readers() if r.behind is not None]
+        rows = [r.behind for r in readers(processes=False) if r.behind is not None]
         out[prefix + "readers"] = float(len(rows))
         if rows:
             out[prefix + "readers_mean"] = round(sum(rows) / len(rows), 6)

@@ -208,9 +208,10 @@ class ReaderTable:
         silent = [h.host for h in self.hosts if h.state != "reporting"]
         parts = []
         if behind:
-            parts.append(f"{len(behind)} behind (worst: {_count(behind[0].behind, 'version')}, {behind[0].label})")
+            worst = f"worst: {_count(behind[0].behind, 'version')}, {behind[0].label}"
+            parts.append(f"{_count(len(behind), 'reader')} behind ({worst})")
         if unloaded:
-            parts.append(f"{unloaded} not loaded yet")
+            parts.append(f"{_count(unloaded, 'reader')} not loaded yet")
         if self.rows and not behind and not unloaded:
             parts.append("all at the newest version")
         if stopped:

@@ -518,12 +518,13 @@ class WeightStore:
     retries = property(lambda self: self.reader.retries, doc="snapshot()'s copies that failed validation.")
     pinned_reads = property(lambda self: self.reader.pinned_reads, doc="snapshot()'s reads that needed a pin.")
 
-    def readers(self, *, processes: bool = False, memory: bool | None = None) -> ReaderTable:
+    def readers(self, *, processes: bool = True, memory: bool | None = None) -> ReaderTable:
         """The readers' table (:mod:`shmsync.watch.table`): every reader attached in a live process,
         worst lagging first, and those on other hosts that relays report here. No message, no wait.
 
         Args:
-            processes: also look up each local reader's process state and private memory (USS).
+            processes: look up each local reader's process state and private memory (USS), a few
+                milliseconds a reader; False for the versions alone (microseconds a reader).
             memory: look up the private memory (default: as ``processes``).
 
         Examples:
