@@ -150,9 +150,17 @@ test-nightly: .venv-torchrl-nightly/.installed
 docs: install
 	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
 
+# The ecosystem's tools keep the rules: ruff (style, complexity), import-linter (the layers:
+# pyproject.toml's contracts), vulture (no dead code; the whitelist names what only pytest, a
+# command line or TorchRL calls), mypy (types, at pyproject.toml's strictness). mypy rather than
+# pyright: it reads torch's and tensordict's annotations as they ship, runs from the same venv
+# with no Node.js, and its per-module settings sit in pyproject.toml beside the other tools'.
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/vulture shmsync workers tools/vulture_whitelist.py --min-confidence 60
+	$(BIN)/mypy shmsync workers
 
 bench: install
 	$(BIN)/python benchmarks/sync_bench.py

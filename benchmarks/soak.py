@@ -82,8 +82,8 @@ def read_loop(kind: str, name: str, conn) -> None:
             "reloads": reloads,
             "torn": torn,
             "viewed": viewed,
-            "failed_copies": store.retries,
-            "pinned_reads": store.pinned_reads,
+            "failed_copies": store.reader.retries,
+            "pinned_reads": store.reader.pinned_reads,
         }
     )
     reader.close()

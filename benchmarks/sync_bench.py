@@ -204,7 +204,7 @@ def bench_parallel_publish(sizes: dict[str, int], quick: bool) -> list[dict]:
     """publish() with its copy on one thread and split across the cores (the default), against
     plain copies into the same slots on one thread and on as many threads."""
     from shmsync import WeightStore
-    from shmsync.writer.copies import copy_all, copy_threads
+    from shmsync.store.copies import copy_all, copy_threads
 
     threads = copy_threads()
     results = []
@@ -495,7 +495,7 @@ def _slow_reader(name: str, nbytes: int, seconds: float, pin_first: bool, conn) 
             dst.copy_(src)
         copies.append(time.perf_counter_ns() - began)
     copy_ns = statistics.median(copies)
-    role = reader._reader  # this reader's protocol role counts its failed copies and pins
+    role = reader._binding.role  # this reader's protocol role counts its failed copies and pins
     conn.send({"loads": loads, "failed_copies": role.retries, "pinned": role.pinned_reads, "copy_ns": copy_ns})
     reader.close()
     store.close()

@@ -251,8 +251,8 @@ def summarize(
             versions_seen_per_worker=None if args.use_async else [len(v) for v in stats["versions_per_worker"]],
             staleness_mean=tags.float().mean().item(),
             staleness_max=int(tags.max()),
-            publish_seconds=store.publish_seconds,
-            publish_fraction=store.publish_seconds / total,
+            publish_seconds=store.writer.seconds,
+            publish_fraction=store.writer.seconds / total,
         )
         print(f"versions published   {summary['versions_published']}")
         if summary["versions_seen_per_worker"] is not None:
@@ -260,7 +260,7 @@ def summarize(
             print(f"versions per worker  {seen} (distinct versions in each worker's frames)")
         print(f"staleness of frames  mean {summary['staleness_mean']:.2f}, max {summary['staleness_max']} versions")
         share = 100 * summary["publish_fraction"]
-        print(f"time publishing      {store.publish_seconds * 1e3:.1f} ms ({share:.3f}% of total)")
+        print(f"time publishing      {store.writer.seconds * 1e3:.1f} ms ({share:.3f}% of total)")
         print(f"readers' table at the last batch:\n{stats['readers']}")
     reached = summary["target_reached_at"]
     if stopped == "Ctrl-C":

@@ -29,8 +29,8 @@ _LAZY = {
     "UpdateWeights": "shmsync.torchrl.hooks",
     "LogLag": "shmsync.torchrl.hooks",
     "lag_stats": "shmsync.watch.frames",
-    "ReaderTable": "shmsync.watch.table",
-    "ReaderRow": "shmsync.watch.table",
+    "ReaderTable": "shmsync.store.reader_table",
+    "ReaderRow": "shmsync.store.reader_table",
     "ReaderAlarm": "shmsync.watch.alarm",
     "StaleReaderError": "shmsync.errors",
     "ShmWeightSyncScheme": "shmsync.torchrl.scheme",
@@ -62,13 +62,13 @@ if TYPE_CHECKING:
         WriterGoneError,
     )
     from shmsync.reader.reader import WeightReader
+    from shmsync.store.reader_table import ReaderRow, ReaderTable
     from shmsync.torchrl.compat import TorchRLChangedError
     from shmsync.torchrl.hooks import LogLag, UpdateWeights
     from shmsync.torchrl.scheme import ShmWeightSyncScheme
     from shmsync.torchrl.sender import WeightSender
     from shmsync.watch.alarm import ReaderAlarm
     from shmsync.watch.frames import lag_stats, staleness, tag_versions
-    from shmsync.watch.table import ReaderRow, ReaderTable
     from shmsync.writer.store import Snapshot, WeightStore
 
 

@@ -22,7 +22,37 @@ class StoreUntrustedError(ShmSyncError, PermissionError):
     not a regular file. It was not opened for use."""
 
 
-class WeightMismatchError(ValueError):
+class InvalidArgumentError(ShmSyncError, ValueError):
+    """An argument is out of range, or does not fit what it is used with (the message names it).
+    Nothing was done."""
+
+
+class ArgumentTypeError(ShmSyncError, TypeError):
+    """An argument is of a kind that is not accepted here (the message names it and what is).
+    Nothing was done."""
+
+
+class StoreExistsError(ShmSyncError, FileExistsError):
+    """A store of that name already exists on this host."""
+
+
+class PublishTimeoutError(ShmSyncError, TimeoutError):
+    """A publish this process handed over (a CUDA copy, the opt-in background copy) did not land in time."""
+
+
+class UnknownKeyError(ShmSyncError, KeyError):
+    """A key that the store or the collector does not hold."""
+
+
+class NotSupportedError(ShmSyncError, NotImplementedError):
+    """A path shmsync does not support (the message says what to use instead)."""
+
+
+class MissingExtraError(ShmSyncError, ImportError):
+    """An optional dependency is not installed (the message names the extra to install)."""
+
+
+class WeightMismatchError(ShmSyncError, ValueError):
     """Weights do not match the store's layout: a key, shape or dtype differs.
 
     Raised before anything in shared memory is written.

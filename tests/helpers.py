@@ -193,7 +193,7 @@ def stress_reader(store: WeightStore, sizes, min_reloads: int, conn) -> None:
                 mixed += 1
             elif values != {float(reader.version)}:
                 wrong_tag += 1
-    conn.send(("done", reloads, mixed, wrong_tag, store.retries, store.pinned_reads))
+    conn.send(("done", reloads, mixed, wrong_tag, store.reader.retries, store.reader.pinned_reads))
     store.close()
 
 
@@ -270,7 +270,8 @@ def writer(store_name: str, sizes, count: int, conn, every_value: bool = True) -
     except WriterBusyError as e:
         conn.send(("busy", str(e)))
         return
-    conn.send(("done", store.version, time.perf_counter() - start, slowest))
+    version = store.flush()  # its give-backs too: no slot is left marked being written
+    conn.send(("done", version, time.perf_counter() - start, slowest))
     store.close()
 
 
@@ -367,7 +368,7 @@ def slow_reader(store: WeightStore, sizes, loads: int, delay: float, conn) -> No
         done += 1
         if mixed_values(module) != {float(version)}:
             bad += 1
-    conn.send(("done", done, bad, store.retries, store.pinned_reads, time.monotonic() - start))
+    conn.send(("done", done, bad, store.reader.retries, store.reader.pinned_reads, time.monotonic() - start))
     store.close()
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from shmsync.writer.copies import PARALLEL_MIN_BYTES, copy_all, copy_threads
+from shmsync.store.copies import PARALLEL_MIN_BYTES, copy_all, copy_threads
 
 
 @pytest.mark.parametrize("threads", [2, 3, 7])
@@ -33,7 +33,7 @@ def test_the_thread_count_can_be_fixed(monkeypatch):
 
 # -- the background copier -------------------------------------------------------------------------
 def test_a_copier_runs_tasks_in_order_and_a_failure_is_raised_once_by_the_next_call():
-    from shmsync.writer.copies import Copier
+    from shmsync.store.copies import Copier
 
     copier = Copier("shmsync-publish-test")
     try:
@@ -60,7 +60,7 @@ def test_an_optimizer_step_waits_for_the_copy_running():
     """A step would write the weights being copied: it waits for the copy to end."""
     import threading
 
-    from shmsync.writer.copies import Copier
+    from shmsync.store.copies import Copier
 
     copier = Copier("shmsync-publish-test")
     param = torch.nn.Parameter(torch.zeros(4))

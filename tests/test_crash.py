@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _odd_slots(store):
-    return [i for i in range(store.num_slots) if read_header_word(store, bank_word(HOST, B_SEQ + i)) & 1]
+    return [i for i in range(store.memory.num_slots) if read_header_word(store, bank_word(HOST, B_SEQ + i)) & 1]
 
 
 def test_writer_killed_mid_publish(store_factory, start):

@@ -30,7 +30,7 @@ def _fill(module, value):
 def test_a_store_published_from_cuda_keeps_its_versions_in_device_slots(store_factory):
     trainer = _net("cuda")
     store = store_factory(trainer)
-    assert store.info()["device"] == 0 and store.device_bytes > 0
+    assert store.info()["device"] == 0 and store.memory.device_bytes > 0
     _fill(trainer, 3.0)
     v = store.publish(trainer)  # returns once promised: the copy lands on the store's thread
     assert store.info()["promised"] == v

@@ -1,4 +1,4 @@
-"""Device slots' records in the header (shmsync/writer/device_slots.py): what a reader needs to map a
+"""Device slots' records in the header (shmsync/store/device_records.py): what a reader needs to map a
 device slot, read back as the writer wrote it, and every field of a bad record refused by name
 before torch is asked to open anything. Runs without a GPU (the records are header words)."""
 
@@ -6,7 +6,7 @@ import pytest
 
 from shmsync.core.header import DEVICE_RECORD_WORDS, HEADER_WORDS
 from shmsync.errors import StoreCorruptError
-from shmsync.writer.device_slots import Record, read_record, record_base, write_record
+from shmsync.store.device_records import Record, read_record, record_base, write_record
 
 SLOT_BYTES = 4096
 GOOD = Record(

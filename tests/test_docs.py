@@ -93,3 +93,99 @@ def test_the_api_reference_names_every_public_name():
     missing = sorted(set(shmsync.__all__) - documented - errors)
     assert missing == [], f"public names missing from docs/api.md: {missing}"
     assert ".. automodule:: shmsync.errors" in api
+
+
+# -- what the pages cite is what the code has ----------------------------------------------------------
+FILE = re.compile(r"\b((?:shmsync|tests|benchmarks|examples|workers|docs)/[\w/.-]+\.(?:py|md|sh))\b")
+DOTTED = re.compile(r"\bshmsync(?:\.\w+)+")
+
+
+def _cited_files() -> set[tuple[str, str]]:
+    return {(page.name, path) for page in PAGES for path in FILE.findall(page.read_text())}
+
+
+def _cited_names() -> set[tuple[str, str]]:
+    """``shmsync.x.y`` names the pages cite, as written (in text or in code)."""
+    return {(page.name, name) for page in PAGES for name in DOTTED.findall(page.read_text())}
+
+
+def _resolve(name: str) -> bool:
+    """Whether ``shmsync.x.y.Z.attr`` is a module, or an attribute reached from one."""
+    import importlib
+
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_every_file_the_pages_cite_exists():
+    missing = sorted(f"{page}: {path}" for page, path in _cited_files() if not (ROOT / path).exists())
+    assert missing == [], "the docs cite files that do not exist:\n" + "\n".join(missing)
+
+
+def _logger_names() -> set[str]:
+    """The loggers shmsync logs to (a page may cite one: ``shmsync.alarm``)."""
+    code = "".join(p.read_text() for p in (ROOT / "shmsync").rglob("*.py"))
+    return set(re.findall(r'getLogger\("([\w.]+)"\)', code))
+
+
+def test_every_shmsync_name_the_pages_cite_exists():
+    loggers = _logger_names()
+    missing = sorted(f"{page}: {name}" for page, name in _cited_names() if name not in loggers and not _resolve(name))
+    assert missing == [], "the docs cite names that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_reference_check_sees_a_renamed_module(tmp_path):
+    """A page citing a module that was renamed fails both checks."""
+    assert not _resolve("shmsync.writer.memory") and not (ROOT / "shmsync/writer/memory.py").exists()
+    assert _resolve("shmsync.store.memory.StoreMemory") and not _resolve("shmsync.store.memory.Memory")
+
+
+def _defaults() -> list[tuple[str, str, float]]:
+    """``(page, pattern, the code's value)``: each default figure a page cites, where it cites it
+    (the pattern's group is the figure)."""
+    import inspect
+
+    from shmsync import WeightStore
+    from shmsync.relay import RelaySender
+    from shmsync.store.copies import PARALLEL_MIN_BYTES
+    from shmsync.watch.alarm import STALE_AFTER
+    from shmsync.watch.remote_rows import SILENT_AFTER
+
+    def default(fn, arg):
+        return inspect.signature(fn).parameters[arg].default
+
+    slots = default(WeightStore.create, "num_slots")
+    return [
+        ("docs/protocol.md", r"`num_slots` copies \(slots\) of the weights, (\d+) by default", slots),
+        ("docs/memory.md", r"`num_slots`\*\* \((\d+) by default\)", slots),
+        ("docs/gpus.md", r"\((\d+) M by default\)", slots),
+        ("docs/operations.md", r"`stale_after` seconds while it runs \((\d+) by default\)", STALE_AFTER),
+        ("README.md", r"stays at an old version for (\d+) s while it runs", STALE_AFTER),
+        ("docs/operations.md", r"`silent` after ([\d.]+) s without a report", SILENT_AFTER),
+        ("docs/hosts.md", r"`timeout` seconds \((\d+) by default\)", default(RelaySender, "timeout")),
+        ("docs/security.md", r"`handshake_timeout` \((\d+) s\)", default(RelaySender, "handshake_timeout")),
+        ("docs/operations.md", r"threads a copy of (\d+) MB or more is split across", PARALLEL_MIN_BYTES >> 20),
+        ("docs/torchrl.md", r"split across the cores that sit idle from (\d+) MB on", PARALLEL_MIN_BYTES >> 20),
+    ]
+
+
+def test_the_defaults_the_pages_cite_are_the_codes():
+    wrong = []
+    for page, pattern, value in _defaults():
+        text = " ".join((ROOT / page).read_text().split())  # a figure's sentence may break across lines
+        found = re.search(pattern, text)
+        if found is None:
+            wrong.append(f"{page}: no longer says {pattern!r}")
+        elif found.groups() and float(found.group(1)) != float(value):
+            wrong.append(f"{page}: says {found.group(1)}, the code {value} ({pattern!r})")
+    assert wrong == [], "\n".join(wrong)

@@ -191,7 +191,7 @@ def test_a_layout_holding_more_lists_than_its_tensors_could_is_refused_before_it
     import time
     import tracemalloc
 
-    from shmsync.writer.layout import Layout
+    from shmsync.store.layout import Layout
 
     raw = b'{"destinations":null,"entries":[' + b"[]," * (10 << 20) + b"[]]}"
     tracemalloc.start()
@@ -206,7 +206,7 @@ def test_a_layout_holding_more_lists_than_its_tensors_could_is_refused_before_it
 
 
 def test_a_layout_past_one_tebibyte_is_refused_naming_the_entry():
-    from shmsync.writer.layout import Layout
+    from shmsync.store.layout import Layout
 
     rows = [[["w"], [(1 << 38) + 1], "float32", 0, ((1 << 38) + 1) * 4]]
     raw = json.dumps({"destinations": None, "entries": rows}).encode()

@@ -20,7 +20,7 @@ def test_from_backend_builds_the_scheme_whichever_is_imported_first(first):
         "; s = WeightSyncScheme.from_backend('shmsync', num_slots=5, zero_copy=True)"
         "; from shmsync import ShmWeightSyncScheme"
         "; assert type(s) is ShmWeightSyncScheme, type(s)"
-        "; assert s.num_slots == 5 and s.zero_copy, vars(s)"
+        "; assert s.settings.num_slots == 5 and s.settings.zero_copy, vars(s)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

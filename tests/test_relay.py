@@ -440,7 +440,7 @@ def _description(sizes=SIZES):
 
     store = WeightStore.create(blob_weights(sizes, 0.0))
     try:
-        return store.layout_description, store.nbytes
+        return store.memory.layout_description, store.nbytes
     finally:
         store.close()
 

@@ -128,7 +128,7 @@ def test_a_store_made_under_a_temporary_name_appears_whole_or_not_at_all(store_d
         seen.append(os.listdir(store_dir))
         buffer[:] = b"\x01" * len(buffer)
 
-    store = create_from_bytes(source.layout_description, fill, version=7, name="made")
+    store = create_from_bytes(source.memory.layout_description, fill, version=7, name="made")
     try:
         (incoming,) = set(seen[0]) - {"shmsync-source"}  # mid-fill: only a temporary name
         assert incoming.startswith("shmsync-.incoming-")
@@ -142,7 +142,7 @@ def test_a_store_made_under_a_temporary_name_appears_whole_or_not_at_all(store_d
         raise RuntimeError("the peer went away")
 
     with pytest.raises(RuntimeError, match="went away"):
-        create_from_bytes(source.layout_description, failing, version=1, name="never")
+        create_from_bytes(source.memory.layout_description, failing, version=1, name="never")
     assert os.listdir(store_dir) == []
 
 

@@ -63,7 +63,7 @@ def test_snapshot_and_info(store_factory):
     assert snap.version == 0 and float(snap.weights["a"][0]) == 7.0
     info = store.info()
     assert info["creator_pid"] == os.getpid() and info["num_slots"] == 4
-    assert store.shm_bytes <= 4 * store.nbytes + (1 << 20)
+    assert store.memory.segment.size <= 4 * store.nbytes + (1 << 20)
     assert info["resident_bytes"] <= store.nbytes + (1 << 20)  # the first slot only, and the header
     assert store.name == f"readable-{os.getpid()}"
 
@@ -74,17 +74,20 @@ def test_slots_nobody_uses_hold_no_memory_and_a_held_version_costs_one_slot_whil
     slot, head = store.memory.slot_range(0)[1], store.memory.slot_range(0)[0]
     for v in range(1, 8):
         store.publish(blob_weights(sizes, float(v)))
-        assert store.resident_bytes <= head + 2 * slot  # the latest and the next write's
+        store.flush()  # the give-backs run on the store's thread, after publish() returned
+        assert store.memory.resident_bytes() <= head + 2 * slot  # the latest and the next write's
     module = ParamBlob(sizes)
     reader = WeightReader(store, module)  # runs version 7 in place: its slot stays
     assert reader.poll() and reader.viewing
     for v in range(8, 14):
         store.publish(blob_weights(sizes, float(v)))
-        assert store.resident_bytes <= head + 3 * slot
+        store.flush()
+        assert store.memory.resident_bytes() <= head + 3 * slot
         assert mixed_values(module) == {7.0}
     assert reader.poll() and mixed_values(module) == {13.0}
     store.publish(blob_weights(sizes, 14.0))  # the writer gives the old version's slot back
-    assert store.resident_bytes <= head + 2 * slot
+    store.flush()
+    assert store.memory.resident_bytes() <= head + 2 * slot
     assert reader.poll() and mixed_values(module) == {14.0}
 
 
@@ -426,9 +429,9 @@ def test_publish_under_a_version_that_does_not_go_up(store):
 
 def test_check_raises_what_publish_would_and_writes_nothing(store):
     before = store_state(store)
-    store.check(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
+    store.writer.check(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
     with pytest.raises(WeightMismatchError, match=r"'1\.bias' has shape \(5,\), the store holds \(2,\)"):
-        store.check(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 5)))
+        store.writer.check(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 5)))
     assert_unchanged(store, before)
 
 

@@ -12,6 +12,7 @@ import torch
 
 from shmsync import WeightReader, WeightStore
 from shmsync.core import segment
+from shmsync.store.reader_table import HostReport, ReaderRow, ReaderTable
 from shmsync.testing import header_bytes
 from shmsync.watch.remote_rows import (
     MAX_REPORT_ROWS,
@@ -22,7 +23,6 @@ from shmsync.watch.remote_rows import (
     row_to_wire,
     write_report_file,
 )
-from shmsync.watch.table import HostReport, ReaderRow, ReaderTable
 
 from helpers import wait_for
 
@@ -214,7 +214,7 @@ def test_a_report_file_that_is_not_ours_or_not_right_is_ignored(store_dir, caplo
         with open(path, "wb") as f:
             f.truncate(17 << 20)
     os.chmod(path, 0o600, follow_symlinks=False) if how != "link" else None
-    with caplog.at_level(logging.WARNING, logger="shmsync.watch.table"):
+    with caplog.at_level(logging.WARNING, logger="shmsync.store.reader_table"):
         assert read_report_file("policy", latest=1) == ([], [])
     if how != "link":  # a link is not even opened
         assert "ignored" in caplog.text

@@ -166,7 +166,7 @@ def test_per_worker_weights_with_distinct_factories(flag):
         weight_sync_schemes={"policy": scheme},
     )
     try:
-        assert scheme.per_worker_weights and len(scheme.stores) == 3
+        assert scheme.group.per_worker and len(scheme.stores) == 3
         it = iter(collector)
         actions = next(it)["action"]
         for w in range(3):

@@ -45,11 +45,11 @@ W_SLOT_BYTES = 17
 W_PAYLOAD_BYTES = 18
 W_PUBLISH_COUNT = 19  # new versions published
 W_CREATOR_PPID = 20  # lets a test's leak check find stores made by its children
-W_ROWS = 23  # rows of the reader table ever claimed: the table is read up to there (see shmsync.watch.table)
+W_ROWS = 23  # rows of the reader table ever claimed: the table is read up to there (see shmsync.store.reader_table)
 W_STORE_FLAGS = 24  # STORE_* bits below, only ever set
 STORE_PAGE_LOCKED = 1  # a process page-locked the host slots for CUDA copies: their memory is never given back
 W_GIVE_BACK_BEGUN = 25  # give-backs the writer began, and
-W_GIVE_BACK_DONE = 26  # ended (see shmsync.writer.memory.StoreMemory.pin_for_cuda)
+W_GIVE_BACK_DONE = 26  # ended (see shmsync.store.memory.StoreMemory.pin_for_cuda)
 W_PROMISED = 27  # the newest version a publish has promised: >= W_VERSION, reached once it lands
 W_DEVICE = 28  # the device bank's CUDA device index + 1; 0: the store has no device bank
 W_DEVICE_BYTES = 29  # bytes of device memory the device bank holds now (the writer's GPU)
@@ -75,7 +75,7 @@ B_SEQ = 16  # B_SEQ + i: slot i's sequence number, odd while it is being written
 B_SLOT_VERSION = 32  # B_SLOT_VERSION + i: the version slot i holds
 B_LEASES = 48  # B_LEASES + i: readers whose modules view slot i in place
 
-# Device slots: how another process maps each (see shmsync.writer.device_slots).
+# Device slots: how another process maps each (see shmsync.store.device_records).
 W_DEVICE_RECORDS = 192
 DEVICE_RECORD_WORDS = 48
 
@@ -141,7 +141,7 @@ def reader_column(h, field: int) -> list[int]:
 def reader_rows(h) -> list[tuple[int, list[int]]]:
     """``(row, words)`` for every claimed row of the reader table in header words ``h`` (a
     memoryview or an int64 array), up to its high-water mark, ``words`` indexed by the ``R_*``
-    constants; pids may be dead. The flags are read before the rest (see :mod:`shmsync.watch.table`)."""
+    constants; pids may be dead. The flags are read before the rest (see :mod:`shmsync.store.reader_table`)."""
     rows = min(max(int(h[W_ROWS]), 0), MAX_READERS)
     end = W_READERS + rows * READER_WORDS
     flags = h[W_READERS + R_FLAGS : end : READER_WORDS]

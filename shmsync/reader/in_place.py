@@ -27,8 +27,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shmsync.errors import SharedWeightsWrittenError
-from shmsync.writer.copies import copy_all
-from shmsync.writer.memory import StoreMemory
+from shmsync.store.copies import copy_all
+from shmsync.store.memory import StoreMemory
 
 MADV_DONTNEED = 4
 _PAGE = mmap.PAGESIZE

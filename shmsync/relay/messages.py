@@ -21,7 +21,7 @@ from shmsync.core.protocol import Write
 from shmsync.errors import ProtocolError
 from shmsync.relay import wire
 from shmsync.relay.sealing import SealedVersion
-from shmsync.writer.layout import key_str
+from shmsync.store.layout import key_str
 
 log = logging.getLogger("shmsync.relay")
 

@@ -40,8 +40,8 @@ from shmsync.relay.messages import (
 )
 from shmsync.relay.reports import Reporter
 from shmsync.relay.server import Server
+from shmsync.store.layout import Layout
 from shmsync.watch.remote_rows import HostRows, ReportBook, own_rows
-from shmsync.writer.layout import Layout
 from shmsync.writer.store import WeightStore
 
 
@@ -322,8 +322,8 @@ class Relay:
                 self.store = WeightStore.attach(self.name)
             except StoreNotFoundError:
                 self.store = None
-        if self.store is not None and self.store.layout_description != description:
-            why = describe_difference(self.store.layout_description, description)
+        if self.store is not None and self.store.memory.layout_description != description:
+            why = describe_difference(self.store.memory.layout_description, description)
             link.send_json(MISM, {"why": why})
             raise WeightMismatchError(
                 f"relay: this host's store {self.name!r} holds another model than the trainer's: {why}; nothing written"

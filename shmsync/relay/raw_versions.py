@@ -11,7 +11,7 @@ Examples:
     >>> from shmsync.relay.raw_versions import create_from_bytes, publish_bytes
     >>> with WeightStore.create(torch.nn.Linear(2, 2)) as source:
     ...     ones = lambda buffer: buffer.cast("B").__setitem__(slice(None), b"\\x01" * len(buffer))
-    ...     with create_from_bytes(source.layout_description, ones, version=5, name="raw-example") as copy:
+    ...     with create_from_bytes(source.memory.layout_description, ones, version=5, name="raw-example") as copy:
     ...         publish_bytes(copy, ones, version=6), copy.version
     (6, 6)
 """
@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shmsync.core.segment import Segment, validate_name
-from shmsync.writer.layout import Layout
-from shmsync.writer.store import WeightStore, check_version, create_empty
+from shmsync.store.layout import Layout
+from shmsync.writer.store import WeightStore, check_version
 
 
 def create_from_bytes(
@@ -34,7 +34,7 @@ def create_from_bytes(
     num_slots: int = 3,
     unlink_at_exit: bool = True,
 ) -> WeightStore:
-    """A store laid out as ``layout_description`` says (a store's :attr:`~WeightStore.layout_description`),
+    """A store laid out as ``layout_description`` says (its memory's ``layout_description``),
     whose first version's bytes ``fill(view)`` writes straight into a slot: how a relay makes the
     store of a host from the trainer's first version.
 
@@ -46,14 +46,16 @@ def create_from_bytes(
         FileExistsError: ``name`` was taken meanwhile (nothing is left behind).
         Exception: whatever ``fill`` raised (nothing is left behind).
     """
-    check_version(version)
+    check_version(version, -1)
     validate_name(name)
     layout, destinations = Layout.from_json(layout_description, "the layout to make a store from")
 
     def incoming(_name: str, size: int, head: int, reserve_bytes: int, track: bool) -> Segment:
         return Segment.create_incoming(size, head, reserve_bytes=reserve_bytes, track=track)
 
-    store = create_empty(layout, destinations, incoming, name, num_slots, unlink_at_exit)
+    store = WeightStore.create_empty(
+        layout, destinations, name, num_slots=num_slots, unlink_at_exit=unlink_at_exit, make_segment=incoming
+    )
     try:
         store.writer.publish_bytes(fill, version)
         store.memory.segment.link(name)

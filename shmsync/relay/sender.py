@@ -10,7 +10,6 @@ from shmsync.relay import wire
 from shmsync.relay.messages import BUCKET_BYTES, MAX_FANOUT, STOP, choose_fanout
 from shmsync.relay.server import Server
 from shmsync.watch.remote_rows import ReportBook
-from shmsync.watch.table import add_remote, remove_remote
 from shmsync.writer.store import WeightStore
 
 
@@ -100,9 +99,9 @@ class RelaySender:
                 file=sys.stderr,
             )
         self._server.book = ReportBook(store.name, write_file=True, latest=lambda: store.version)
-        add_remote(store, self._server.book)  # store.readers() lists the readers on every host
+        store.remote_rows.add(self._server.book)  # store.readers() lists the readers on every host
         self._server.set_store(store)
-        self._server.start(store.layout_description, [], fanout)
+        self._server.start(store.memory.layout_description, [], fanout)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -147,7 +146,7 @@ class RelaySender:
     def close(self) -> None:
         """Tell every relay to stop, and stop listening; returns within 2 seconds."""
         self._server.close(STOP)
-        remove_remote(self.store, self._server.book)
+        self.store.remote_rows.discard(self._server.book)
         self._server.book.close()
 
     def __enter__(self) -> RelaySender:

@@ -33,8 +33,8 @@ from shmsync.core.header import (
     reader_rows,
 )
 from shmsync.errors import ShmSyncError, StoreNotFoundError, StoreUntrustedError
+from shmsync.store.reader_table import ReaderTable, assemble, local_rows
 from shmsync.watch.remote_rows import read_report_file
-from shmsync.watch.table import ReaderTable, assemble, local_rows
 
 
 @dataclass

@@ -40,6 +40,7 @@ import torch
 from torchrl.collectors import distributed as torchrl_distributed
 
 from shmsync.errors import ShmSyncError
+from shmsync.store.reader_table import HostReport, ReaderRow
 from shmsync.torchrl import compat
 from shmsync.torchrl.legs import (
     ERROR,
@@ -54,7 +55,6 @@ from shmsync.torchrl.legs import (
 )
 from shmsync.torchrl.scheme import claim_remote_legs
 from shmsync.watch.remote_rows import ReportBook
-from shmsync.watch.table import HostReport, ReaderRow, add_remote
 
 log = logging.getLogger("shmsync.torchrl.distributed")
 READY_TIMEOUT_S = 60.0  # how long the first push waits for every node's store
@@ -90,7 +90,7 @@ class _NumberedPushes:
         return self.count
 
     def remote_rows(self, latest: int) -> tuple[list[HostReport], list[ReaderRow]]:
-        """The nodes' last reports (``shmsync.watch.table.RemoteRows``): read from the TCPStore, where each
+        """The nodes' last reports (``shmsync.store.reader_table.RemoteRows``): read from the TCPStore, where each
         node rewrites its table about once a second, at most twice a second; never a message to a node."""
         now = time.monotonic()
         if now - self._looked > 0.5 and self.stores:
@@ -201,11 +201,11 @@ class _Nodes:
         if not legs:
             return
         try:
-            keys = list(dict.fromkeys(s.version_key for s in legs if s.version_key))
+            keys = list(dict.fromkeys(s.settings.version_key for s in legs if s.settings.version_key))
             _add_version_keys(collector, keys)
             self.pushes = _NumberedPushes(collector, wait_until_ready=self.sync)
             for scheme in legs:  # scheme.readers() lists every node's workers
-                add_remote(scheme, self.pushes)
+                scheme.remote_rows.add(self.pushes)
         except BaseException:
             self.failed = True
             collector.shutdown()
@@ -296,7 +296,7 @@ class RayCollector(torchrl_distributed.RayCollector):
         self._shmsync_pushes = 0
         self._shmsync_book = ReportBook(latest=lambda: self._shmsync_pushes)
         for scheme in self._shmsync_legs:  # scheme.readers() lists every actor's workers
-            add_remote(scheme, self._shmsync_book)
+            scheme.remote_rows.add(self._shmsync_book)
         super().__init__(*args, **kwargs)
 
     def update_policy_weights_(self, policy_or_weights: Any = None, *, worker_ids: Any = None, **kwargs: Any) -> Any:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from shmsync.errors import ShmSyncError
+from shmsync.store.reader_table import merge
 from shmsync.torchrl import compat
 from shmsync.torchrl.publishing import Publisher
 from shmsync.watch.remote_rows import (
@@ -40,7 +41,6 @@ from shmsync.watch.remote_rows import (
     report_from_wire,
     report_to_wire,
 )
-from shmsync.watch.table import merge
 
 VERSION_KEY = "shmsync/version"  # the trainer's number of its latest push
 PUBLISHED_KEY = "shmsync/published/{rank}"  # what a node published last, or what went wrong

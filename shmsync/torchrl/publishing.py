@@ -33,11 +33,13 @@ import torch
 from tensordict import TensorDictBase
 
 from shmsync.core.segment import default_name
+from shmsync.errors import ArgumentTypeError, InvalidArgumentError
+from shmsync.store.reader_table import ReaderTable, merge
 from shmsync.torchrl import compat
+from shmsync.torchrl.settings import SchemeSettings
 from shmsync.torchrl.trainer_weights import models_of, models_without_collector, per_store
 from shmsync.watch.alarm import ReaderAlarm
 from shmsync.watch.frames import tag_next
-from shmsync.watch.table import ReaderTable, merge
 from shmsync.writer.store import WeightStore
 
 ATTACH_PATIENCE = 5.0  # seconds the first check waits for workers still attaching
@@ -411,7 +413,18 @@ def _bind(method: Callable, original: Callable) -> Callable:
     return wrapper
 
 
-def join(scheme: Any, collector: Any, make_leg: Callable[[], RemoteLeg] | None) -> tuple[Publisher, StoreGroup]:
+class SchemeOfKey(Protocol):
+    """What the trainer's side reads of a :class:`~shmsync.ShmWeightSyncScheme`: its key, its
+    settings, and the group it made before any collector existed (None until then)."""
+
+    model_id: str
+    settings: SchemeSettings
+    group: StoreGroup | None
+
+
+def publisher_and_group(
+    scheme: SchemeOfKey, collector: Any, make_leg: Callable[[], RemoteLeg] | None
+) -> tuple[Publisher, StoreGroup]:
     """The publisher of ``collector`` and the group that holds ``scheme``'s key: the one the
     collector made for all its shmsync keys at once, the one ``scheme`` made before the collector
     existed, or a new one for every shmsync key of the collector; ``make_leg()`` gives a new
@@ -420,37 +433,31 @@ def join(scheme: Any, collector: Any, make_leg: Callable[[], RemoteLeg] | None) 
     receiving thread writes the next push into the same module at once.
 
     Raises:
-        TypeError: a single-process collector (nothing to sync).
-        ValueError: per-worker weights for another number of workers.
+        ArgumentTypeError: a single-process collector (nothing to sync).
+        InvalidArgumentError: per-worker weights for another number of workers.
     """
     publisher = Publisher.of(collector)
     served = Publisher.group_with(collector, scheme.model_id)
-    if served is not None:
+    if served is not None and publisher is not None:
         return publisher, served
     if not hasattr(collector, "num_workers"):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"ShmWeightSyncScheme syncs the worker processes of a multi-process collector (MultiSyncCollector, "
             f"MultiAsyncCollector); {type(collector).__name__} runs the trainer's policy in this process, so there "
             "is nothing to sync: drop weight_sync_schemes there (shmsync.tag_versions(policy, ...) tags its frames "
             "if you need versions)"
         )
-    group = scheme.group  # made before the collector existed
-    if group is None:
-        schemes = {
-            k: s for k, s in compat.schemes_of(collector).items() if isinstance(s, type(scheme)) and s.group is None
-        }
-        schemes[scheme.model_id] = scheme
-        background = scheme.unsafe_background_copy if make_leg is None else False
-        group = group_for(collector, schemes, scheme.num_slots, background)
+    # Made before the collector existed, or now for every shmsync key of the collector.
+    group = scheme.group if scheme.group is not None else _group_of_keys(scheme, collector, make_leg is not None)
     try:
         if group.per_worker and collector.num_workers != group.num_workers:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"this scheme holds per-worker weights for {group.num_workers} workers, "
                 f"the collector has {collector.num_workers}"
             )
         if publisher is None:
             publisher = Publisher(collector, make_leg() if make_leg is not None else None)
-        publisher.add(group, scheme.version_key)
+        publisher.add(group, scheme.settings.version_key)
     except BaseException:
         if scheme.group is None:
             group.close()
@@ -460,8 +467,16 @@ def join(scheme: Any, collector: Any, make_leg: Callable[[], RemoteLeg] | None) 
     return publisher, group
 
 
+def _group_of_keys(scheme: SchemeOfKey, collector: Any, remote: bool) -> StoreGroup:
+    """A new group for every shmsync key of ``collector`` whose scheme made none yet."""
+    schemes = {k: s for k, s in compat.schemes_of(collector).items() if isinstance(s, type(scheme)) and s.group is None}
+    schemes[scheme.model_id] = scheme
+    return group_for(collector, {key: s.settings for key, s in schemes.items()}, scheme.settings, remote)
+
+
 def group_before_collector(
-    scheme: Any,
+    model_id: str,
+    settings: SchemeSettings,
     model: Any,
     weights: Any,
     params_map: Any,
@@ -471,33 +486,31 @@ def group_before_collector(
 ) -> StoreGroup:
     """The stores of a scheme initialized before any collector (``init_on_sender(model=...)`` and its
     other forms, see :func:`~shmsync.torchrl.trainer_weights.models_without_collector`)."""
-    models, workers, scheme.per_worker_weights = models_without_collector(
-        scheme.per_worker_weights, model, weights, params_map, devices, device_map_fn, num_workers
+    models, workers, _ = models_without_collector(
+        settings.per_worker_weights, model, weights, params_map, devices, device_map_fn, num_workers
     )
-    per_store = [{scheme.model_id: m} for m in models]
     return StoreGroup(
-        per_store,
-        num_slots=scheme.num_slots,
+        [{model_id: m} for m in models],
+        num_slots=settings.num_slots,
         num_workers=workers,
         devices=devices,
-        unsafe_background_copy=scheme.unsafe_background_copy,
+        unsafe_background_copy=settings.unsafe_background_copy,
     )
 
 
-def group_for(collector: Any, schemes: dict[str, Any], num_slots: int, background: bool) -> StoreGroup:
-    """The group of stores for a collector's shmsync ``schemes`` (key -> scheme): one store, or one
-    per worker when any key has per-worker weights (then every scheme says so)."""
+def group_for(collector: Any, keys: dict[str, SchemeSettings], asking: SchemeSettings, remote: bool) -> StoreGroup:
+    """The group of stores for a collector's shmsync keys (key -> its scheme's settings): one store,
+    or one per worker when any key has per-worker weights. ``asking``: the settings of the scheme
+    that makes it (slots, background copy); ``remote``: the collector is a remote collector's node."""
     workers = collector.num_workers
-    per_key = {key: models_of(collector, key, scheme.source, workers) for key, scheme in schemes.items()}
-    per_worker = any(s.per_worker_weights for s in schemes.values()) or any(len(m) > 1 for m in per_key.values())
-    for scheme in schemes.values():
-        scheme.per_worker_weights = per_worker
+    per_key = {key: models_of(collector, key, s.source, workers) for key, s in keys.items()}
+    per_worker = any(s.per_worker_weights for s in keys.values()) or any(len(m) > 1 for m in per_key.values())
     return StoreGroup(
         per_store(per_key, workers if per_worker else 1),
-        num_slots=num_slots,
+        num_slots=asking.num_slots,
         num_workers=workers,
         devices=getattr(collector, "policy_device", None),
-        unsafe_background_copy=background,
+        unsafe_background_copy=asking.unsafe_background_copy and not remote,
     )
 
 
@@ -507,7 +520,7 @@ def check_all(prepared: list[tuple[WeightStore, Any]], version: int | None = Non
     before it writes anything: checking it twice would only cost time."""
     if len(prepared) > 1:
         for store, source in prepared:
-            store.check(source, version=version)
+            store.writer.check(source, version)
 
 
 def _is_per_worker(weights: Any) -> bool:

@@ -68,7 +68,7 @@ class Receiver:
                 self.store,
                 model,
                 destination=self.scheme.model_id,
-                zero_copy=self.scheme.zero_copy,
+                zero_copy=self.scheme.settings.zero_copy,
                 worker=getattr(self.scheme, "worker_idx", None),
             )
             self.reader.private_on_write = True  # TorchRL's load_state_dict writes the policy's weights
@@ -123,9 +123,9 @@ class Receiver:
         # state_dict() of the worker's policy shows the newest published weights.
         model.register_state_dict_pre_hook(_state_dict_pre_hook(self))
         # First among the pre-hooks: it loads what the reader's not-loaded guard would refuse to run.
-        model.register_forward_pre_hook(_step_poll_hook(self, self.scheme.poll_every_steps), prepend=True)
-        if self.scheme.version_key is not None:
-            tag_versions(model, lambda: self.version, self.scheme.version_key)
+        model.register_forward_pre_hook(_step_poll_hook(self, self.scheme.settings.poll_every_steps), prepend=True)
+        if self.scheme.settings.version_key is not None:
+            tag_versions(model, lambda: self.version, self.scheme.settings.version_key)
 
     def close(self) -> None:
         rollout = compat.shadowed_rollout(self.collector) if self.collector is not None else None
@@ -170,7 +170,7 @@ class PollingRollout:
             for receiver in receivers:
                 receiver.in_rollout = False
                 receiver.set_waiting(True)
-        key = first.scheme.version_key if first is not None else None
+        key = first.scheme.settings.version_key if first is not None else None
         if key is not None and isinstance(batch, TensorDictBase):
             if first.hooked_calls == hooked:
                 # The policy ran without its hooks (TorchRL called it another way): nothing

@@ -15,6 +15,7 @@ weights that produced it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,34 +24,28 @@ from torch import nn
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 
 from shmsync.errors import ShmSyncError
+from shmsync.store.reader_table import ReaderTable, RemoteSources, assemble, merge
 from shmsync.torchrl import compat
 from shmsync.torchrl.legs import make_leg
-from shmsync.torchrl.publishing import Publisher, StoreGroup, group_before_collector, join
+from shmsync.torchrl.publishing import Publisher, StoreGroup, group_before_collector, publisher_and_group
 from shmsync.torchrl.receiver import Receiver
-from shmsync.watch.alarm import STALE_AFTER, ReaderAlarm, StaleEvent, check_settings
-from shmsync.watch.table import ReaderTable, assemble, merge
+from shmsync.torchrl.settings import SchemeSettings
+from shmsync.watch.alarm import STALE_AFTER, ReaderAlarm, StaleEvent
 from shmsync.writer.store import WeightStore
 
 
 class ShmWeightSyncScheme(WeightSyncScheme):
-    """Weight sync for ``MultiSyncCollector`` / ``MultiAsyncCollector`` through shared memory.
+    """TorchRL's weight-sync scheme for ``MultiSyncCollector`` / ``MultiAsyncCollector`` on shmsync
+    stores: its job is TorchRL's scheme API, on the trainer's side (a collector's
+    :class:`~shmsync.torchrl.publishing.Publisher`) and in each worker (a
+    :class:`~shmsync.torchrl.receiver.Receiver`).
 
-    Each update is a snapshot: the version holds the trainer's weights as they were when
-    ``update_policy_weights_()`` was called, and once it returns the trainer may write them any
-    way (in place, ``.data``, ``load_state_dict``, from another thread). Workers never see
-    half-written weights (each reload is one complete version), the trainer never waits for
-    workers, and workers run only published versions: an in-place edit of the trainer's
-    parameters reaches no worker until it is published. Workers on the CPU, and on the GPU the
-    trainer publishes from, run on the published memory in place (no copy of the weights per
-    worker); others copy it into their device. Under ``MultiSyncCollector`` the batch after
-    ``update_policy_weights_()`` runs the weights just sent, even from a CUDA trainer that does
-    not synchronize: the workers wait for that version (or, if it cannot land, go on with the
-    newest whole one at once).
-
-    Every way TorchRL initializes a scheme works: by the collector (the usual way), or before any
-    collector exists with ``init_on_sender(model=..., devices=...)``, ``init_on_sender(weights=...,
-    devices=...)`` or ``init_on_sender(params_map={worker: weights})``. A collector built from
-    ``policy_factory`` alone takes the weights' layout from the factory's model.
+    Each update is a snapshot: once ``update_policy_weights_()`` returns, the trainer may write its
+    weights any way. Workers load only whole, published versions (in place on the CPU and on the
+    GPU the trainer publishes from), the trainer never waits for them, and under
+    ``MultiSyncCollector`` the batch after an update runs it. Every way TorchRL initializes a scheme
+    works: by the collector, or before any with ``init_on_sender(model=..., devices=...)``,
+    ``(weights=..., devices=...)`` or ``(params_map={worker: weights})``.
 
     Args:
         poll_every_steps: check for new weights at every this many-th policy call (and before
@@ -120,22 +115,16 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         strategy: str = "tensordict",
     ) -> None:
         super().__init__(strategy)
-        if on_stale is not None:
-            check_settings(stale_after, max_lag, on_stale)
-        self.alarm_settings = (
-            None if on_stale is None else {"stale_after": stale_after, "max_lag": max_lag, "on_stale": on_stale}
+        self.settings = SchemeSettings(
+            poll_every_steps=poll_every_steps,
+            version_key=version_key,
+            num_slots=num_slots if num_slots is not None else 4,
+            zero_copy=zero_copy,
+            unsafe_background_copy=bool(unsafe_background_copy),
+            source=source,
+            per_worker_weights=per_worker_weights,
+            alarm=SchemeSettings.alarm_of(stale_after, max_lag, on_stale),
         )
-        if source is not None and not isinstance(source, nn.Module):
-            raise TypeError(f"source must be an nn.Module, got {type(source).__name__}")
-        if poll_every_steps is not None and poll_every_steps < 1:
-            raise ValueError(f"poll_every_steps must be >= 1 or None, got {poll_every_steps}")
-        self.source = source
-        self.poll_every_steps = poll_every_steps
-        self.version_key = version_key
-        self.zero_copy = zero_copy
-        self.unsafe_background_copy = bool(unsafe_background_copy)
-        self.num_slots = num_slots if num_slots is not None else 4
-        self.per_worker_weights = per_worker_weights
         self.exact = False  # its collector's next batch runs the weights sent: workers wait for promises
         self._store_names: list[str] = []
         self._expected_readers: int | None = None
@@ -145,6 +134,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         self._receiver: Receiver | None = None
         self._leg: str | None = None  # "distributed" / "ray": the local leg of shmsync's remote collector
         self.upstream: tuple[str, int] | None = None  # a node's leg: the trainer's push store
+        self.remote_rows = RemoteSources()  # a distributed or Ray collector's nodes report their workers here
 
     # -- sender ---------------------------------------------------------------------------------
     @property
@@ -169,7 +159,9 @@ class ShmWeightSyncScheme(WeightSyncScheme):
     ) -> None:
         if context is None:
             self.model_id = model_id if model_id is not None else "policy"
-            self.group = group_before_collector(self, model, weights, params_map, devices, device_map_fn, num_workers)
+            self.group = group_before_collector(
+                self.model_id, self.settings, model, weights, params_map, devices, device_map_fn, num_workers
+            )
             self._awaiting_collector = True  # TorchRL's collector hands itself over (initialized_on_sender)
         else:
             extra = [k for k, v in dict(model=model, weights=weights, params_map=params_map, devices=devices,
@@ -183,14 +175,14 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             if self._leg is not None and not hasattr(context, "num_workers"):
                 return  # the trainer's single-process probe of a distributed collector: nothing to sync
             kind, upstream = self._leg, self.upstream
-            self.publisher, self.group = join(
+            self.publisher, self.group = publisher_and_group(
                 self, context, (lambda: make_leg(kind, context, model_id, upstream)) if kind else None
             )
             self._awaiting_collector = False
             self.exact = compat.runs_sent_weights_next(context)
         self._store_names = self.group.store_names
         self._expected_readers = self.group.expected_readers()
-        self.group.start_alarm(self.alarm_settings)
+        self.group.start_alarm(self.settings.alarm)
 
     def _setup_connection_and_weights_on_sender_impl(self, *, worker_idx: int | None = None, weights: Any = None):
         if self.group is None:
@@ -211,7 +203,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             raise RuntimeError("ShmWeightSyncScheme.send() needs init_on_sender() first (pass it to a collector)")
         if self.publisher is None:
             self.publisher = Publisher()  # no collector yet: the same route, nothing wrapped
-            self.publisher.add(self.group, self.version_key)
+            self.publisher.add(self.group, self.settings.version_key)
         self.publisher.publish({self.model_id: weights}, worker_ids)
 
     @property
@@ -246,7 +238,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         return [s.promised for s in self.stores]
 
     def readers(self, *, processes: bool = True) -> ReaderTable:
-        """The readers' table (:mod:`shmsync.watch.table`): on the trainer, every worker (each
+        """The readers' table (:mod:`shmsync.store.reader_table`): on the trainer, every worker (each
         store's, and a distributed or Ray collector's nodes' or actors', as last reported); in a
         worker, its store's. No message, no wait: it works mid-rollout, with a frozen worker too.
         ``processes=False`` leaves out each worker's process state and memory (faster).
@@ -261,7 +253,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         tables = [store.readers(processes=processes) for store in self.stores if not store.closed]
         latest = max((t.latest for t in tables), default=self.version)
         # The nodes' or actors' reports, on the trainer's side of a distributed or Ray collector.
-        remote = assemble(getattr(self, "model_id", None) or "policy", latest, [], [], self)
+        remote = assemble(getattr(self, "model_id", None) or "policy", latest, [], [], self.remote_rows)
         return merge([*tables, remote])
 
     @property
@@ -355,11 +347,11 @@ def _state_to_send(scheme: ShmWeightSyncScheme, check: bool = False) -> dict:
             "or shmsync.torchrl.distributed.RayCollector: the same classes, with each push numbered by the trainer"
         )
     state = WeightSyncScheme.__getstate__(scheme)
-    state.update(source=None, group=None, publisher=None, _receiver=None)
-    settings = state.get("alarm_settings")
-    if settings is not None and callable(settings["on_stale"]):
-        # A function of the trainer's (say, a lambda) need not travel: a node's alarm warns.
-        state["alarm_settings"] = {**settings, "on_stale": "warn"}
+    state.update(group=None, publisher=None, _receiver=None, remote_rows=RemoteSources())
+    alarm = scheme.settings.alarm
+    if alarm is not None and callable(alarm["on_stale"]):
+        alarm = {**alarm, "on_stale": "warn"}  # a function of the trainer's (a lambda) need not travel
+    state["settings"] = dataclasses.replace(scheme.settings, source=None, alarm=alarm)  # the module stays here
     return state
 
 

@@ -10,7 +10,7 @@ middle of a rollout catches up at its next policy call, long before ``stale_afte
 named, a reader must be found stale at two checks in a row, so a reader seen halfway through
 starting a rollout is not.
 
-The alarm reads the readers' table (:mod:`shmsync.watch.table`) on a thread of its own, twice a
+The alarm reads the readers' table (:mod:`shmsync.store.reader_table`) on a thread of its own, twice a
 second: no message to any reader, nothing on the publish path. What it does with a stale reader
 is ``on_stale``'s choice: log a warning (``"warn"``, the default; logger ``shmsync.watch.alarm``),
 log it and raise :class:`~shmsync.errors.StaleReaderError` at the trainer's next publish
@@ -44,7 +44,7 @@ from typing import Any
 
 from shmsync.core.processes import process_state
 from shmsync.errors import StaleReaderError
-from shmsync.watch.table import HOST, STOPPED, ReaderRow, ReaderTable
+from shmsync.store.reader_table import HOST, STOPPED, ReaderRow, ReaderTable
 
 log = logging.getLogger("shmsync.alarm")
 

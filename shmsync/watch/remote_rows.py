@@ -25,7 +25,7 @@ from typing import Any
 
 from shmsync.core import segment
 from shmsync.errors import ShmSyncError
-from shmsync.watch.table import HOST, MAX_WORKER, MODES, HostReport, ReaderRow, rebase
+from shmsync.store.reader_table import HOST, MAX_WORKER, MODES, HostReport, ReaderRow, rebase
 
 log = logging.getLogger("shmsync.table")
 
@@ -276,7 +276,7 @@ class ReportBook:
 
     @property
     def latest(self) -> int:
-        """The newest version this node knows of (:class:`shmsync.watch.table.RemoteRows`)."""
+        """The newest version this node knows of (:class:`shmsync.store.reader_table.RemoteRows`)."""
         return self._latest()
 
     def heard(self, node: str, via: str, entries: list[HostRows]) -> None:
@@ -300,7 +300,7 @@ class ReportBook:
             return [e.aged(now - h.at) for h in self._heard.values() if h.lost_at is None for e in h.entries]
 
     def remote_rows(self, latest: int) -> tuple[list[HostReport], list[ReaderRow]]:
-        """The hosts heard of and their rows, seen now against ``latest`` (``shmsync.watch.table.RemoteRows``)."""
+        """The hosts heard of and their rows, seen now against ``latest`` (see ``reader_table.RemoteRows``)."""
         now = time.monotonic()
         hosts, rows = [], []
         with self._lock:

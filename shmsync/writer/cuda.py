@@ -33,9 +33,9 @@ from shmsync.core.header import (
     reader_rows,
 )
 from shmsync.core.protocol import Table, Writer
-from shmsync.writer.copies import Copier
+from shmsync.store.copies import Copier
+from shmsync.store.memory import StoreMemory
 from shmsync.writer.device_slots import DeviceSlots, host_readers
-from shmsync.writer.memory import StoreMemory
 
 CHUNK_BYTES = 64 << 20  # device-to-host copies of the host fill, one chunk at a time
 WATCH_EVERY_S = 0.02  # how often an idle publisher looks for a reader asking for the host slots
@@ -55,6 +55,7 @@ class CudaPublisher:
         self.memory, self.host, self.copier, self.device = memory, host, copier, device
         self.role = Writer(memory.device, Table(memory.device, memory.locks))
         self.slots = DeviceSlots(memory.header, memory.layout, memory.num_slots, device)
+        memory.own_device_slots = self.slots.flat  # a reader in this process maps these (it cannot open its own)
         self.stream = torch.cuda.Stream(device)  # the host fills' copies
         self._wanted = memory.header[W_HOST_WANTED]
         self._closing = threading.Event()

@@ -2,9 +2,9 @@
 
 One publish, on the trainer's thread (:meth:`WeightStore.publish`)::
 
-    tensors = the source matched against the layout        (shmsync.writer.sources)
+    tensors = the source matched against the layout        (shmsync.store.sources)
     write = writer.begin_write()                          (shmsync.core.protocol: a slot no reader uses)
-    copy the tensors into the slot                        (shmsync.writer.copies)
+    copy the tensors into the slot                        (shmsync.store.copies)
     writer.commit(write)                                  (the version and the latest slot: two words)
     give back the slots no reader can use                 (writer.idle_slots, then their pages)
 
@@ -12,7 +12,7 @@ A version is a snapshot: ``publish()`` returns once the weights are copied into 
 CPU tensors), or once the copy is enqueued on the trainer's current CUDA stream (from CUDA tensors,
 :mod:`shmsync.writer.cuda`), so that any later write of the source reaches no version. Only the
 opt-in ``unsafe_background_copy=True`` returns before the bytes are copied: the copy, the commit
-and the give-backs then run on the store's :class:`~shmsync.writer.copies.Copier` thread, reading
+and the give-backs then run on the store's :class:`~shmsync.store.copies.Copier` thread, reading
 the caller's live tensors.
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -30,22 +29,25 @@ from tensordict import TensorDict
 
 from shmsync.core.header import (
     STORE_PAGE_LOCKED,
-    W_DEVICE_BYTES,
     W_PAYLOAD_BYTES,
     W_PROMISED,
     W_STORE_FLAGS,
     W_VERSION,
     W_WRITER_PID,
-    header_view,
 )
 from shmsync.core.protocol import Reader, Table, Writer
-from shmsync.core.segment import CREATOR_LOCK, WRITER_LOCK, Segment, default_name, not_found_hint
-from shmsync.errors import ShmSyncError, StoreNotFoundError, WriterBusyError
-from shmsync.watch.table import ReaderTable, assemble, local_rows
-from shmsync.writer.copies import Copier, copy_all
-from shmsync.writer.layout import Layout
-from shmsync.writer.memory import RECHECK_EMPTY_S, StoreMemory, new_segment, read_layout
-from shmsync.writer.sources import SourceMatcher, as_tensordict
+from shmsync.core.segment import WRITER_LOCK, Segment, default_name
+from shmsync.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    ShmSyncError,
+    WriterBusyError,
+)
+from shmsync.store.copies import Copier, copy_all
+from shmsync.store.layout import Layout
+from shmsync.store.memory import RECHECK_EMPTY_S, StoreMemory
+from shmsync.store.reader_table import ReaderTable, RemoteSources, assemble, local_rows
+from shmsync.store.sources import SourceMatcher, as_tensordict
 
 
 class Snapshot(NamedTuple):
@@ -86,7 +88,7 @@ class StoreWriter:
         with self.lock:  # a publisher thread beside the trainer's: one version after the other
             start = time.perf_counter()
             if self.memory.closed:
-                raise ShmSyncError(f"store {self.name!r} is closed in this process")
+                self.memory.check_open()  # raises
             tensors = self._matcher.match(source, self._what)
             if version is not None:
                 self.check_version(version)
@@ -177,8 +179,7 @@ class StoreWriter:
     def publish_bytes(self, fill: Callable[[memoryview], None], version: int) -> int:
         """See :meth:`WeightStore.publish_bytes`."""
         with self.lock:
-            if self.memory.closed:
-                raise ShmSyncError(f"store {self.name!r} is closed in this process")
+            self.memory.check_open()
             self.check_version(version)
             self.flush()
             if not self.holding:
@@ -213,21 +214,24 @@ class StoreWriter:
         return self.cuda
 
     def check(self, source: Any, version: int | None = None) -> None:
-        """See :meth:`WeightStore.check`."""
+        """Raise what :meth:`publish` would raise for ``source`` (and ``version``), writing nothing.
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightStore
+            >>> with WeightStore.create(torch.nn.Linear(4, 2)) as store:
+            ...     store.writer.check(torch.nn.Linear(3, 2))
+            Traceback (most recent call last):
+            ...
+            shmsync.errors.WeightMismatchError: ...
+        """
         self._matcher.match(source, f"weights for store {self.name!r}")
         if version is not None:
             self.check_version(version)
 
     def check_version(self, version: Any) -> None:
         """Raise unless ``version`` is an int higher than every version published or promised."""
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise TypeError(f"store {self.name!r}: version must be an int, got {type(version).__name__}")
-        last = max(self.memory.header[W_VERSION], self.memory.header[W_PROMISED])
-        if version <= last:
-            raise ValueError(
-                f"store {self.name!r}: version {version} is not higher than the last published version {last}; "
-                "versions only go up"
-            )
+        check_version(version, max(self.memory.header[W_VERSION], self.memory.header[W_PROMISED]), self.name)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every publish of this process is visible (see :meth:`WeightStore.flush`)."""
@@ -266,17 +270,20 @@ class StoreWriter:
 
 
 class WeightStore:
-    """Versioned weights in shared memory, published by one process, read by many.
+    """A store open in this process: versioned weights in shared memory, published by one process,
+    read by many. Its job is the store's versions: where they live is its :attr:`memory`'s (a
+    :class:`~shmsync.store.memory.StoreMemory`: file, header, slots, sizes), this process's
+    publishing its :attr:`writer`'s (:class:`StoreWriter`).
 
-    Create it in the trainer with :meth:`create`; open it elsewhere with :meth:`attach` or by
-    pickling it to a child process. :meth:`publish` copies new weights in and makes them visible
-    as one new version; readers (:class:`~shmsync.WeightReader`) load the newest complete version,
-    never a mix of two.
+    Make it in the trainer with :meth:`create`; open it elsewhere with :meth:`attach`, or pickle it
+    to a child process. Readers (:class:`~shmsync.WeightReader`) load the newest complete version.
+
+    Args:
+        memory: its mapping in this process; owner: this process created it (a ``with`` unlinks it).
 
     Attributes:
-        memory: the store's mapping in this process (:class:`~shmsync.writer.memory.StoreMemory`).
-        table: the reader table (rows, and leases of host slots).
-        writer: this process's writing into it (:class:`StoreWriter`).
+        table: the reader table of its host slots; reader: the role :meth:`snapshot` reads with.
+        remote_rows: the sources of other hosts' rows in :meth:`readers` (a relay's sender adds its own).
 
     Examples:
         >>> import torch
@@ -289,10 +296,18 @@ class WeightStore:
         (True, True)
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("make a store with WeightStore.create(source) or open one with WeightStore.attach(name)")
+    def __init__(self, memory: StoreMemory | None = None, *, owner: bool = False) -> None:
+        if not isinstance(memory, StoreMemory):
+            raise ArgumentTypeError(
+                "make a store with WeightStore.create(source) or open one with WeightStore.attach(name)"
+            )
+        self.memory = memory
+        self.owner = owner
+        self.table = Table(memory.host, memory.locks)
+        self.writer = StoreWriter(memory, self.table)
+        self.reader = Reader(memory.host, memory.locks)
+        self.remote_rows = RemoteSources()
 
-    # -- construction ---------------------------------------------------------------------------
     @classmethod
     def create(
         cls,
@@ -329,20 +344,45 @@ class WeightStore:
             The store at ``version``, this process its writer; only this user may open it.
 
         Raises:
-            FileExistsError: ``name`` is taken.
-            ValueError: ``name`` is not a valid store name.
+            StoreExistsError: ``name`` is taken.
+            InvalidArgumentError: ``name`` is not a valid store name, or ``version`` below 0.
             WeightMismatchError: ``source`` holds no tensors, or tensors on ``meta``.
         """
-        check_version(version)
+        check_version(version, -1)
         td, destinations = as_tensordict(source, "WeightStore.create() source")
         layout = Layout.from_tensordict(td)
         layout.match(td, "weights given to WeightStore.create()")
         name = default_name() if name is None else name
-        store = create_empty(layout, destinations, Segment.create, name, num_slots, unlink_at_exit)
+        store = cls.create_empty(layout, destinations, name, num_slots=num_slots, unlink_at_exit=unlink_at_exit)
         store.writer.unsafe_background = bool(unsafe_background_copy)
         try:
             store.writer.publish(source, version, unsafe_background=False)
             store.flush()
+        except BaseException:
+            store.unlink()
+            store.close()
+            raise
+        return store
+
+    @classmethod
+    def create_empty(
+        cls,
+        layout: Layout,
+        destinations: tuple[str, ...] | None,
+        name: str,
+        *,
+        num_slots: int,
+        unlink_at_exit: bool,
+        make_segment: Callable[..., Segment] = Segment.create,
+    ) -> WeightStore:
+        """A new store of ``layout`` with no version yet, this process its creator and writer
+        (``make_segment`` makes its file: see :func:`~shmsync.store.memory.new_segment`)."""
+        memory = StoreMemory.create(
+            layout, destinations, name, num_slots, unlink_at_exit=unlink_at_exit, make_segment=make_segment
+        )
+        store = cls(memory, owner=True)
+        try:
+            store.writer.acquire()
         except BaseException:
             store.unlink()
             store.close()
@@ -358,60 +398,48 @@ class WeightStore:
             StoreNotFoundError: there is no such store (or it was unlinked).
             StoreUntrustedError: the file is not one this user alone could have written.
             StoreCorruptError: a header or layout field is out of range (naming it).
-            ValueError: ``name`` is not a valid store name.
+            InvalidArgumentError: ``name`` is not a valid store name.
         """
-        try:
-            segment, (layout, destinations) = Segment.open(name, lambda fd, st: read_layout(fd, st, name))
-        except StoreNotFoundError as e:
-            raise StoreNotFoundError(f"{e}{not_found_hint(name)}") from None
-        try:
-            return _opened(segment, layout, destinations, owner=False, unlink_at_exit=False)
-        except BaseException:
-            segment.close()
-            raise
+        return cls(StoreMemory.attach(name))
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
         return (WeightStore.attach, (self.name,))  # a child process attaches by name
 
     # -- facts ----------------------------------------------------------------------------------
-    name = property(lambda self: self.memory.name, doc="The name other processes attach by.")
-    version = property(
-        lambda self: self.memory.header[W_VERSION],
-        doc="The last completed version (monotonic; 0 is the weights given to :meth:`create`).",
-    )
-    promised = property(
-        lambda self: max(self.memory.header[W_VERSION], self.memory.header[W_PROMISED]),
-        doc="The newest version published or promised (a background or CUDA publish lands it later).",
-    )
-    destinations = property(lambda self: self.memory.destinations, doc="The destination names, or None.")
-    nbytes = property(lambda self: self.memory.header[W_PAYLOAD_BYTES], doc="Bytes of one copy of the weights.")
-    shm_bytes = property(lambda self: self.memory.segment.size, doc="Bytes of shared memory the file may take.")
-    resident_bytes = property(
-        lambda self: self.memory.resident_bytes(),
-        doc="Bytes of host memory the store takes now: its header, and the slots that hold pages.",
-    )
-    device_bytes = property(
-        lambda self: self.memory.header[W_DEVICE_BYTES], doc="Bytes of GPU memory its device slots take now."
-    )
-    num_slots = property(lambda self: self.memory.num_slots, doc="Slots per bank.")
-    closed = property(lambda self: self.memory.closed, doc="Whether this process closed it.")
-    publish_seconds = property(lambda self: self.writer.seconds, doc="Time spent in publish() by this process.")
-    unsafe_background_copy = property(
-        lambda self: self.writer.unsafe_background,
-        doc="Whether CPU publishes return before their copy (see :meth:`create`); False by default.",
-    )
-    layout_description = property(
-        lambda self: self.memory.layout.to_json(self.memory.destinations),
-        doc="The layout (keys, shapes, dtypes, offsets, destinations) as bytes: equal descriptions, equal bytes.",
-    )
+    @property
+    def name(self) -> str:
+        """The name other processes attach by."""
+        return self.memory.name
 
-    def keys(self) -> list[str]:
-        """Dotted keys of every tensor in the store."""
-        return [".".join(e.key) for e in self.memory.layout.entries]
+    @property
+    def version(self) -> int:
+        """The last completed version (monotonic; 0 is the weights given to :meth:`create`)."""
+        return self.memory.header[W_VERSION]
+
+    @property
+    def promised(self) -> int:
+        """The newest version published or promised (a CUDA publish lands it a little later)."""
+        return max(self.memory.header[W_VERSION], self.memory.header[W_PROMISED])
+
+    @property
+    def destinations(self) -> tuple[str, ...] | None:
+        """The destination names, or None for a store made from one module or TensorDict."""
+        return self.memory.destinations
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one copy of the weights."""
+        return self.memory.header[W_PAYLOAD_BYTES]
+
+    @property
+    def closed(self) -> bool:
+        """Whether this process closed it."""
+        return self.memory.closed
 
     def info(self) -> dict[str, int]:
         """Header facts: versions (published and promised), creator and writer pids, publish count
-        and times (ns), bytes of host and device memory, the device (-1: none)."""
+        and times (ns), bytes of host and device memory (``shm_bytes``, ``resident_bytes``,
+        ``device_bytes``), ``num_slots``, the device (-1: none)."""
         return self.memory.facts()
 
     def __repr__(self) -> str:
@@ -439,9 +467,9 @@ class WeightStore:
 
         Raises:
             WeightMismatchError: a key, shape or dtype differs; nothing is written.
-            ValueError: ``version`` is not higher than the last one; nothing is written.
+            InvalidArgumentError: ``version`` is not higher than the last one; nothing is written.
             WriterBusyError: another live process holds the writer role.
-            RuntimeError: the previous background or CUDA publish failed (its error is the cause).
+            ShmSyncError: the previous CUDA or background publish failed (its error is the cause).
 
         Examples:
             >>> import torch
@@ -453,26 +481,12 @@ class WeightStore:
         """
         return self.writer.publish(source, version)
 
-    def check(self, source: Any, *, version: int | None = None) -> None:
-        """Raise what :meth:`publish` would raise for ``source`` (and ``version``), writing nothing.
-
-        Examples:
-            >>> import torch
-            >>> from shmsync import WeightStore
-            >>> with WeightStore.create(torch.nn.Linear(4, 2)) as store:
-            ...     store.check(torch.nn.Linear(3, 2))
-            Traceback (most recent call last):
-            ...
-            shmsync.errors.WeightMismatchError: ...
-        """
-        self.writer.check(source, version)
-
     def flush(self, timeout: float | None = None) -> int:
-        """Wait until everything this process published is visible; returns the version readers see.
+        """Wait until this process's publishes landed and idle slots went back; returns the version readers see.
 
         Raises:
-            TimeoutError: still copying after ``timeout`` seconds.
-            RuntimeError: a background or CUDA publish failed (its error is the cause).
+            PublishTimeoutError: still copying after ``timeout`` seconds.
+            ShmSyncError: a CUDA or background publish failed (its error is the cause).
         """
         self.writer.flush(timeout)
         return self.version
@@ -482,8 +496,7 @@ class WeightStore:
         self.writer.release()
 
     def publisher_alive(self) -> bool:
-        """Whether a live process can still publish (it holds the writer role, or is the creator
-        with the store open), told by the kernel's locks, whatever the PID namespace.
+        """Whether a live process can still publish, as the kernel's locks tell (any PID namespace).
 
         Examples:
             >>> import torch
@@ -492,8 +505,7 @@ class WeightStore:
             ...     store.publisher_alive()
             True
         """
-        segment = self.memory.segment
-        return not self.memory.closed and (segment.held_anywhere(WRITER_LOCK) or segment.held_anywhere(CREATOR_LOCK))
+        return self.memory.publisher_alive()
 
     # -- reading --------------------------------------------------------------------------------
     def snapshot(self, timeout: float = 60.0) -> Snapshot:
@@ -504,23 +516,18 @@ class WeightStore:
             ReloadTimeoutError: no complete copy could be made within ``timeout`` seconds.
         """
         memory = self.memory
-        if memory.closed:
-            raise ShmSyncError(f"store {self.name!r} is closed in this process")
+        memory.check_open()
         self.flush(timeout)
         if self.writer.cuda is not None:
             version, tensors = self.writer.cuda.snapshot()
             return Snapshot(version, memory.layout.as_tensordict(tensors))
-        tensors = [torch.empty(e.shape, dtype=e.dtype) for e in memory.layout.entries]
-        slots = memory.read_slots()
-        version = self.reader.read(lambda slot: copy_all(tensors, slots[slot]), timeout=timeout)
+        version, tensors = memory.copy_latest(self.reader, timeout)
         return Snapshot(version, memory.layout.as_tensordict(tensors))
 
-    retries = property(lambda self: self.reader.retries, doc="snapshot()'s copies that failed validation.")
-    pinned_reads = property(lambda self: self.reader.pinned_reads, doc="snapshot()'s reads that needed a pin.")
-
     def readers(self, *, processes: bool = True, memory: bool | None = None) -> ReaderTable:
-        """The readers' table (:mod:`shmsync.watch.table`): every reader attached in a live process,
-        worst lagging first, and those on other hosts that relays report here. No message, no wait.
+        """The readers' table (:mod:`shmsync.store.reader_table`): every reader attached in a live
+        process, worst lagging first, and those on other hosts that relays report here. No message,
+        no wait.
 
         Args:
             processes: look up each local reader's process state and private memory (USS), a few
@@ -539,23 +546,17 @@ class WeightStore:
         mapped = self.memory
         latest, alive = mapped.header[W_VERSION], mapped.locks.rows_alive
         live, gone = local_rows(self.name, mapped.header, alive, latest, processes=processes, memory=memory)
-        return assemble(self.name, latest, live, gone, self)
+        return assemble(self.name, latest, live, gone, self.remote_rows)
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
         """Let go of the store here (unlinking it if this process created it to), once this process's
         publishes landed; other processes keep their mapping. ``version`` and :meth:`info` still tell."""
         if not self.closed:
-            for dependent in list(self._dependents):
-                dependent.close()  # say, readers: private copies, leases given back, while mapped
             try:
                 self.writer.close()
             finally:
-                self.memory.close()
-
-    def add_dependent(self, obj: Any) -> None:
-        """Call ``obj.close()`` (held weakly) when this store closes, before its memory goes."""
-        self._dependents.add(obj)
+                self.memory.close()  # its dependents (readers in place) first
 
     def unlink(self) -> None:
         """Remove the store's name from the host: no new process can attach. Mappings stay valid."""
@@ -564,50 +565,24 @@ class WeightStore:
     def __enter__(self) -> WeightStore:
         return self
 
-    def __exit__(self, *exc) -> None:
-        if self._owner:
+    def __exit__(self, *exc: Any) -> None:
+        if self.owner:
             self.unlink()
         self.close()
 
 
-def _opened(segment: Segment, layout: Layout, destinations: Any, owner: bool, unlink_at_exit: bool) -> WeightStore:
-    """A :class:`WeightStore` on ``segment``, open in this process."""
-    self = WeightStore.__new__(WeightStore)
-    self.memory = memory = StoreMemory(
-        segment, header_view(segment.buf), layout, destinations, unlink_at_exit=owner and unlink_at_exit
-    )
-    self._owner = owner
-    self.table = Table(memory.host, memory.locks)
-    self.writer = StoreWriter(memory, self.table)
-    self.reader = Reader(memory.host, memory.locks)  # snapshot()'s
-    self._dependents = weakref.WeakSet()  # closed before the memory goes
-    return self
-
-
-def create_empty(
-    layout: Layout,
-    destinations: Any,
-    make_segment: Callable[..., Segment],
-    name: str,
-    num_slots: int,
-    unlink_at_exit: bool,
-) -> WeightStore:
-    """A new store of ``layout`` with no version yet, this process its creator and writer
-    (``make_segment`` makes its file: see :func:`~shmsync.writer.memory.new_segment`)."""
-    segment = new_segment(layout, destinations, make_segment, name, num_slots, track=unlink_at_exit)
-    try:
-        store = _opened(segment, layout, destinations, owner=True, unlink_at_exit=unlink_at_exit)
-        store.writer.acquire()
-    except BaseException:
-        segment.unlink()
-        segment.close()
-        raise
-    return store
-
-
-def check_version(version: Any) -> None:
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise ValueError(f"version must be an int >= 0, got {version!r}")
+def check_version(version: Any, last: int, store: str = "") -> None:
+    """Raise unless ``version`` is an int higher than ``last`` (the last version published or
+    promised; -1 for a store's first version)."""
+    where = f"store {store!r}: " if store else ""
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ArgumentTypeError(f"{where}version must be an int, got {type(version).__name__}")
+    if version <= last:
+        raise InvalidArgumentError(
+            f"{where}version {version} is not higher than the last published version {last}; versions only go up"
+            if last >= 0
+            else f"{where}version must be an int >= 0, got {version!r}"
+        )
 
 
 __all__ = ["WeightStore", "Snapshot"]

@@ -116,7 +116,7 @@ class SourceMatcher:
 
     Examples:
         >>> import torch
-        >>> from shmsync.writer.layout import Layout
+        >>> from shmsync.store.layout import Layout
         >>> policy = torch.nn.Linear(2, 1)
         >>> matcher = SourceMatcher(Layout.from_tensordict(module_weights(policy)), None)
         >>> [tuple(t.shape) for t in matcher.match(policy, "policy")]

@@ -350,18 +350,34 @@ class RemoteRows(Protocol):
         """The other hosts' reports and their rows, seen now against ``latest``."""
 
 
-_REMOTE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner (a store) -> its remote sources
+class RemoteSources:
+    """The sources of other hosts' rows that a store's (or a scheme's) table lists: held by that
+    owner, each source weakly, so a source leaves the table when it goes (a relay sender closed).
 
+    Examples:
+        >>> sources = RemoteSources()
+        >>> len(sources)
+        0
+    """
 
-def add_remote(owner: Any, source: RemoteRows) -> None:
-    """List ``source``'s rows in ``owner``'s table (held weakly: it leaves the table when it goes)."""
-    _REMOTE.setdefault(owner, weakref.WeakSet()).add(source)
+    def __init__(self) -> None:
+        self._sources: weakref.WeakSet = weakref.WeakSet()
 
+    def add(self, source: RemoteRows) -> None:
+        """List ``source``'s rows in the owner's table."""
+        self._sources.add(source)
 
-def remove_remote(owner: Any, source: RemoteRows) -> None:
-    sources = _REMOTE.get(owner)
-    if sources is not None:
-        sources.discard(source)
+    def discard(self, source: RemoteRows) -> None:
+        self._sources.discard(source)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def __iter__(self) -> Iterator[RemoteRows]:
+        return iter(list(self._sources))
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return (RemoteSources, ())  # a copy in another process lists no source of this one
 
 
 def assemble(
@@ -369,14 +385,13 @@ def assemble(
     latest: int,
     live: list[ReaderRow],
     gone: list[ReaderRow],
-    owner: Any = None,
+    sources: Iterable[RemoteRows] = (),
     *,
     hosts: Sequence[HostReport] = (),
     remote: Sequence[ReaderRow] = (),
 ) -> ReaderTable:
-    """A table of local rows, with the remote rows of ``owner``'s sources and those given."""
-    hosts, remote = list(hosts), list(remote)
-    sources = list(_REMOTE.get(owner, ())) if owner is not None else []
+    """A table of local rows, with the rows of ``sources`` (other hosts) and those given."""
+    hosts, remote, sources = list(hosts), list(remote), list(sources)
     latest = max([latest, *(source.latest for source in sources)])
     for source in sources:
         more_hosts, more_rows = source.remote_rows(latest)

@@ -1,7 +1,9 @@
 """Copying weights between tensors and a slot: batched, without autograd, and for large
 payloads split across threads (``copy_`` releases the GIL, so each thread copies on a core of
-its own while TorchRL keeps the trainer at one torch thread); and the background thread that runs
-a store's publishes while the trainer goes on (:class:`Copier`).
+its own while TorchRL keeps the trainer at one torch thread). The writer copies into a slot, a
+reader out of one. And the store's background thread (:class:`Copier`), which runs what a
+publish hands over to land after it returned: the give-backs of idle slots, a CUDA copy landing,
+the opt-in background copy.
 
 ``SHMSYNC_COPY_THREADS`` fixes the thread count (1: never split); the default is the cores
 this process may run on, at most 8. Payloads under ``PARALLEL_MIN_BYTES`` are copied by the

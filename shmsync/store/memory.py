@@ -58,10 +58,11 @@ from shmsync.core.header import (
 )
 from shmsync.core.pages import address_of, holds_pages, punch, reserve, resident_bytes
 from shmsync.core.processes import process_start_ns
-from shmsync.core.protocol import Words, initialize
-from shmsync.core.segment import CREATOR_LOCK, Segment, SegmentLocks
-from shmsync.errors import StoreCorruptError
-from shmsync.writer.layout import Layout, segment_bytes
+from shmsync.core.protocol import Reader, Words, initialize
+from shmsync.core.segment import CREATOR_LOCK, WRITER_LOCK, Segment, SegmentLocks, not_found_hint
+from shmsync.errors import InvalidArgumentError, ShmSyncError, StoreCorruptError, StoreNotFoundError
+from shmsync.store.copies import copy_all
+from shmsync.store.layout import Layout, segment_bytes
 
 _FACTS = {
     "version": W_VERSION,
@@ -88,10 +89,10 @@ def new_segment(
     makes the file; only the head and the first slot are reserved.
 
     Raises:
-        ValueError: ``num_slots`` out of range.
+        InvalidArgumentError: ``num_slots`` out of range.
     """
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or not 2 <= num_slots <= MAX_SLOTS:
-        raise ValueError(f"num_slots must be an int between 2 and {MAX_SLOTS}, got {num_slots!r}")
+        raise InvalidArgumentError(f"num_slots must be an int between 2 and {MAX_SLOTS}, got {num_slots!r}")
     doc = layout.to_json(destinations)
     layout_offset, data_offset, size = segment_bytes(doc, layout.slot_bytes, num_slots)
     segment = make_segment(name, size, data_offset, reserve_bytes=data_offset + layout.slot_bytes, track=track)
@@ -174,11 +175,76 @@ class StoreMemory:
         self.slots: list[list[torch.Tensor]] = []  # per slot, views of the store's pages (a writer's)
         self._private: list[list[torch.Tensor]] = []  # per slot, views of a private mapping (a reader's)
         self._pinned: list = []  # (pointer, view) of page-locked memory, for CUDA copies
+        # This process's device slots when it is the writer (a process cannot open its own CUDA
+        # IPC handles): set by the CUDA publisher, read by a reader on the same GPU.
+        self.own_device_slots: list[torch.Tensor | None] | None = None
+        self._dependents: weakref.WeakSet = weakref.WeakSet()  # closed before the memory goes
         self.closed = False
         # Garbage collected or at exit: views dropped, unlinked if asked (by the creator only).
         self._finalizer = weakref.finalize(
             self, _release, segment, (self.slots, self._private), h[W_CREATOR_PID], self._pinned, unlink_at_exit
         )
+
+    @classmethod
+    def create(
+        cls,
+        layout: Layout,
+        destinations: tuple[str, ...] | None,
+        name: str,
+        num_slots: int,
+        *,
+        unlink_at_exit: bool,
+        make_segment: Callable[..., Segment] = Segment.create,
+    ) -> StoreMemory:
+        """A new store's file (see :func:`new_segment`), mapped: no version yet, this process its creator."""
+        segment = new_segment(layout, destinations, make_segment, name, num_slots, track=unlink_at_exit)
+        try:
+            return cls(segment, header_view(segment.buf), layout, destinations, unlink_at_exit=unlink_at_exit)
+        except BaseException:
+            segment.unlink()
+            segment.close()
+            raise
+
+    @classmethod
+    def attach(cls, name: str) -> StoreMemory:
+        """Store ``name``'s file, checked (see :func:`read_layout`), then mapped.
+
+        Raises:
+            StoreNotFoundError: there is no such store (or it was unlinked).
+        """
+        try:
+            segment, (layout, destinations) = Segment.open(name, lambda fd, st: read_layout(fd, st, name))
+        except StoreNotFoundError as e:
+            raise StoreNotFoundError(f"{e}{not_found_hint(name)}") from None
+        try:
+            return cls(segment, header_view(segment.buf), layout, destinations)
+        except BaseException:
+            segment.close()
+            raise
+
+    def copy_latest(self, role: Reader, timeout: float) -> tuple[int, list[torch.Tensor]]:
+        """A private copy of the newest complete version in the host slots, read with ``role``:
+        its version and tensors, in layout order."""
+        tensors = [torch.empty(e.shape, dtype=e.dtype) for e in self.layout.entries]
+        slots = self.read_slots()
+        version = role.read(lambda slot: copy_all(tensors, slots[slot]), timeout=timeout)
+        return version, tensors
+
+    def check_open(self) -> None:
+        """Raise :class:`~shmsync.errors.ShmSyncError` if this process closed the store."""
+        if self.closed:
+            raise ShmSyncError(f"store {self.name!r} is closed in this process")
+
+    def publisher_alive(self) -> bool:
+        """Whether a live process can still publish (it holds the writer role, or is the creator
+        with the store open), told by the kernel's locks, whatever the PID namespace."""
+        segment = self.segment
+        return not self.closed and (segment.held_anywhere(WRITER_LOCK) or segment.held_anywhere(CREATOR_LOCK))
+
+    def add_dependent(self, obj: Any) -> None:
+        """Call ``obj.close()`` (held weakly) when this memory closes, before it is unmapped (a
+        reader in place gives its parameters private memory and its lease back then)."""
+        self._dependents.add(obj)
 
     @property
     def pinned(self) -> bool:
@@ -263,6 +329,17 @@ class StoreMemory:
         h[W_GIVE_BACK_DONE] += 1
         return given
 
+    @property
+    def layout_description(self) -> bytes:
+        """The layout (keys, shapes, dtypes, offsets, destinations) as bytes: equal descriptions,
+        equal bytes (a relay makes another host's store from it)."""
+        return self.layout.to_json(self.destinations)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of GPU memory the store's device slots take now."""
+        return self.header[W_DEVICE_BYTES]
+
     def facts(self) -> dict[str, int]:
         """The header's facts (see :meth:`shmsync.WeightStore.info`)."""
         h = self.header
@@ -302,6 +379,8 @@ class StoreMemory:
         """Drop the views and unmap (unlinking, if so made). The header stays readable: a
         private copy of its last state replaces the mapped one."""
         if not self.closed:
+            for dependent in list(self._dependents):
+                dependent.close()  # while mapped: private copies made, leases given back
             self.closed = True
             mapped = self.header
             self.header = memoryview(bytearray(mapped.tobytes())).cast("q")
