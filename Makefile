@@ -159,7 +159,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
-	$(BIN)/vulture shmsync workers tools/vulture_whitelist.py --min-confidence 60
+	$(BIN)/vulture
 	$(BIN)/mypy shmsync workers
 
 bench: install

@@ -215,7 +215,7 @@ def bench_big(numel: int, device: str, versions: int) -> list[dict]:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_big_reader, args=(store.name, numel, where, options, versions, child))
             proc.start()
-            tag, attach_s = parent.recv()
+            _tag, attach_s = parent.recv()
             times = []
             for _version in range(1, versions + 1):
                 v = store.version + 1
@@ -225,7 +225,7 @@ def bench_big(numel: int, device: str, versions: int) -> list[dict]:
                 parent.send(v)
                 t0 = time.time()
                 store.publish(trainer)
-                tag, t1, last = parent.recv()
+                _tag, t1, last = parent.recv()
                 assert last == float(v % 200), f"{label}: loaded {last}, published {v % 200}"
                 times.append(t1 - t0)
             proc.join(60)

@@ -320,7 +320,7 @@ def fan_out_table(rows: list[dict]) -> str:
     )
 
 
-# -- TorchRL's distributed collector with shmsync as each node's local leg ---------------------------
+# -- TorchRL's distributed collector with shmsync as each node's local scheme ---------------------------
 def _distributed_row(kind: str, nbytes: int, batches: int, conn) -> None:
     import sync_bench
     import torchrl.collectors.distributed as torchrl_distributed
@@ -376,7 +376,7 @@ def _free_block(n: int) -> int:
 
 def bench_distributed(nbytes: int, batches: int) -> list[dict]:
     """DistributedSyncCollector, 2 nodes of 2 workers, pushing before every batch: each node's
-    local leg with TorchRL's default scheme, then shmsync's (each in a fresh process)."""
+    local scheme with TorchRL's default scheme, then shmsync's (each in a fresh process)."""
     ctx = mp.get_context("spawn")
     out = []
     for kind in ("TorchRL default", "shmsync"):

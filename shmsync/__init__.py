@@ -13,14 +13,17 @@ through TorchRL's public registry; TorchRL's classes and modules are left as the
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from shmsync.errors import UnknownAttributeError
 from shmsync.torchrl import registration
 
 __version__ = "0.1.0"
 
 registration.install()
 
+# The public names, and where each lives: the one list (``__all__`` and ``dir(shmsync)`` read it).
+# Each is imported on first use; a type checker finds them in those modules.
 _LAZY = {
     "WeightStore": "shmsync.writer.store",
     "Snapshot": "shmsync.writer.store",
@@ -28,16 +31,17 @@ _LAZY = {
     "WeightSender": "shmsync.torchrl.sender",
     "UpdateWeights": "shmsync.torchrl.hooks",
     "LogLag": "shmsync.torchrl.hooks",
-    "lag_stats": "shmsync.watch.frames",
+    "ShmWeightSyncScheme": "shmsync.torchrl.scheme",
+    "TorchRLChangedError": "shmsync.torchrl.compat",
     "ReaderTable": "shmsync.store.reader_table",
     "ReaderRow": "shmsync.store.reader_table",
     "ReaderAlarm": "shmsync.watch.alarm",
-    "StaleReaderError": "shmsync.errors",
-    "ShmWeightSyncScheme": "shmsync.torchrl.scheme",
+    "lag_stats": "shmsync.watch.frames",
     "staleness": "shmsync.watch.frames",
     "tag_versions": "shmsync.watch.frames",
     "exit_with_parent": "shmsync.core.processes",
     "ShmSyncError": "shmsync.errors",
+    "StaleReaderError": "shmsync.errors",
     "StoreNotFoundError": "shmsync.errors",
     "NotLoadedError": "shmsync.errors",
     "SharedWeightsWrittenError": "shmsync.errors",
@@ -45,31 +49,7 @@ _LAZY = {
     "WriterBusyError": "shmsync.errors",
     "ReloadTimeoutError": "shmsync.errors",
     "WriterGoneError": "shmsync.errors",
-    "TorchRLChangedError": "shmsync.torchrl.compat",
 }
-
-if TYPE_CHECKING:
-    from shmsync.core.processes import exit_with_parent
-    from shmsync.errors import (
-        NotLoadedError,
-        ReloadTimeoutError,
-        SharedWeightsWrittenError,
-        ShmSyncError,
-        StaleReaderError,
-        StoreNotFoundError,
-        WeightMismatchError,
-        WriterBusyError,
-        WriterGoneError,
-    )
-    from shmsync.reader.reader import WeightReader
-    from shmsync.store.reader_table import ReaderRow, ReaderTable
-    from shmsync.torchrl.compat import TorchRLChangedError
-    from shmsync.torchrl.hooks import LogLag, UpdateWeights
-    from shmsync.torchrl.scheme import ShmWeightSyncScheme
-    from shmsync.torchrl.sender import WeightSender
-    from shmsync.watch.alarm import ReaderAlarm
-    from shmsync.watch.frames import lag_stats, staleness, tag_versions
-    from shmsync.writer.store import Snapshot, WeightStore
 
 
 def __getattr__(name: str) -> Any:
@@ -77,36 +57,11 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'shmsync' has no attribute {name!r}")
+    raise UnknownAttributeError(f"module 'shmsync' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
 
 
-__all__ = [
-    "LogLag",
-    "NotLoadedError",
-    "SharedWeightsWrittenError",
-    "ReaderAlarm",
-    "ReaderRow",
-    "ReaderTable",
-    "ReloadTimeoutError",
-    "StaleReaderError",
-    "ShmSyncError",
-    "ShmWeightSyncScheme",
-    "Snapshot",
-    "StoreNotFoundError",
-    "TorchRLChangedError",
-    "UpdateWeights",
-    "WeightMismatchError",
-    "WeightReader",
-    "WeightSender",
-    "WeightStore",
-    "WriterBusyError",
-    "WriterGoneError",
-    "exit_with_parent",
-    "lag_stats",
-    "staleness",
-    "tag_versions",
-]
+__all__ = sorted(_LAZY)

@@ -36,8 +36,9 @@ class StoreExistsError(ShmSyncError, FileExistsError):
     """A store of that name already exists on this host."""
 
 
-class PublishTimeoutError(ShmSyncError, TimeoutError):
-    """A publish this process handed over (a CUDA copy, the opt-in background copy) did not land in time."""
+class WaitTimeoutError(ShmSyncError, TimeoutError):
+    """A wait with a deadline ran out: a publish handed over to the store's thread did not land, no
+    batch came from any worker (the message says which)."""
 
 
 class UnknownKeyError(ShmSyncError, KeyError):
@@ -49,7 +50,16 @@ class NotSupportedError(ShmSyncError, NotImplementedError):
 
 
 class MissingExtraError(ShmSyncError, ImportError):
-    """An optional dependency is not installed (the message names the extra to install)."""
+    """An optional dependency is not installed, or an installed one is a release shmsync does not
+    support (the message names what to install)."""
+
+
+class UnknownAttributeError(ShmSyncError, AttributeError):
+    """A name that the object at hand does not have (a module path that does not resolve)."""
+
+
+class SharedMemoryError(ShmSyncError, OSError):
+    """The kernel refused to reserve or give back a store's shared memory (``errno`` says why)."""
 
 
 class WeightMismatchError(ShmSyncError, ValueError):
@@ -107,6 +117,18 @@ class AuthenticationError(RelayError):
 class ProtocolError(RelayError):
     """The peer broke the relay protocol: a message of an unknown kind, or a size or number out of
     range. The link was dropped; nothing it sent was published."""
+
+
+class LinkClosedError(RelayError, EOFError):
+    """The peer closed the relay link (or it is being closed here)."""
+
+
+class LinkTimeoutError(RelayError, TimeoutError):
+    """The peer took no bytes, or sent none, within the link's timeout."""
+
+
+class SecretFileError(ShmSyncError, PermissionError):
+    """The relay's secret file is not one only this user can read and write (the message says why)."""
 
 
 class TrainerGoneError(RelayError):

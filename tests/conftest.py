@@ -62,9 +62,9 @@ FULL_ONLY = {
     # Trees of relays beyond the one that grows, feeds and loses no version.
     "tests/test_relay.py::test_a_stalled_middle_relay_holds_up_only_the_hosts_below_it": None,
     "tests/test_relay.py::test_a_killed_middle_relay_cuts_off_only_the_hosts_below_which_reattach_and_catch_up": None,
-    # The hosts page's cluster blocks: test_distributed.py and test_ray.py run the same legs.
+    # The hosts page's cluster blocks: test_distributed.py and test_ray.py run the same remote_schemes.
     "tests/test_docs.py::test_a_block_runs_as_written": [
-        "hosts-Each-host-s-local-leg-under-TorchRL-s-distributed-collectors",
+        "hosts-Each-host-s-local-pushes-under-TorchRL-s-distributed-collectors",
         "hosts-Ray",
     ],
 }

@@ -1198,3 +1198,21 @@ def cuda_reader(name: str, device: str, versions: int, options: dict, conn) -> N
     conn.recv()  # the parent has read the readers' table
     reader.close()
     store.close()
+
+
+def server_handshake(sock, secret: bytes, timeout: float, *, encrypt: bool = True):
+    """The server's side of a relay handshake on a blocking socket (the relay's own server runs it
+    on non-blocking sockets: ``shmsync.relay.acceptor``); the connection's keys."""
+    from shmsync.relay import wire
+
+    deadline = time.monotonic() + timeout
+    side = wire.ServerSide(secret, encrypt)
+    sock.settimeout(timeout)
+    sock.sendall(side.hello())
+    try:
+        reply, keys = side.answer(wire._recv_exactly(sock, wire.CLIENT_HELLO, deadline, "handshake"))
+    except wire.Refused as e:
+        sock.sendall(e.reply)
+        raise
+    sock.sendall(reply)
+    return keys

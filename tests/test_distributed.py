@@ -1,4 +1,4 @@
-"""shmsync as each node's local leg under TorchRL's distributed collectors (torch.distributed,
+"""shmsync as each node's local scheme under TorchRL's distributed collectors (torch.distributed,
 gloo, ``launcher="mp"``: every node is a process of this machine, as hosts would be)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from shmsync.torchrl.compat import TORCHRL_VERSION
 from helpers import fill, free_ports, make_marked_pendulum, make_pendulum, make_probe_policy, wait_for
 
 pytestmark = [pytest.mark.torchrl, pytest.mark.distributed, pytest.mark.timeout(240)]
-needs_0_14 = pytest.mark.skipif(TORCHRL_VERSION < (0, 14), reason="shmsync's local leg needs torchrl >= 0.14")
+needs_0_14 = pytest.mark.skipif(TORCHRL_VERSION < (0, 14), reason="shmsync's local scheme needs torchrl >= 0.14")
 
 
 def two_nodes_with_shmsync(name: str, policy, scheme=None, **kwargs):
@@ -118,7 +118,7 @@ def test_distributed_collector_carries_the_trainers_version_to_each_node_it_upda
         released[node] = trainer_version + 1
 
 
-@pytest.mark.skipif(TORCHRL_VERSION >= (0, 14), reason="torchrl >= 0.14 takes shmsync as the local leg")
+@pytest.mark.skipif(TORCHRL_VERSION >= (0, 14), reason="torchrl >= 0.14 takes shmsync as the local scheme")
 @pytest.mark.parametrize("name", ["DistributedSyncCollector", "DistributedCollector"])
 def test_older_torchrl_refuses_shmsync_as_the_local_leg_before_any_node_starts(name):
     import shmsync.torchrl.distributed as distributed

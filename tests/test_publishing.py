@@ -1,6 +1,6 @@
 """What version a collector's publish gets (``shmsync/torchrl/publishing.py``), source by source, on
-a real store: the version given, the trainer's number of the push a remote leg applies (a Ray
-actor's, ``shmsync/torchrl/legs.py``), or the store's next.
+a real store: the version given, the trainer's number of the push a remote node applies (a Ray
+actor's, ``shmsync/torchrl/remote_nodes.py``), or the store's next.
 
 End to end, on real collectors: the given version in
 ``tests/test_scheme.py::test_update_policy_weights_with_a_version_tags_frames_with_it``, the next
@@ -14,8 +14,8 @@ import pytest
 from torch import nn
 
 from shmsync import ShmSyncError
-from shmsync.torchrl.legs import ActorLeg, Announced
 from shmsync.torchrl.publishing import Publisher, StoreGroup
+from shmsync.torchrl.remote_nodes import ActorPushes, Announced
 
 
 @pytest.fixture
@@ -25,18 +25,18 @@ def group():
     group.close()
 
 
-def publisher_of(group: StoreGroup, leg=None) -> Publisher:
-    publisher = Publisher(leg=leg)
+def publisher_of(group: StoreGroup, pushes=None) -> Publisher:
+    publisher = Publisher(pushes=pushes)
     publisher.add(group, "policy_version")
     return publisher
 
 
 def test_a_given_version_wins(group):
-    leg = ActorLeg()
-    leg.name(3)
-    publisher_of(group, leg).publish({"policy": None}, given=9)
+    pushes = ActorPushes()
+    pushes.name(3)
+    publisher_of(group, pushes).publish({"policy": None}, given=9)
     assert group.version == 9
-    assert leg.take() == 3, "a given version takes no push number"
+    assert pushes.take() == 3, "a given version takes no push number"
 
 
 def test_without_a_remote_leg_the_store_counts(group):
@@ -47,20 +47,20 @@ def test_without_a_remote_leg_the_store_counts(group):
 
 
 def test_a_remote_leg_publishes_each_push_under_the_trainers_number(group):
-    leg = ActorLeg()
-    publisher = publisher_of(group, leg)
+    pushes = ActorPushes()
+    publisher = publisher_of(group, pushes)
     for number in (1, 2, 5, 6):  # the trainer's numbers skip what went to other actors
-        leg.name(number)
+        pushes.name(number)
         publisher.publish({"policy": None})
         assert group.version == number
 
 
 def test_a_push_the_trainer_did_not_name_is_refused_not_guessed(group):
-    leg = ActorLeg()
-    publisher = publisher_of(group, leg)
+    pushes = ActorPushes()
+    publisher = publisher_of(group, pushes)
     with pytest.raises(ShmSyncError, match=r"named no version for it.*shmsync\.torchrl\.distributed\.RayCollector"):
         publisher.publish({"policy": None})
-    leg.name(4)
+    pushes.name(4)
     publisher.publish({"policy": None})
     assert group.version == 4
     with pytest.raises(ShmSyncError, match="named no version"):

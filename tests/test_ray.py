@@ -1,4 +1,4 @@
-"""shmsync as each remote collector's local leg under shmsync's RayCollector, on a local Ray
+"""shmsync as each remote collector's local scheme under shmsync's RayCollector, on a local Ray
 cluster bound to 127.0.0.1: every frame carries the trainer's version (whichever actors a push
 reaches), and no store is left, however the actors end."""
 

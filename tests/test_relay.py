@@ -18,7 +18,7 @@ import torch
 from shmsync.relay import RelaySender, sealing, wire
 
 import helpers
-from helpers import SECRET, blob_weights, cli, set_all, wait_for
+from helpers import SECRET, blob_weights, cli, server_handshake, set_all, wait_for
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -422,7 +422,7 @@ class FakeTrainer:
                 return
             self.attempts += 1
             try:
-                keys = wire.server_handshake(sock, self.secret, 5)
+                keys = server_handshake(sock, self.secret, 5)
                 link = wire.Link(sock, "relay", keys)
                 _, self.joined = link.recv_json({b"JOIN": 4096}, 5)
                 self.script(link, self.attempts)

@@ -299,7 +299,7 @@ class Change:
     play: str
     edits: list[tuple[str, str, str]]
     expect: str | tuple[str, ...]
-    every_leg: bool = False
+    every_node: bool = False
     marks: list = field(default_factory=list)
 
 
@@ -313,21 +313,21 @@ ALL = ("torchrl.collectors", "torchrl.weight_update", "torchrl.trainers")
 CHANGES = [
     # -- one host: MultiSyncCollector (every torchrl minor) --
     Change("schemes renamed", "multisync", renamed("_weight_sync_schemes", *ALL), compat.SCHEMES),
-    Change("tracker renamed", "multisync", renamed("policy_version_tracker", *ALL), compat.TRACKER, every_leg=True),
+    Change("tracker renamed", "multisync", renamed("policy_version_tracker", *ALL), compat.TRACKER, every_node=True),
     Change(
         "rollout renamed",
         "multisync",
         edited("torchrl.collectors._single", r"re:\bdef rollout\(", "def rollout_renamed(")
         + edited("torchrl.collectors._single", r"re:\bself\.rollout\(", "self.rollout_renamed("),
         "ok",
-        every_leg=True,
+        every_node=True,
     ),
     Change(
         "rollout called through the class",
         "multisync",
         edited("torchrl.collectors._single", r"re:\bself\.rollout\(\)", "type(self).rollout(self)"),
         "ok",
-        every_leg=True,
+        every_node=True,
     ),
     Change(
         "the scheme never set up in the workers",
@@ -339,7 +339,7 @@ CHANGES = [
         )
         + edited("torchrl.collectors._runner", "inner_collector.register_scheme_receiver(weight_sync_schemes)", "pass"),
         compat.WORKERS_SET_UP,
-        every_leg=True,
+        every_node=True,
     ),
     Change("update sends nothing", "multisync", edited("torchrl.collectors._base", SEND, "pass"), "ok"),
     Change("update sends twice", "multisync", edited("torchrl.collectors._base", SEND, f"{SEND}; {SEND}"), "ok"),
@@ -383,28 +383,28 @@ CHANGES = [
         "distributed_sync",
         renamed("_make_container", "torchrl.collectors.distributed.sync"),
         "ok",
-        every_leg=True,
+        every_node=True,
     ),
     Change(
         "DistributedCollector._make_container renamed",
         "distributed_generic",
         renamed("_make_container", "torchrl.collectors.distributed.generic"),
         "ok",
-        every_leg=True,
+        every_node=True,
     ),
     Change(
         "the schemes' _worker_idx renamed",
         "distributed_sync",
         renamed("_worker_idx", "torchrl.weight_update", "torchrl.collectors"),
         "ok",
-        every_leg=True,
+        every_node=True,
     ),
     Change(
         "DistributedWeightSyncScheme._store renamed",
         "distributed_sync",
         renamed("_store", "torchrl.weight_update._distributed"),
         compat.DIST_STORE,
-        every_leg=True,
+        every_node=True,
     ),
     Change(
         "the receive buffers renamed",
@@ -436,7 +436,7 @@ CHANGES = [
         "ray",
         edited("torchrl.collectors._base", RECEIVE_THEN_VERSION, "            scheme.receive()\n\n    def _connect"),
         "ok",
-        every_leg=True,
+        every_node=True,
     ),
     Change(
         "a Ray actor told the version before the weights",
@@ -448,7 +448,7 @@ CHANGES = [
             "        for scheme in self._receiver_schemes.values():\n            scheme.receive()\n\n    def _connect",
         ),
         "ok",
-        every_leg=True,
+        every_node=True,
     ),
     Change(
         "a Ray actor not told of a push",
@@ -473,10 +473,10 @@ def _applies(change: Change) -> str | None:
         if not present:
             return f"torchrl {torchrl.__version__}'s {module} has no {old!r}"
     if change.play in _REMOTE and compat.TORCHRL_VERSION < (0, 14):
-        return "shmsync's remote legs need torchrl >= 0.14"
+        return "shmsync's remote nodes need torchrl >= 0.14"
     if change.play == "ray" and importlib.util.find_spec("ray") is None:
         return "ray is not installed"
-    if not change.every_leg and compat.NEWEST_RELEASE > compat.TORCHRL_VERSION:
+    if not change.every_node and compat.NEWEST_RELEASE > compat.TORCHRL_VERSION:
         return f"the full list of changes plays on torchrl {compat._minor(compat.NEWEST_RELEASE)}"
     return None
 

@@ -15,7 +15,7 @@ from shmsync.errors import AuthenticationError, ProtocolError
 from shmsync.relay import wire
 from shmsync.tools import secret_file
 
-from helpers import cli, wait_for
+from helpers import cli, server_handshake, wait_for
 
 SECRET = b"thirty-two bytes or more of relay secret"
 PAYLOAD = b"the weights of version seven, in clear: " * 100
@@ -51,7 +51,7 @@ def _run(fn, *args, **kwargs):
 def _links(encrypt=True, secret=SECRET, client_secret=SECRET):
     """A linked (server, client) pair after a real handshake over a socket pair."""
     a, b = _pair()
-    served = _run(wire.server_handshake, a, secret, 5, encrypt=encrypt)
+    served = _run(server_handshake, a, secret, 5, encrypt=encrypt)
     keys = wire.client_handshake(b, client_secret, 5, encrypt=encrypt)
     return wire.Link(a, "client", served()), wire.Link(b, "server", keys)
 
@@ -80,10 +80,10 @@ class Path:
 
 def test_both_ends_prove_the_secret_and_it_never_crosses_the_wire():
     path = Path()
-    done = _run(wire.server_handshake, path.server, SECRET, 5)
+    done = _run(server_handshake, path.server, SECRET, 5)
     wire.client_handshake(path.client, SECRET, 5)
     done()
-    want = wire.SERVER_HELLO + wire.CLIENT_HELLO + wire.SERVER_ANSWER
+    want = wire.SERVER_HELLO + wire.CLIENT_HELLO + 1 + wire.MAC_BYTES  # the answer: status, proof
     wait_for(lambda: len(path.crossed) >= want, timeout=10, what="the pipe to pass it all")
     assert len(path.crossed) == want == 48 + 81 + 33
     assert SECRET not in path.crossed and SECRET[:16] not in path.crossed
@@ -93,7 +93,7 @@ def test_frames_are_unreadable_on_the_path_and_each_connection_has_keys_of_its_o
     sealed = []
     for _ in range(2):
         path = Path()
-        served = _run(wire.server_handshake, path.server, SECRET, 5)
+        served = _run(server_handshake, path.server, SECRET, 5)
         client = wire.Link(path.client, "server", wire.client_handshake(path.client, SECRET, 5))
         server = wire.Link(path.server, "client", served())
         start = len(path.crossed)
@@ -147,7 +147,7 @@ def test_a_stranger_passing_the_handshake_through_can_neither_read_nor_alter_a_f
         return bytes(data)
 
     path = Path(alter)
-    served = _run(wire.server_handshake, path.server, SECRET, 5)
+    served = _run(server_handshake, path.server, SECRET, 5)
     relay = wire.Link(path.client, "trainer", wire.client_handshake(path.client, SECRET, 5))
     trainer = wire.Link(path.server, "relay", served())
     trainer.send(b"DATA", PAYLOAD)
@@ -163,7 +163,7 @@ def test_a_stranger_passing_the_handshake_through_can_neither_read_nor_alter_a_f
 @pytest.mark.parametrize("client_secret", [b"another secret, of thirty-two bytes too", SECRET[:-1] + b"!"])
 def test_a_client_without_the_secret_is_refused(client_secret):
     server, client = _pair()
-    served = _run(wire.server_handshake, server, SECRET, 5)
+    served = _run(server_handshake, server, SECRET, 5)
     asked = _run(wire.client_handshake, client, client_secret, 5)
     with pytest.raises(AuthenticationError, match="the peer does not hold the relay secret"):
         served()
@@ -209,7 +209,7 @@ def test_a_server_without_the_secret_is_refused_by_the_client():
 @pytest.mark.parametrize("server_encrypts", [True, False])
 def test_both_ends_must_want_the_same_frames(server_encrypts):
     server, client = _pair()
-    served = _run(wire.server_handshake, server, SECRET, 5, encrypt=server_encrypts)
+    served = _run(server_handshake, server, SECRET, 5, encrypt=server_encrypts)
     with pytest.raises(AuthenticationError, match="encrypt= must be the same on both ends"):
         wire.client_handshake(client, SECRET, 5, encrypt=not server_encrypts)
     with pytest.raises(AuthenticationError, match="encrypt= must be the same on both ends"):
@@ -229,7 +229,7 @@ def test_plain_frames_inside_a_tunnel_carry_no_tag_and_are_still_checked_for_siz
 
 def test_a_peer_that_does_not_speak_the_protocol_is_refused():
     server, client = _pair()
-    done = _run(wire.server_handshake, server, SECRET, 5)
+    done = _run(server_handshake, server, SECRET, 5)
     client.recv(wire.SERVER_HELLO)
     client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 60)
     with pytest.raises(AuthenticationError, match="does not speak the shmsync relay protocol"):
@@ -240,7 +240,7 @@ def test_a_silent_peer_is_dropped_at_the_handshake_deadline():
     server, client = _pair()
     began = time.monotonic()
     with pytest.raises(ProtocolError, match="in time"):
-        wire.server_handshake(server, SECRET, 0.3)
+        server_handshake(server, SECRET, 0.3)
     assert time.monotonic() - began < 2
     client.close()
 

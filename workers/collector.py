@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from shmsync.errors import InvalidArgumentError
+
 
 @dataclass
 class WorkerConfig:
@@ -35,7 +37,7 @@ def load_object(path: str) -> Any:
     """``"package.module:name"`` -> the object."""
     module, _, name = path.partition(":")
     if not name:
-        raise ValueError(f"expected 'module:function', got {path!r}")
+        raise InvalidArgumentError(f"expected 'module:function', got {path!r}")
     return getattr(importlib.import_module(module), name)
 
 
@@ -137,7 +139,7 @@ def _takes(cls: type, parameter: str) -> bool:
     """Whether ``cls`` takes ``parameter`` (torchrl 0.13 added auto_register_policy_transforms)."""
     import inspect
 
-    return parameter in inspect.signature(cls.__init__).parameters
+    return parameter in inspect.signature(cls).parameters
 
 
 def _portable(error: BaseException) -> BaseException:

@@ -28,7 +28,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from shmsync import WeightStore
-from shmsync.errors import ShmSyncError, StoreNotFoundError, WeightMismatchError
+from shmsync.errors import InvalidArgumentError, ShmSyncError, StoreNotFoundError, WaitTimeoutError, WeightMismatchError
 
 from .collector import WorkerConfig, run_worker
 from .relay import one_line, relay_exit_reason, start_relay
@@ -66,9 +66,9 @@ class WorkerPool:
         relay_secret: str | bytes | None = None,
     ) -> None:
         if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+            raise InvalidArgumentError(f"num_workers must be >= 1, got {num_workers}")
         if devices is not None and len(devices) != num_workers:
-            raise ValueError(f"got {len(devices)} devices for {num_workers} workers")
+            raise InvalidArgumentError(f"got {len(devices)} devices for {num_workers} workers")
         if relay is None:
             # A missing or unreadable store fails here, at once, not in every worker once it
             # has imported torch and TorchRL.
@@ -92,7 +92,7 @@ class WorkerPool:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        return [p.pid for p in self.procs if p.pid is not None]  # started: each has one
 
     def batches(self, max_batches: int | None = None, timeout: float = 120.0) -> Iterator[tuple[int, Any]]:
         """Yield ``(worker_id, batch)`` as workers produce them.
@@ -112,11 +112,11 @@ class WorkerPool:
                 self.stop()
                 if code == 0:
                     return  # the trainer closed its sender: no more versions will come
-                raise RuntimeError(f"this host's relay ended: {relay_exit_reason(code)}; workers stopped")
+                raise ShmSyncError(f"this host's relay ended: {relay_exit_reason(code)}; workers stopped")
             message = self._next_message()
             if message is None:
                 if time.monotonic() - quiet_since >= timeout:
-                    raise TimeoutError(f"no batch from any worker for {timeout}s")
+                    raise WaitTimeoutError(f"no batch from any worker for {timeout}s")
                 continue
             quiet_since = time.monotonic()
             kind, worker_id, payload = message
@@ -147,7 +147,7 @@ class WorkerPool:
             p = self.procs[dead]
             code = p.exitcode
             how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-            raise RuntimeError(f"worker {dead} (pid {p.pid}) died with {how}")
+            raise ShmSyncError(f"worker {dead} (pid {p.pid}) died with {how}")
 
     def _get(self, timeout: float) -> tuple[str, int, Any] | None:
         """The next message on the queue, or None after ``timeout`` seconds."""
@@ -241,7 +241,7 @@ class WorkerPool:
     def __enter__(self) -> WorkerPool:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *_exc: object) -> None:
         self.stop()
 
 

@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 from shmsync.errors import (
     AuthenticationError,
+    InvalidArgumentError,
     ProtocolError,
     RelayError,
+    ShmSyncError,
     StoreCorruptError,
     StoreNotFoundError,
     TrainerGoneError,
@@ -60,7 +62,7 @@ def relay_exit_reason(code: int | None) -> str:
     """What a relay process's exit code means, in words."""
     if code is not None and code < 0:
         return f"killed by signal {-code}"
-    return REASONS.get(code, f"exit code {code}")
+    return REASONS.get(code, f"exit code {code}") if code is not None else "still running"
 
 
 def _relay_process(address: str, port: int, store: str, secret: str | bytes | None) -> None:
@@ -82,7 +84,7 @@ def start_relay(ctx: Any, connect: str, store: str, timeout: float, secret: str 
 
     address, _, port = connect.rpartition(":")
     if not address or not port.isdigit():
-        raise ValueError(f"relay wants ADDRESS:PORT, got {connect!r}")
+        raise InvalidArgumentError(f"relay wants ADDRESS:PORT, got {connect!r}")
     proc = ctx.Process(target=_relay_process, args=(address, int(port), store, secret), daemon=False)
     proc.start()
     deadline = time.monotonic() + timeout
@@ -93,13 +95,13 @@ def start_relay(ctx: Any, connect: str, store: str, timeout: float, secret: str 
         except StoreNotFoundError:
             pass
         if not proc.is_alive():
-            raise RuntimeError(
+            raise ShmSyncError(
                 f"this host's relay ended before store {store!r} existed: {relay_exit_reason(proc.exitcode)}"
             )
         if time.monotonic() > deadline:
             proc.kill()
             proc.join(5)
-            raise RuntimeError(f"this host's relay did not create store {store!r} within {timeout:.0f} s")
+            raise ShmSyncError(f"this host's relay did not create store {store!r} within {timeout:.0f} s")
         time.sleep(0.02)
 
 

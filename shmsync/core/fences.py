@@ -33,10 +33,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib
 import os
 import platform
 import threading
 from collections.abc import Callable
+from typing import Any
+
+from shmsync.errors import InvalidArgumentError, ShmSyncError
 
 Fence = Callable[[], None]
 
@@ -60,12 +64,12 @@ def _lock_round_trip() -> None:
         pass
 
 
-def _extension() -> object | None:
+def _extension() -> Any:
+    """The optional C extension (built by setup.py), or None."""
     try:
-        from shmsync.core import _atomics
+        return importlib.import_module("shmsync.core._atomics")
     except ImportError:  # built without a compiler: the next source
         return None
-    return _atomics
 
 
 def _extension_fence() -> Fence | None:
@@ -125,7 +129,7 @@ def _full_fence() -> tuple[Fence, str]:
                 break
         else:
             if not _TSO:
-                raise RuntimeError(
+                raise ShmSyncError(
                     f"shmsync cannot order memory on this {platform.machine()} CPU: its compiled fence, libatomic "
                     "and the membarrier system call are all missing (reinstall shmsync with a C compiler)"
                 )
@@ -149,9 +153,11 @@ def default_ordering() -> str:
     forced = os.environ.get("SHMSYNC_ORDERING", "").strip().lower()
     if forced:
         if forced not in ("tso", "weak"):
-            raise ValueError(f"SHMSYNC_ORDERING must be 'tso' or 'weak', got {forced!r}")
+            raise InvalidArgumentError(f"SHMSYNC_ORDERING must be 'tso' or 'weak', got {forced!r}")
         if forced == "tso" and not _TSO:
-            raise ValueError(f"SHMSYNC_ORDERING=tso is wrong on this {platform.machine()} CPU: it reorders stores")
+            raise InvalidArgumentError(
+                f"SHMSYNC_ORDERING=tso is wrong on this {platform.machine()} CPU: it reorders stores"
+            )
         return forced
     return "tso" if _TSO else "weak"
 
@@ -169,6 +175,6 @@ def ordering(kind: str | None = None) -> tuple[Fence, Fence]:
     """
     kind = default_ordering() if kind is None else kind
     if kind not in ("tso", "weak"):
-        raise ValueError(f"ordering must be 'tso' or 'weak', got {kind!r}")
+        raise InvalidArgumentError(f"ordering must be 'tso' or 'weak', got {kind!r}")
     full, _ = _full_fence()
     return (_compiler_fence() if kind == "tso" else full), full

@@ -19,6 +19,8 @@ import errno
 import mmap
 import os
 
+from shmsync.errors import SharedMemoryError
+
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 _PAGE = mmap.PAGESIZE
@@ -37,7 +39,7 @@ def reserve(fd: int, offset: int, length: int, what: str) -> None:
         os.posix_fallocate(fd, offset, length)
     except OSError as e:
         free = os.fstatvfs(fd)
-        raise OSError(
+        raise SharedMemoryError(
             e.errno,
             f"cannot reserve {human_bytes(length)} for {what} ({e.strerror}; "
             f"{human_bytes(free.f_bavail * free.f_frsize)} free in its shared-memory folder); free shared "
@@ -50,7 +52,7 @@ def punch(fd: int, offset: int, length: int) -> None:
     every mapping of them, in every process, lets go of them (private copies excepted)."""
     if _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, offset, length) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"cannot give back shared memory: {os.strerror(err)}")
+        raise SharedMemoryError(err, f"cannot give back shared memory: {os.strerror(err)}")
 
 
 def holds_pages(fd: int, offset: int, length: int) -> bool:

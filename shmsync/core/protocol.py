@@ -213,6 +213,8 @@ from shmsync.core.processes import own_start_ns, pid_stopped
 from shmsync.errors import ReloadTimeoutError, ShmSyncError
 
 CopyFn = Callable[[int], None]  # copies out of (or into) the slot with that index
+# A header's int64 words: a memoryview cast to "q" in a store, a list of ints in tests.
+HeaderWords = MutableSequence[int] | memoryview
 
 
 class Locks(Interface):
@@ -282,7 +284,7 @@ class Write(NamedTuple):
     cold: bool = False
 
 
-def initialize(h: MutableSequence[int], num_slots: int) -> None:
+def initialize(h: HeaderWords, num_slots: int) -> None:
     """Set the protocol's words of a fresh header: no version yet, every slot of every bank empty."""
     h[W_VERSION] = -1
     h[W_PROMISED] = -1
@@ -314,7 +316,7 @@ class Words:
         (3, -1)
     """
 
-    def __init__(self, h: MutableSequence[int], bank: int = HOST, *, name: str = "store", ordering: str | None = None):
+    def __init__(self, h: HeaderWords, bank: int = HOST, *, name: str = "store", ordering: str | None = None):
         self.h = h
         self.bank = bank
         self.name = name

@@ -42,10 +42,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from typing import TypeVar
 
 from shmsync.core.pages import reserve
-from shmsync.errors import StoreNotFoundError, StoreUntrustedError
+from shmsync.errors import InvalidArgumentError, StoreExistsError, StoreNotFoundError, StoreUntrustedError
 
 SHM_DIR = os.environ.get("SHMSYNC_DIR", "/dev/shm")
 PREFIX = "shmsync-"
@@ -77,7 +78,7 @@ _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 def validate_name(name: str) -> str:
     """``name`` if it is a valid store name, else ValueError naming the rule."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"invalid store name {name!r}: use 1-200 characters among letters, digits, '_', '.' and '-', "
             "starting with a letter, a digit or '_'"
         )
@@ -339,7 +340,7 @@ _UNLOCKED = struct.pack("h", fcntl.F_UNLCK)
 _ROW_QUERIES: list[bytes] = []  # per row, the F_OFD_GETLK request for its lock byte, made once
 
 
-def locked_rows(fd: int, rows: list[int], own: set[int] = frozenset()) -> set[int]:
+def locked_rows(fd: int, rows: list[int], own: AbstractSet[int] = frozenset()) -> set[int]:
     """Of reader-table ``rows``, those whose lock a live process holds: one ``F_OFD_GETLK`` a row
     (about a microsecond), none for a row whose lock is in ``own`` (bytes held through ``fd``)."""
     queries = _ROW_QUERIES
@@ -367,7 +368,7 @@ class Segment:
 
     def __init__(self, name: str, fd: int, size: int, head: int) -> None:
         if not 0 < head <= size:
-            raise ValueError(f"segment {name!r}: head of {head} bytes out of range for {size} bytes")
+            raise InvalidArgumentError(f"segment {name!r}: head of {head} bytes out of range for {size} bytes")
         self.name = name
         self.fd = fd
         self.size = size
@@ -396,7 +397,7 @@ class Segment:
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | _OPEN_FLAGS, 0o600)
         except FileExistsError:
-            raise FileExistsError(f"a store named {name!r} already exists ({path})") from None
+            raise StoreExistsError(f"a store named {name!r} already exists ({path})") from None
         try:
             # Held from the first moment: gc never takes a store being made for garbage.
             _lock(fd, HOLDER_LOCK, exclusive=False, wait=False)
@@ -432,7 +433,7 @@ class Segment:
         try:
             os.link(path_of(self.name), target)
         except FileExistsError:
-            raise FileExistsError(f"a store named {name!r} already exists ({target})") from None
+            raise StoreExistsError(f"a store named {name!r} already exists ({target})") from None
         tracked = self.tracked
         self.unlink()
         self.name = name

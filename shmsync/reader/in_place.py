@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from shmsync.errors import SharedWeightsWrittenError
+from shmsync.errors import SharedMemoryError, SharedWeightsWrittenError, ShmSyncError
 from shmsync.store.copies import copy_all
 from shmsync.store.memory import StoreMemory
 
@@ -95,7 +95,7 @@ class InPlace:
             views = self.views[slot] = [self._slots[slot][i] for i in self._order]
         with torch.no_grad():
             for p, v in zip(self.params, views[: len(self.params)]):
-                p.set_(v)
+                p.set_(v)  # type: ignore[call-overload]  # torch's stubs lack its set_(Tensor)
         if self.buffers:  # the slot is leased: it cannot change under this copy
             copy_all(self.buffers, views[len(self.params) :], self.on_cpu)
         if not self.viewing:
@@ -147,7 +147,7 @@ def make_private(params: list[torch.Tensor]) -> None:
     """Give parameters that point at shared memory private copies of their current values."""
     with torch.no_grad():
         for p in params:
-            p.set_(p.detach().clone())
+            p.set_(p.detach().clone())  # type: ignore[call-overload]  # as above
     unmark(params)
     params.clear()
 
@@ -189,7 +189,7 @@ def _refuse_viewing(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         for p in group["params"]:
             entry = _VIEWING.get(id(p))
             if entry is not None and entry[0]() is p:
-                raise RuntimeError(
+                raise ShmSyncError(
                     f"parameter {entry[1]!r} views the read-only shared memory of store {entry[2]!r} "
                     "(a zero_copy reader): an optimizer step would write to it. Train a module of its own "
                     "(the trainer's), or read this store with zero_copy=False"
@@ -217,4 +217,4 @@ def discard_private(address: int, length: int) -> None:
     start = address - address % _PAGE
     if _libc.madvise(start, address + length - start, MADV_DONTNEED) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"madvise(MADV_DONTNEED) failed: {os.strerror(err)}")
+        raise SharedMemoryError(err, f"madvise(MADV_DONTNEED) failed: {os.strerror(err)}")

@@ -15,7 +15,7 @@ import logging
 import time
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ from shmsync.errors import (
     WriterGoneError,
 )
 from shmsync.reader.binding import Binding, is_meta, parts_of
-from shmsync.reader.in_place import make_private
+from shmsync.reader.in_place import InPlace, make_private
 from shmsync.store.memory import StoreMemory
 
 log = logging.getLogger("shmsync.reader")
@@ -236,7 +236,7 @@ class WeightReader:
             leased = binding.table.lease_latest(self._row)
         if leased is not None:
             version = leased[1]
-            in_place.point(leased[0])
+            cast(InPlace, in_place).point(leased[0])
         else:
             version = self._copy_latest(binding)
         changed = version != self._version

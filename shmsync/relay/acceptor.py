@@ -56,7 +56,7 @@ class Acceptor:
                     if key.fileobj is server.sock:
                         self._accept()
                     else:
-                        self._read(self.pending.get(key.fileobj.fileno()))
+                        self._read(self.pending.get(key.fd))
                 self._expire()
                 if self.resume_accepting and time.monotonic() > self.resume_accepting:
                     self.resume_accepting = 0.0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shmsync.errors import ProtocolError
+from shmsync.errors import ProtocolError, RelayError
 from shmsync.relay import wire
 from shmsync.relay.messages import (
     BYE,
@@ -138,9 +138,9 @@ def _fill(
             relay.server.advance(fwd, got)
 
 
-class Cancelled(Exception):
+class Cancelled(RelayError):
     """The parent cancelled the version being received (it will send a newer one)."""
 
 
-class Left(Exception):
+class Left(RelayError):
     """The parent stopped feeding this relay (it is leaving the tree): attach elsewhere."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import secrets
 import time
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 from shmsync.core.header import MAX_LAYOUT_BYTES
 from shmsync.errors import (
@@ -99,7 +99,6 @@ class Relay:
         self.store: WeightStore | None = None
         self.received = 0
         self.parent: tuple[str, int] | None = None  # where versions come from now
-        self.attachments = 0  # how many times it (re-)attached
         self.server: Server | None = None
         self.description: bytes | None = None
         self.layout: Layout | None = None
@@ -123,7 +122,7 @@ class Relay:
             ProtocolError: the trainer itself broke the protocol (nothing it sent was published).
         """
         try:
-            lost = []  # when links were lost since the last version received
+            lost: list[float] = []  # when links were lost since the last version received
             while max_versions is None or self.received < max_versions:
                 link = self._attach()
                 received = self.received
@@ -185,7 +184,6 @@ class Relay:
             admitted, redirect, why = self._ask_to_join(link, target, direct)
             if admitted:
                 self.parent = target
-                self.attachments += 1
                 return link
             link.close()
             if redirect is not None and redirect not in seen and len(seen) <= MAX_HOPS:
@@ -272,7 +270,7 @@ class Relay:
             ) from error
 
     def _make_server(self, link: wire.Link) -> Server:
-        host, port = (link.sock.getsockname()[0], 0) if self.listen == "auto" else self.listen
+        host, port = (link.sock.getsockname()[0], 0) if self.listen == "auto" else cast(tuple[str, int], self.listen)
         return Server(
             host,
             port,
@@ -308,7 +306,7 @@ class Relay:
         if self.description is not None:
             if description != self.description:
                 raise ProtocolError(f"{peer} serves another layout than the one this relay had")
-            return self.layout
+            return cast(Layout, self.layout)  # parsed with the description
         try:
             return Layout.from_json(description, f"the layout {peer} sent")[0]
         except StoreCorruptError as e:
@@ -359,8 +357,8 @@ def check_conf(conf: Any, peer: str) -> tuple[int, list[str], int]:
     )
     if not ok:
         raise ProtocolError(f"{peer} sent the tree's settings as {str(conf)[:100]}")
-    return fanout, path, bucket
+    return cast(int, fanout), cast(list[str], path), cast(int, bucket)
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: Any) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)

@@ -34,7 +34,7 @@ def listen(link: wire.Link, book: ReportBook, node: str, via: str, stopping: Cal
     """Receive ``node``'s reports from ``link`` until it ends or ``stopping()``. A link whose reports
     stop is not cut here (the thread feeding it decides whether the relay still lives): its host
     shows as silent. One that sends anything but reports, or a frame that does not come whole
-    within ``timeout`` seconds, is closed (its feeder then drops it). Its rows stay in ``book``,
+    within ``timeout`` seconds, is closed (its child_link then drops it). Its rows stay in ``book``,
     marked lost."""
     poller = select.poll()  # not select(): a server may hold descriptors above 1024
     try:

@@ -6,6 +6,7 @@ import secrets
 import sys
 from typing import Any
 
+from shmsync.errors import InvalidArgumentError
 from shmsync.relay import wire
 from shmsync.relay.messages import BUCKET_BYTES, MAX_FANOUT, STOP, choose_fanout
 from shmsync.relay.server import Server
@@ -73,7 +74,7 @@ class RelaySender:
         if fanout is None:
             fanout = choose_fanout(store.nbytes, bucket_bytes)
         if isinstance(fanout, bool) or not isinstance(fanout, int) or not 1 <= fanout <= MAX_FANOUT:
-            raise ValueError(f"fanout must be an int between 1 and {MAX_FANOUT}, got {fanout!r}")
+            raise InvalidArgumentError(f"fanout must be an int between 1 and {MAX_FANOUT}, got {fanout!r}")
         raw, generated = wire.resolve_secret(secret, generate=True)
         if encrypt:
             wire.Keys(bytes(32), bytes(32))  # the cipher is installed (else a clear ImportError now)
@@ -152,5 +153,5 @@ class RelaySender:
     def __enter__(self) -> RelaySender:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *_exc: Any) -> None:
         self.close()

@@ -1,6 +1,6 @@
 """One node of the relay tree as seen from below: accepting and admitting relays, pointing the
 rest further down, and the version this node is receiving (which its links forward as it comes).
-Each admitted relay is fed by :mod:`shmsync.relay.feeding`."""
+Each admitted relay is fed by :mod:`shmsync.relay.child_link`."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, cast
 
 from shmsync.core.protocol import Write
-from shmsync.errors import AuthenticationError, ProtocolError, RelayError
+from shmsync.errors import AuthenticationError, InvalidArgumentError, LinkClosedError, ProtocolError, RelayError
 from shmsync.relay import wire
 from shmsync.relay.acceptor import Acceptor
-from shmsync.relay.feeding import Feeder
+from shmsync.relay.child_link import ChildLink
 from shmsync.relay.messages import (
     CLOSE_WITHIN,
     CONF,
@@ -66,9 +66,11 @@ class Server:
         self.secret, self.node, self.encrypt, self.root = secret, node, encrypt, root
         self.bucket_bytes = int(bucket_bytes)
         if not 1 <= self.bucket_bytes <= MAX_BUCKET_BYTES:
-            raise ValueError(f"bucket_bytes must be between 1 and {MAX_BUCKET_BYTES}, got {bucket_bytes}")
+            raise InvalidArgumentError(f"bucket_bytes must be between 1 and {MAX_BUCKET_BYTES}, got {bucket_bytes}")
         if not timeout > 0 or not handshake_timeout > 0:
-            raise ValueError(f"timeouts must be > 0, got timeout={timeout}, handshake_timeout={handshake_timeout}")
+            raise InvalidArgumentError(
+                f"timeouts must be > 0, got timeout={timeout}, handshake_timeout={handshake_timeout}"
+            )
         self.timeout, self.handshake_timeout = timeout, handshake_timeout
         self.ping_every = min(5.0, timeout / 4)
         self.fanout = FANOUT
@@ -149,7 +151,7 @@ class Server:
                 return
             with self.changed:
                 if self.stopping.is_set():
-                    raise EOFError("closing")
+                    raise LinkClosedError("closing")
                 self.children[child.id] = child
                 self._admitting.pop(seated, None)
                 seated = None
@@ -193,7 +195,7 @@ class Server:
     def _take_on(self, link: wire.Link, node: str, serve: tuple[str, int] | None, peer: str) -> Child | None:
         """Send the layout and the tree's settings, take the relay's answer: the child to feed, or
         None if its host holds another model (it is dropped, saying so)."""
-        link.send(LYOT, self.description)
+        link.send(LYOT, cast(bytes, self.description))  # set by start(), before any child
         link.send_json(CONF, {"fanout": self.fanout, "path": [*self.path, self.node], "bucket": self.bucket_bytes})
         kind, doc = link.recv_json({HAVE: wire.MAX_JSON_BYTES, MISM: wire.MAX_JSON_BYTES}, self.handshake_timeout)
         with self.changed:
@@ -206,11 +208,11 @@ class Server:
         with self.changed:
             newest = self._newest()
         check_have(have, newest, self.root, peer)
-        return Child(relay_id, node, link, serve, have)
+        return Child(relay_id, node, link, serve, cast(int, have))
 
     def _start_links(self, child: Child) -> None:
         """The threads of a new child: feeding it, reading its reports, checking its address."""
-        child.thread = threading.Thread(target=Feeder(self, child).run, name=f"shmsync-relay-{child.id}")
+        child.thread = threading.Thread(target=ChildLink(self, child).run, name=f"shmsync-relay-{child.id}")
         child.thread.daemon = True
         child.thread.start()
         threading.Thread(
@@ -260,7 +262,7 @@ class Server:
     def _verify(self, child: Child) -> None:
         """Check that the relay at ``child.serve`` proves the secret and is ``child`` (its node id):
         only then are other relays pointed there."""
-        host, port = child.serve
+        host, port = cast(tuple[str, int], child.serve)  # verified only when it serves
         verified = False
         try:
             link = wire.connect(host, port, self.secret, self.handshake_timeout, encrypt=self.encrypt)
@@ -333,7 +335,8 @@ class Server:
             self._accept.join(max(0.0, min(0.5, deadline - time.monotonic())))
         self.sock.close()
         for child in children:
-            child.thread.join(max(0.0, deadline - time.monotonic() - 0.2))
+            if child.thread is not None:
+                child.thread.join(max(0.0, deadline - time.monotonic() - 0.2))
         for child in children:
             child.link.close()  # a thread still blocked in a send to a stalled relay wakes up
         if self.sealed is not None:

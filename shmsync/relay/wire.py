@@ -50,11 +50,18 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shmsync.errors import AuthenticationError, ProtocolError, RelayError
+from shmsync.errors import (
+    AuthenticationError,
+    LinkClosedError,
+    LinkTimeoutError,
+    MissingExtraError,
+    ProtocolError,
+    RelayError,
+)
 from shmsync.tools.secret_file import (  # noqa: F401 (re-exported: the relay's callers read secrets from here)
     MIN_SECRET_BYTES,
     SECRET_ENV,
@@ -70,7 +77,6 @@ MAC_BYTES = 32
 TAG_BYTES = 16
 SERVER_HELLO = len(MAGIC) + NONCE_BYTES
 CLIENT_HELLO = len(MAGIC) + NONCE_BYTES + 1 + MAC_BYTES
-SERVER_ANSWER = 1 + MAC_BYTES
 FRAME = struct.Struct(">4sQ")
 MAX_JSON_BYTES = 64 << 10
 ACCEPTED, OTHER_MODE, REFUSED = 0, 1, 2
@@ -99,7 +105,7 @@ def aead_class():
     try:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     except ImportError:  # pragma: no cover - depends on the environment
-        raise ImportError(
+        raise MissingExtraError(
             "encrypted relay links need the cryptography package: pip install 'shmsync[relay]' (or, inside a "
             "tunnel that encrypts, encrypt=False on both ends)"
         ) from None
@@ -138,7 +144,7 @@ def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
 @dataclass
 class ServerSide:
     """The server's half of one handshake, as a state machine (the relay's acceptor drives many at
-    once on non-blocking sockets; :func:`server_handshake` drives one on a blocking socket).
+    once on non-blocking sockets).
 
     Args:
         secret: the relay secret.
@@ -195,27 +201,6 @@ class _OtherMode(Refused):
                          f"this side {want} ones (encrypt= must be the same on both ends)", reply)  # fmt: skip
 
 
-def server_handshake(sock: socket.socket, secret: bytes, timeout: float, *, encrypt: bool = True) -> Keys | None:
-    """Run the server's side of the handshake on a blocking socket; the connection's keys.
-
-    Raises:
-        AuthenticationError: the peer did not prove the secret (it was sent nothing but a nonce
-            and REFUSED), or wants the other mode.
-        ProtocolError, EOFError, OSError: it broke off or took longer than ``timeout`` seconds.
-    """
-    deadline = time.monotonic() + timeout
-    side = ServerSide(secret, encrypt)
-    sock.settimeout(timeout)
-    sock.sendall(side.hello())
-    try:
-        reply, keys = side.answer(_recv_exactly(sock, CLIENT_HELLO, deadline, "handshake"))
-    except Refused as e:
-        sock.sendall(e.reply)
-        raise
-    sock.sendall(reply)
-    return keys
-
-
 def client_handshake(sock: socket.socket, secret: bytes, timeout: float, *, encrypt: bool = True) -> Keys | None:
     """Run the client's side of the handshake on a connected socket; the connection's keys.
 
@@ -236,7 +221,7 @@ def client_handshake(sock: socket.socket, secret: bytes, timeout: float, *, encr
     try:
         status = _recv_exactly(sock, 1, deadline, "handshake")
     except ConnectionResetError as e:
-        raise EOFError(f"handshake: the server cut the connection before it answered ({e})") from None
+        raise LinkClosedError(f"handshake: the server cut the connection before it answered ({e})") from None
     if status[0] == REFUSED:
         raise AuthenticationError("the server refused this side's proof: the two hold different secrets")
     proof = _recv_exactly(sock, MAC_BYTES, deadline, "handshake")
@@ -266,7 +251,7 @@ def _recv_exactly(sock: socket.socket, n: int, deadline: float, what: str) -> by
         except TimeoutError:
             raise ProtocolError(f"{what}: the peer sent {got} of {n} bytes in time") from None
         if k == 0:
-            raise EOFError(f"{what}: the peer closed the connection")
+            raise LinkClosedError(f"{what}: the peer closed the connection")
         got += k
     return bytes(buf)
 
@@ -330,7 +315,6 @@ class Link:
         self.peer = peer
         self.keys = keys
         self.bytes_sent = 0
-        self.tag = TAG_BYTES if keys is not None else 0
         sock.settimeout(None)
         self._timeout: float | None = None  # the socket's receive timeout now (None: none)
         self._frame: tuple[bytes, int] | None = None  # a frame whose payload is still to be read
@@ -351,7 +335,7 @@ class Link:
         """
         if not self.send_or_keep(kind, payload):
             self.close()
-            raise TimeoutError(f"{self.peer} took no bytes for {self.send_timeout} s")
+            raise LinkTimeoutError(f"{self.peer} took no bytes for {self.send_timeout} s")
 
     def send_or_keep(self, kind: bytes, payload: bytes | memoryview = b"", *, sealed: bool = False) -> bool:
         """Send one frame; False if the peer took no bytes for the send timeout, in which case the
@@ -421,7 +405,7 @@ class Link:
 
     # -- in ------------------------------------------------------------------------------------
     def recv_frame(
-        self, allowed: dict[bytes, int | tuple[int, int]], timeout: float | None = None
+        self, allowed: Mapping[bytes, int | tuple[int, int]], timeout: float | None = None
     ) -> tuple[bytes, int]:
         """The next frame's kind and length, which must be one of ``allowed`` (kind -> the most
         bytes it may carry, or ``(fewest, most)``); its payload must be read next, whole
@@ -439,7 +423,8 @@ class Link:
             raise ProtocolError(
                 f"{self.peer} sent a {kind!r} message where only {sorted(k.decode() for k in allowed)} may come"
             )
-        fewest, most = allowed[kind] if isinstance(allowed[kind], tuple) else (0, allowed[kind])
+        limits = allowed[kind]
+        fewest, most = limits if isinstance(limits, tuple) else (0, limits)
         if not fewest <= length <= most:
             limit = f"at most {most}" if fewest == 0 else f"{fewest} to {most}" if fewest != most else f"exactly {most}"
             raise ProtocolError(
@@ -494,14 +479,16 @@ class Link:
     def _open(self, kind: bytes, n: int, view: memoryview) -> None:
         """Check and decrypt the sealed payload just received (the first ``n + TAG_BYTES`` bytes
         of the receive buffer) into ``view``."""
+        keys = self.keys
+        assert keys is not None  # only sealed links open payloads
         with memoryview(self._in)[: n + TAG_BYTES] as sealed:
             why = (
                 f"a {kind.decode(errors='replace')} frame from {self.peer} failed its check: it was altered, "
                 "replayed or cut on the way (or the peer is not who proved the secret)"
             )
-            open_checked(self.keys.recv, self.keys.next_recv_nonce(), sealed, FRAME.pack(kind, n), view, why)
+            open_checked(keys.recv, keys.next_recv_nonce(), sealed, FRAME.pack(kind, n), view, why)
 
-    def recv_json(self, allowed: dict[bytes, int], timeout: float | None = None) -> tuple[bytes, Any]:
+    def recv_json(self, allowed: Mapping[bytes, int], timeout: float | None = None) -> tuple[bytes, Any]:
         """The next frame, whose payload is a JSON document of at most ``allowed[kind]`` bytes."""
         kind, length = self.recv_frame(allowed, timeout)
         return kind, self.recv_payload_json(kind, timeout)
@@ -538,7 +525,7 @@ class Link:
         except (BlockingIOError, TimeoutError):
             raise ProtocolError(f"{self.peer} sent nothing for over {timeout:.1f} s") from None
         if n == 0:
-            raise EOFError(f"{self.peer} closed the link")
+            raise LinkClosedError(f"{self.peer} closed the link")
         return n
 
     def close(self) -> None:

@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from shmsync.errors import InvalidArgumentError, ShmSyncError, WaitTimeoutError
+
 PARALLEL_MIN_BYTES = 4 << 20
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
@@ -32,7 +34,7 @@ def copy_threads() -> int:
     forced = os.environ.get("SHMSYNC_COPY_THREADS", "").strip()
     if forced:
         if not forced.isdigit() or int(forced) < 1:
-            raise ValueError(f"SHMSYNC_COPY_THREADS must be a positive integer, got {forced!r}")
+            raise InvalidArgumentError(f"SHMSYNC_COPY_THREADS must be a positive integer, got {forced!r}")
         return int(forced)
     try:
         cores = len(os.sched_getaffinity(0))
@@ -169,7 +171,7 @@ class Copier:
         self._thread: threading.Thread | None = None
         self._closing = False
 
-    def submit(self, task: Callable[[], None], *, guards_sources: bool = True) -> None:
+    def submit(self, task: Callable[[], object], *, guards_sources: bool = True) -> None:
         """Run ``task`` on the background thread, after the tasks handed over before it.
 
         Args:
@@ -201,7 +203,7 @@ class Copier:
         """
         with self._cv:
             if not self._cv.wait_for(lambda: self.pending == 0, timeout):
-                raise TimeoutError(f"{self.name}: a background copy did not end within {timeout} s")
+                raise WaitTimeoutError(f"{self.name}: a background copy did not end within {timeout} s")
             self._raise_pending()
 
     def close(self) -> None:
@@ -222,7 +224,7 @@ class Copier:
     def _raise_pending(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"{self.name}: a background publish failed: {error}") from error
+            raise ShmSyncError(f"{self.name}: a background publish failed: {error}") from error
 
     def _run(self) -> None:
         while True:

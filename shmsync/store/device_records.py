@@ -33,7 +33,7 @@ import torch
 
 from shmsync.core import fences
 from shmsync.core.header import DEVICE_RECORD_WORDS, MAX_SLOTS, W_DEVICE_RECORDS
-from shmsync.errors import StoreCorruptError
+from shmsync.errors import ShmSyncError, StoreCorruptError
 from shmsync.store.layout import Layout
 
 MAX_HANDLE = 128
@@ -77,7 +77,7 @@ def share(tensor: torch.Tensor) -> Record:
         or len(record.counter) > MAX_COUNTER_NAME
         or len(record.event) > MAX_EVENT_HANDLE
     ):
-        raise RuntimeError(
+        raise ShmSyncError(
             f"torch's CUDA IPC handles are longer than a store's record holds ({len(record.handle)}, "
             f"{len(record.counter)}, {len(record.event)} bytes; at most {MAX_HANDLE}, {MAX_COUNTER_NAME}, "
             f"{MAX_EVENT_HANDLE})"

@@ -395,7 +395,7 @@ def register_host(tensor: torch.Tensor) -> int:
     ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
     err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {size} bytes failed with CUDA error {int(err)}")
+        raise ShmSyncError(f"cudaHostRegister of {size} bytes failed with CUDA error {int(err)}")
     return ptr
 
 

@@ -202,24 +202,29 @@ class ReaderTable:
 
     def _troubles(self) -> list[str]:
         """What the summary line says beyond the counts: who is behind, stopped, gone, silent."""
-        behind = [r for r in self.rows if r.behind]
-        unloaded = sum(r.behind is None for r in self.rows)
         stopped = sum(r.stopped for r in self.rows)
         silent = [h.host for h in self.hosts if h.state != "reporting"]
-        parts = []
-        if behind:
-            worst = f"worst: {_count(behind[0].behind, 'version')}, {behind[0].label}"
-            parts.append(f"{_count(len(behind), 'reader')} behind ({worst})")
-        if unloaded:
-            parts.append(f"{_count(unloaded, 'reader')} not loaded yet")
-        if self.rows and not behind and not unloaded:
-            parts.append("all at the newest version")
+        parts = self._lag()
         if stopped:
             parts.append(f"{stopped} stopped")
         if self.gone:
             parts.append(f"{len(self.gone)} gone")
         if silent:
             parts.append(f"no report from {', '.join(silent)}")
+        return parts
+
+    def _lag(self) -> list[str]:
+        """How far the readers trail: the worst one behind, those not loaded yet, or all current."""
+        behind = [r for r in self.rows if r.behind]  # a loaded reader's: an int
+        unloaded = sum(r.behind is None for r in self.rows)
+        parts = []
+        if behind:
+            worst = f"worst: {_count(behind[0].behind or 0, 'version')}, {behind[0].label}"
+            parts.append(f"{_count(len(behind), 'reader')} behind ({worst})")
+        if unloaded:
+            parts.append(f"{_count(unloaded, 'reader')} not loaded yet")
+        if self.rows and not behind and not unloaded:
+            parts.append("all at the newest version")
         return parts
 
     def as_dict(self) -> dict[str, Any]:
@@ -283,7 +288,8 @@ def local_rows(
     memory = processes if memory is None else memory
     rows = [(row, w) for row, w in reader_rows(h) if not w[R_FLAGS] & ROW_LINK]  # a relay's link: no reader
     living = alive([row for row, _ in rows])
-    live, gone = [], []
+    live: list[ReaderRow] = []
+    gone: list[ReaderRow] = []
     for row, w in rows:
         is_alive = row in living
         state, uss = _process_facts(w, is_alive, processes, memory) if processes or not is_alive else ("", None)
@@ -344,7 +350,9 @@ class RemoteRows(Protocol):
     """What reports readers on other hosts into a store's table in this process (a relay sender,
     a distributed collector)."""
 
-    latest: int  # the newest version it knows the trainer published (-1: none)
+    @property
+    def latest(self) -> int:
+        """The newest version it knows the trainer published (-1: none)."""
 
     def remote_rows(self, latest: int) -> tuple[list[HostReport], list[ReaderRow]]:
         """The other hosts' reports and their rows, seen now against ``latest``."""

@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from shmsync.errors import WeightMismatchError
+from shmsync.errors import ArgumentTypeError, InvalidArgumentError, WeightMismatchError
 
 
 def module_weights(module: nn.Module) -> TensorDictBase:
@@ -33,7 +33,7 @@ def as_tensordict(source: Any, what: str = "source") -> tuple[TensorDictBase, tu
         return (source.unflatten_keys(".") if dotted else source), None
     if isinstance(source, Mapping):
         return _mapping_as_tensordict(source, what)
-    raise TypeError(
+    raise ArgumentTypeError(
         f"{what} must be an nn.Module, a TensorDict, or a mapping destination -> module/TensorDict; "
         f"got {type(source).__name__}"
     )
@@ -42,18 +42,18 @@ def as_tensordict(source: Any, what: str = "source") -> tuple[TensorDictBase, tu
 def _mapping_as_tensordict(source: Mapping, what: str) -> tuple[TensorDictBase, tuple[str, ...] | None]:
     """A state dict (``{"0.weight": tensor}``), or destinations (``{"policy": module, ...}``)."""
     if not source:
-        raise ValueError(f"{what} is an empty mapping")
+        raise InvalidArgumentError(f"{what} is an empty mapping")
     tensors = [isinstance(v, torch.Tensor) for v in source.values()]
     if all(tensors):
         # A plain state_dict: {"0.weight": tensor, ...}.
         return TensorDict({k: v for k, v in source.items()}).unflatten_keys("."), None
     if any(tensors):  # a state dict with a stray entry: name that entry, not a valid one
         key, value = next((k, v) for k, v in source.items() if not isinstance(v, torch.Tensor))
-        raise TypeError(f"{what}: state dict entry {key!r} is a {type(value).__name__}, not a tensor")
+        raise ArgumentTypeError(f"{what}: state dict entry {key!r} is a {type(value).__name__}, not a tensor")
     td = TensorDict()
     for dest, value in source.items():
         if not isinstance(dest, str) or not dest:
-            raise ValueError(f"{what}: destination names must be non-empty strings, got {dest!r}")
+            raise InvalidArgumentError(f"{what}: destination names must be non-empty strings, got {dest!r}")
         sub, _ = as_tensordict(value, what=f"{what}[{dest!r}]")
         td.set(dest, sub)
     return td, tuple(source.keys())

@@ -51,7 +51,7 @@ class CtrlC:
         self._previous = signal.signal(signal.SIGINT, self._press)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *_exc: Any) -> None:
         signal.signal(signal.SIGINT, self._previous)
 
     def when_pressed(self, on_press: Callable[[], Any]) -> None:
@@ -61,7 +61,7 @@ class CtrlC:
         if self.pressed:
             on_press()
 
-    def _press(self, signum: int, frame: Any) -> None:
+    def _press(self, _signum: int, _frame: Any) -> None:
         if self.pressed:
             raise KeyboardInterrupt
         self.pressed = True

@@ -94,15 +94,12 @@ def status(name: str, path: str | None = None) -> StoreStatus | None:
             problem = None
         except ShmSyncError as e:
             problem = str(e)
-        where = {
-            "unlinked": path is not None,
-            "path": path or segment.path_of(name),
-            "resident_bytes": st.st_blocks * 512,
-        }
+        unlinked, where, resident = path is not None, path or segment.path_of(name), st.st_blocks * 512
         if problem is not None:
             return StoreStatus(
                 name, False, -1, 0, st.st_size, 0, locked(segment.CREATOR_LOCK), 0,
-                locked(segment.WRITER_LOCK), [], held, None, (now - st.st_mtime_ns) / 1e9, problem, **where,
+                locked(segment.WRITER_LOCK), [], held, None, (now - st.st_mtime_ns) / 1e9, problem,
+                unlinked=unlinked, path=where, resident_bytes=resident,
             )  # fmt: skip
         # The readers the readers' table lists: a relay's link to another host is none.
         rows = [(row, w[R_PID]) for row, w in reader_rows(h) if not w[R_FLAGS] & ROW_LINK]
@@ -123,7 +120,9 @@ def status(name: str, path: str | None = None) -> StoreStatus | None:
             last_publish_age_s=(now - published) / 1e9 if published else None,
             age_s=(now - h[W_CREATE_NS]) / 1e9,
             device_bytes=max(h[W_DEVICE_BYTES], 0),
-            **where,
+            unlinked=unlinked,
+            path=where,
+            resident_bytes=resident,
         )
     finally:
         os.close(fd)
@@ -194,7 +193,9 @@ def scan() -> tuple[list[StoreStatus], list[tuple[str, str]]]:
     open; and ``(name, why)`` for every entry of the store folder that was skipped (not a regular
     file, another user's, not a valid store name...)."""
     stores, skipped = [], []
-    found = [(name, None, problem) for name, problem in segment.list_entries()]
+    found: list[tuple[str, str | None, str | None]] = [
+        (name, None, problem) for name, problem in segment.list_entries()
+    ]
     found += [(name, path, None) for name, path in segment.list_unlinked()]
     for name, path, problem in found:
         if problem is None:

@@ -19,6 +19,8 @@ import os
 import secrets
 import stat
 
+from shmsync.errors import InvalidArgumentError, SecretFileError
+
 SECRET_ENV = "SHMSYNC_RELAY_SECRET"
 SECRET_FILE_ENV = "SHMSYNC_RELAY_SECRET_FILE"
 SECRET_BYTES = 32  # random bytes in a new secret
@@ -51,14 +53,14 @@ def resolve_secret(
         secret, source = read_secret_file(os.environ[SECRET_FILE_ENV]), f"the file in ${SECRET_FILE_ENV}"
     if secret is None:
         if not generate:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"no relay secret: {given_as}, set ${SECRET_ENV}, or name a file only you can read in "
                 f"${SECRET_FILE_ENV} (`shmsync new-secret FILE` makes one)"
             )
         secret, generated = new_secret(), True
     raw = secret.encode() if isinstance(secret, str) else bytes(secret)
     if not MIN_SECRET_BYTES <= len(raw) <= MAX_SECRET_BYTES:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{source} is {len(raw)} bytes; a relay secret must be {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} random "
             f"bytes (a shorter or chosen one can be guessed offline): make one with `shmsync new-secret FILE`"
         )
@@ -73,7 +75,7 @@ def read_secret_file(path: str) -> bytes:
         st = os.fstat(fd)
         mode = stat.S_IMODE(st.st_mode)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or mode & 0o077:
-            raise PermissionError(
+            raise SecretFileError(
                 f"relay secret file {path}: want a regular file of yours that only you can read (chmod 600), "
                 f"got mode {mode:#o}, uid {st.st_uid}"
             )

@@ -7,6 +7,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from shmsync.errors import InvalidArgumentError, UnknownAttributeError
+
 _TOKEN = re.compile(r"(\.)?([A-Za-z_][A-Za-z0-9_]*)|\[([^\]]+)\]")
 
 
@@ -21,7 +23,7 @@ def split_path(path: str) -> list[tuple[str, str | int]]:
     while pos < len(path):
         m = _TOKEN.match(path, pos)
         if m is None or (m.group(2) is not None and bool(m.group(1)) != bool(parts)):
-            raise ValueError(f"cannot parse path {path!r} at position {pos}")
+            raise InvalidArgumentError(f"cannot parse path {path!r} at position {pos}")
         if m.group(2) is not None:
             parts.append(("attr", m.group(2)))
         else:
@@ -30,11 +32,11 @@ def split_path(path: str) -> list[tuple[str, str | int]]:
             except (ValueError, SyntaxError):
                 index = None
             if not isinstance(index, (int, str)) or isinstance(index, bool):
-                raise ValueError(f"path {path!r}: subscript [{m.group(3)}] must be an int or a quoted string")
+                raise InvalidArgumentError(f"path {path!r}: subscript [{m.group(3)}] must be an int or a quoted string")
             parts.append(("item", index))
         pos = m.end()
     if not parts or parts[0][0] != "attr":
-        raise ValueError(f"cannot parse path {path!r}: it must start with an attribute name")
+        raise InvalidArgumentError(f"cannot parse path {path!r}: it must start with an attribute name")
     return parts
 
 
@@ -56,13 +58,13 @@ def resolve_path(root: Any, path: str, fallback: Callable[[Any, str], Any] | Non
     done = ""
     for kind, part in split_path(path):
         try:
-            obj = obj[part] if kind == "item" else _getattr(obj, part, fallback)
+            obj = obj[part] if kind == "item" else _getattr(obj, str(part), fallback)
         except (AttributeError, KeyError, IndexError, TypeError) as e:
-            raise AttributeError(
+            raise UnknownAttributeError(
                 f"path {path!r} does not resolve: {repr(done) if done else 'the root'} ({type(obj).__name__}) has no "
                 f"{'item' if kind == 'item' else 'attribute'} {part!r} ({type(e).__name__}: {e})"
             ) from None
-        done += f"[{part!r}]" if kind == "item" else (f".{part}" if done else part)
+        done += f"[{part!r}]" if kind == "item" else (f".{part}" if done else str(part))
     return obj
 
 

@@ -23,18 +23,25 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torchrl
 
-from shmsync.errors import ShmSyncError
+from shmsync.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    MissingExtraError,
+    ShmSyncError,
+    UnknownAttributeError,
+)
 from shmsync.torchrl import releases
 
 REFUSAL = releases.refusal(torchrl.__version__)
 if REFUSAL is not None:
-    raise ImportError(REFUSAL)
-TORCHRL_VERSION: tuple[int, int] = releases.minor(torchrl.__version__)  # a nightly counts as the next minor
+    raise MissingExtraError(REFUSAL)
+# A nightly counts as the next minor; a torchrl with no minor was refused above.
+TORCHRL_VERSION: tuple[int, int] = releases.minor(torchrl.__version__) or (0, 0)
 SUPPORTED = releases.SUPPORTED  # the minors the gate lets in, first and last
 NEWEST_RELEASE = releases.NEWEST_RELEASE  # the newest released minor (the main tier's)
 
@@ -224,7 +231,7 @@ CATALOGUE: dict[str, Internal] = {
             NODES_START,
             "0.14",
             "the nodes start in `_init_workers`, right after the trainer's push schemes made their TCPStore: "
-            "wrapped on the collector's instance, it hands the local legs the store's address before they travel "
+            "wrapped on the collector's instance, it hands the local schemes the store's address before they travel "
             "to the nodes, which read each push's number there",
             "the method exists when the collector is made, and when it runs the push schemes have an address",
             "TorchRLChangedError before any node starts",
@@ -277,17 +284,12 @@ def schemes_of(collector: Any) -> dict[str, Any]:
     return dict(schemes) if schemes is not None else {}
 
 
-def _holds(owner: Any, scheme: Any) -> bool:
-    schemes = getattr(owner, "_weight_sync_schemes", None)
-    return isinstance(schemes, Mapping) and any(s is scheme for s in schemes.values())
-
-
 def wrap_on_instance(obj: Any, method: str, wrapper: Callable[[Callable], Callable], entry: str = METHODS) -> None:
     """Make ``wrapper(obj.method)`` the method of this one instance (an instance attribute
     shadows the class's method; TorchRL's class is left alone)."""
     original = getattr(obj, method, None)
     check(entry, callable(original), f"{type(obj).__name__}.{method} is missing or not callable")
-    setattr(obj, method, wrapper(original))
+    setattr(obj, method, wrapper(cast(Callable, original)))
 
 
 def check_collector_handed_over(handed_over: bool) -> None:
@@ -320,22 +322,22 @@ def update_request(args: tuple, kwargs: dict) -> tuple[dict[str, Any], Any]:
         ValueError: conflicting arguments, as TorchRL refuses them.
     """
     if len(args) > 1:
-        raise TypeError(f"update_policy_weights_() takes at most one positional argument, got {len(args)}")
+        raise ArgumentTypeError(f"update_policy_weights_() takes at most one positional argument, got {len(args)}")
     given = {k: kwargs.get(k) for k in ("weights", "policy")}
     weights = args[0] if args else kwargs.get("policy_or_weights")
     for name, value in given.items():
         if value is not None:
             if weights is not None:
-                raise ValueError(f"Cannot specify both positional 'policy_or_weights' and keyword '{name}'")
+                raise InvalidArgumentError(f"Cannot specify both positional 'policy_or_weights' and keyword '{name}'")
             weights = value
     weights_dict, model_id = kwargs.get("weights_dict"), kwargs.get("model_id")
     if weights_dict is not None:
         if model_id is not None:
-            raise ValueError("Cannot specify both 'weights_dict' and 'model_id'")
+            raise InvalidArgumentError("Cannot specify both 'weights_dict' and 'model_id'")
         if weights is not None:
-            raise ValueError("Cannot specify both 'weights_dict' and 'policy_or_weights'")
+            raise InvalidArgumentError("Cannot specify both 'weights_dict' and 'policy_or_weights'")
         if not isinstance(weights_dict, Mapping):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"weights_dict must be a mapping of model ids to weights, got {type(weights_dict).__name__}"
             )
         return {str(k): v for k, v in weights_dict.items()}, kwargs.get("worker_ids")
@@ -371,7 +373,7 @@ def shadow_rollout(collector: Any, rollout: Callable) -> None:
     """Make ``rollout`` the worker collector's rollout, for this instance only."""
     instance = getattr(collector, "__dict__", None)
     check(ROLLOUT, isinstance(instance, dict), f"{type(collector).__name__} has no instance dictionary")
-    instance["rollout"] = rollout
+    cast(dict, instance)["rollout"] = rollout
 
 
 def tracker_of(collector: Any) -> Any:
@@ -425,7 +427,7 @@ def set_policy_version(collector: Any, version: int, *, built: bool = True) -> N
 # -- trainers and the hook ------------------------------------------------------------------------
 def hook_takes_sender(hook_class: type) -> bool:
     """torchrl 0.14 added ``sender=`` and ``interval_unit=`` to its hook."""
-    return "sender" in inspect.signature(hook_class.__init__).parameters
+    return "sender" in inspect.signature(hook_class).parameters
 
 
 def optimizer_step_count(trainer: Any) -> int:
@@ -436,7 +438,7 @@ def optimizer_step_count(trainer: Any) -> int:
         return int(count)
     value = getattr(trainer, "_optim_count", None)
     check(OPTIM_COUNT, isinstance(value, int), f"{type(trainer).__name__}._optim_count is {value!r}")
-    return value
+    return cast(int, value)
 
 
 def registered_module(trainer: Any, name: str) -> Any:
@@ -445,11 +447,12 @@ def registered_module(trainer: Any, name: str) -> Any:
 
     modules = getattr(trainer, "_modules", None)
     if modules is None and not isinstance(trainer, Trainer):
-        raise AttributeError(name)
+        raise UnknownAttributeError(name)
     check(TRAINER_MODULES, isinstance(modules, Mapping), f"{type(trainer).__name__}._modules is {modules!r}")
-    if name not in modules:
-        raise AttributeError(name)
-    return modules[name]
+    registered = cast(Mapping, modules)
+    if name not in registered:
+        raise UnknownAttributeError(name)
+    return registered[name]
 
 
 def check_hook_arguments(
@@ -457,17 +460,17 @@ def check_hook_arguments(
 ) -> None:
     """torchrl 0.14's validation of its hook's arguments, for a torchrl whose hook lacks them."""
     if update_weights_interval < 1:
-        raise ValueError("update_weights_interval must be >= 1")
+        raise InvalidArgumentError("update_weights_interval must be >= 1")
     if interval_unit not in ("batches", "optim_steps"):
-        raise ValueError(f"interval_unit must be 'batches' or 'optim_steps', got {interval_unit!r}")
+        raise InvalidArgumentError(f"interval_unit must be 'batches' or 'optim_steps', got {interval_unit!r}")
     if sender is None and collector is None:
-        raise ValueError("either a collector or a sender must be provided")
+        raise InvalidArgumentError("either a collector or a sender must be provided")
     if sender is not None and (policy_weights_getter is not None or weight_update_map is not None):
-        raise ValueError("sender is mutually exclusive with policy_weights_getter and weight_update_map")
+        raise InvalidArgumentError("sender is mutually exclusive with policy_weights_getter and weight_update_map")
     if weight_update_map is not None and trainer is None:
-        raise ValueError("trainer must be provided when using weight_update_map")
+        raise InvalidArgumentError("trainer must be provided when using weight_update_map")
     if interval_unit == "optim_steps" and trainer is None:
-        raise ValueError("trainer must be provided when interval_unit='optim_steps'")
+        raise InvalidArgumentError("trainer must be provided when interval_unit='optim_steps'")
 
 
 # -- distributed collectors (torchrl >= 0.14) -----------------------------------------------------
@@ -513,7 +516,7 @@ def push_store(scheme: Any) -> torch.distributed.Store:
         isinstance(store, torch.distributed.Store),
         f"{type(scheme).__name__}._store is a {type(store).__name__}",
     )
-    return store
+    return cast(torch.distributed.Store, store)
 
 
 def push_address(scheme: Any) -> tuple[str, int]:
@@ -521,7 +524,8 @@ def push_address(scheme: Any) -> tuple[str, int]:
     info = getattr(scheme, "_store_info", None)
     ok = isinstance(info, Mapping) and "host" in info and "port" in info
     check(DIST_STORE, ok, f"{type(scheme).__name__}._store_info is {info!r}")
-    return str(info["host"]), int(info["port"])
+    where = cast(Mapping, info)
+    return str(where["host"]), int(where["port"])
 
 
 def before_nodes_start(collector: Any, then: Callable[[], None]) -> None:
@@ -561,10 +565,3 @@ def node_processes(collector: Any) -> list[Any] | None:
 # -- Ray --------------------------------------------------------------------------------------------
 def check_ray_push_confirmed(problems: list[str]) -> None:
     check(RAY_PUSH, not problems, "; ".join(problems))
-
-
-def is_torchrl_collector(obj: Any) -> bool:
-    """Whether ``obj`` is one of TorchRL's collectors (checked by class, not by duck typing)."""
-    from torchrl.collectors import BaseCollector
-
-    return isinstance(obj, BaseCollector)

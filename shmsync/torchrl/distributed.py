@@ -1,4 +1,4 @@
-"""TorchRL's collectors for several hosts with shmsync as each host's local leg.
+"""TorchRL's collectors for several hosts with shmsync as each host's local scheme.
 
 :class:`DistributedSyncCollector`, :class:`DistributedCollector` and :class:`RayCollector` are
 TorchRL's classes of those names (``torchrl.collectors.distributed``), subclassed: they take the
@@ -31,6 +31,7 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -42,7 +43,7 @@ from torchrl.collectors import distributed as torchrl_distributed
 from shmsync.errors import ShmSyncError
 from shmsync.store.reader_table import HostReport, ReaderRow
 from shmsync.torchrl import compat
-from shmsync.torchrl.legs import (
+from shmsync.torchrl.remote_nodes import (
     ERROR,
     PUBLISHED_KEY,
     READERS_KEY,
@@ -53,7 +54,7 @@ from shmsync.torchrl.legs import (
     published_version,
     shut_down,
 )
-from shmsync.torchrl.scheme import claim_remote_legs
+from shmsync.torchrl.scheme import claim_remote_schemes
 from shmsync.watch.remote_rows import ReportBook
 
 log = logging.getLogger("shmsync.torchrl.distributed")
@@ -76,9 +77,9 @@ class _NumberedPushes:
         self.stores: list[torch.distributed.Store] = []
         for scheme in compat.schemes_of(collector).values():
             store = compat.push_store(scheme)
-            store.set(VERSION_KEY, b"0")
+            store.set(VERSION_KEY, "0")
             self.stores.append(store)
-            compat.wrap_push(scheme, lambda send, store=store: _bound(self.push, store, send))
+            compat.wrap_push(scheme, functools.partial(_bound, self.push, store))
         self.ranks = list(range(1, collector.num_workers + 1))
         self.book = ReportBook(latest=lambda: self.count)
         self._seen: dict[int, int] = {}  # rank -> the number of its last report taken
@@ -113,7 +114,7 @@ class _NumberedPushes:
     def push(self, store: torch.distributed.Store, send: Callable, weights: Any = None, worker_ids: Any = None) -> Any:
         self.wait_until_ready()
         self.count += 1
-        store.set(VERSION_KEY, str(self.count).encode())
+        store.set(VERSION_KEY, str(self.count))
         result = send(weights=weights, worker_ids=worker_ids)
         problems = []
         for rank in self._ranks(worker_ids):
@@ -184,27 +185,27 @@ def _add_version_keys(collector: Any, keys: list[str]) -> None:
 
 
 class _Nodes:
-    """What shmsync adds to one of TorchRL's two torch.distributed collectors: its local legs told
+    """What shmsync adds to one of TorchRL's two torch.distributed collectors: its local schemes told
     where the trainer's push store listens before the nodes start, the version keys in the
     trainer's receive buffers, each push numbered and confirmed, and nodes stopped for good."""
 
-    def __init__(self, collector: Any, base: type, args: tuple, kwargs: dict) -> None:
+    def __init__(self, collector: Any, base: Any, args: tuple, kwargs: dict) -> None:
         self.base = base
         self.sync = base is torchrl_distributed.DistributedSyncCollector
         self.pushes: _NumberedPushes | None = None
         self.failed = False
         collector._shmsync = self  # before TorchRL's constructor, which may shut the collector down
-        legs = claim_remote_legs(kwargs.get("collector_kwargs"), "distributed", base.__name__)
-        if legs:
-            compat.before_nodes_start(collector, lambda: _tell(legs, collector))
+        remote_schemes = claim_remote_schemes(kwargs.get("collector_kwargs"), "distributed", base.__name__)
+        if remote_schemes:
+            compat.before_nodes_start(collector, lambda: _tell(remote_schemes, collector))
         base.__init__(collector, *args, **kwargs)
-        if not legs:
+        if not remote_schemes:
             return
         try:
-            keys = list(dict.fromkeys(s.settings.version_key for s in legs if s.settings.version_key))
+            keys = list(dict.fromkeys(s.settings.version_key for s in remote_schemes if s.settings.version_key))
             _add_version_keys(collector, keys)
             self.pushes = _NumberedPushes(collector, wait_until_ready=self.sync)
-            for scheme in legs:  # scheme.readers() lists every node's workers
+            for scheme in remote_schemes:  # scheme.readers() lists every node's workers
                 scheme.remote_rows.add(self.pushes)
         except BaseException:
             self.failed = True
@@ -233,10 +234,10 @@ class _Nodes:
             _stop(compat.node_processes(collector))  # any TorchRL left running
 
 
-def _tell(legs: list[Any], collector: Any) -> None:
-    """Right before the nodes start: each local leg learns where the trainer's push store listens."""
+def _tell(remote_schemes: list[Any], collector: Any) -> None:
+    """Right before the nodes start: each local scheme learns where the trainer's push store listens."""
     addresses = [compat.push_address(scheme) for scheme in compat.schemes_of(collector).values()]
-    for scheme in legs:
+    for scheme in remote_schemes:
         scheme.upstream = addresses[0] if addresses else None
 
 
@@ -251,7 +252,7 @@ def _stop(nodes: list[Any] | None) -> None:
             job.join(5)
 
 
-def _with_shmsync_nodes(base: type, doc: str) -> type:
+def _with_shmsync_nodes(base: Any, doc: str) -> type:
     """``base``, one of TorchRL's two torch.distributed collectors, with shmsync's part (:class:`_Nodes`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -272,19 +273,19 @@ def _with_shmsync_nodes(base: type, doc: str) -> type:
 
 DistributedSyncCollector = _with_shmsync_nodes(
     torchrl_distributed.DistributedSyncCollector,
-    """TorchRL's ``DistributedSyncCollector``, with shmsync as each node's local leg (see the module).
+    """TorchRL's ``DistributedSyncCollector``, with shmsync as each node's local scheme (see the module).
 
     Its nodes receive pushes before their own collector (and so their store) exists: the first
     batch waits until every node's store exists (at most 60 s; a node that exited first is named).""",
 )
 DistributedCollector = _with_shmsync_nodes(
     torchrl_distributed.DistributedCollector,
-    """TorchRL's ``DistributedCollector``, with shmsync as each node's local leg (see the module).""",
+    """TorchRL's ``DistributedCollector``, with shmsync as each node's local scheme (see the module).""",
 )
 
 
 class RayCollector(torchrl_distributed.RayCollector):
-    """TorchRL's ``RayCollector``, with shmsync as each actor's local leg (see the module).
+    """TorchRL's ``RayCollector``, with shmsync as each actor's local scheme (see the module).
 
     Each push is named to the actors it reaches in a call of shmsync's own, submitted just before
     TorchRL's (Ray runs one caller's calls to an actor in order), and each of them is asked
@@ -292,15 +293,15 @@ class RayCollector(torchrl_distributed.RayCollector):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._shmsync_legs = claim_remote_legs(kwargs.get("collector_kwargs"), "ray", "RayCollector")
+        self._shmsync_schemes = claim_remote_schemes(kwargs.get("collector_kwargs"), "ray", "RayCollector")
         self._shmsync_pushes = 0
         self._shmsync_book = ReportBook(latest=lambda: self._shmsync_pushes)
-        for scheme in self._shmsync_legs:  # scheme.readers() lists every actor's workers
+        for scheme in self._shmsync_schemes:  # scheme.readers() lists every actor's workers
             scheme.remote_rows.add(self._shmsync_book)
         super().__init__(*args, **kwargs)
 
     def update_policy_weights_(self, policy_or_weights: Any = None, *, worker_ids: Any = None, **kwargs: Any) -> Any:
-        if not self._shmsync_legs:
+        if not self._shmsync_schemes:
             return super().update_policy_weights_(policy_or_weights, worker_ids=worker_ids, **kwargs)
         import ray
 

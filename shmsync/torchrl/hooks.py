@@ -9,6 +9,7 @@ from typing import Any, Literal
 from tensordict import TensorDict
 from torchrl.trainers import UpdateWeights as _TorchRLUpdateWeights
 
+from shmsync.errors import InvalidArgumentError
 from shmsync.torchrl import compat
 from shmsync.torchrl.attribute_paths import resolve_path
 from shmsync.watch.frames import lag_stats
@@ -80,7 +81,7 @@ class UpdateWeights(_TorchRLUpdateWeights):
         version: Literal["publishes", "optim_steps"] = "publishes",
     ) -> None:
         if version not in ("publishes", "optim_steps"):
-            raise ValueError(f"version must be 'publishes' or 'optim_steps', got {version!r}")
+            raise InvalidArgumentError(f"version must be 'publishes' or 'optim_steps', got {version!r}")
         if HOOK_TAKES_SENDER:
             super().__init__(
                 collector,
@@ -115,7 +116,7 @@ class UpdateWeights(_TorchRLUpdateWeights):
             schemes = compat.schemes_of(collector) if collector is not None else {}
             unknown = [d for d in weight_update_map if schemes and d not in schemes]
             if unknown:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"weight_update_map destination {unknown[0]!r} has no weight sync scheme on the collector "
                     f"(it has {sorted(schemes)})"
                 )
@@ -126,17 +127,19 @@ class UpdateWeights(_TorchRLUpdateWeights):
 
         if self.sender is not None:
             if not isinstance(self.sender, WeightSender):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"version='optim_steps' needs a shmsync WeightSender, got {type(self.sender).__name__}"
                 )
             return
         schemes = compat.schemes_of(self.collector)
         others = [k for k, s in schemes.items() if not isinstance(s, ShmWeightSyncScheme)]
         if not schemes or others:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "version='optim_steps' needs a collector whose weight_sync_schemes are all ShmWeightSyncScheme "
                 f"(got {sorted(others) or 'none'} without it), or sender=WeightSender(...)"
             )
+
+    trainer: Any  # TorchRL's hook sets it (the trainer, or None until registered)
 
     def register(self, trainer: Any, name: str = "update_weights") -> None:
         if self.trainer is None:

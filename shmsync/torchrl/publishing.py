@@ -17,8 +17,8 @@ at once; else they go with the schemes), ``load_state_dict`` (republishes under 
 versions) and ``iterator`` (gives each batch ``("next", key)`` where a worker could not tag it).
 
 A publish's version is, in order: the one given (``update_policy_weights_(version=n)``); on a
-collector that is another process's remote leg (a node, a Ray actor), the trainer's number of the
-push being applied (:mod:`shmsync.torchrl.legs`), never a guess; else the store's next.
+collector that is another process's remote node (a node, a Ray actor), the trainer's number of the
+push being applied (:mod:`shmsync.torchrl.remote_nodes`), never a guess; else the store's next.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 from tensordict import TensorDictBase
 
 from shmsync.core.segment import default_name
-from shmsync.errors import ArgumentTypeError, InvalidArgumentError
+from shmsync.errors import ArgumentTypeError, InvalidArgumentError, UnknownKeyError
 from shmsync.store.reader_table import ReaderTable, merge
 from shmsync.torchrl import compat
 from shmsync.torchrl.settings import SchemeSettings
@@ -46,9 +46,9 @@ ATTACH_PATIENCE = 5.0  # seconds the first check waits for workers still attachi
 _PUBLISHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # collector -> its publisher
 
 
-class RemoteLeg(Protocol):
-    """A collector that is another process's remote leg: the trainer's numbers of its pushes, and
-    what it reports of each push it applies (see :mod:`shmsync.torchrl.legs`)."""
+class RemotePushes(Protocol):
+    """A collector that is another process's remote node: the trainer's numbers of its pushes, and
+    what it reports of each push it applies (see :mod:`shmsync.torchrl.remote_nodes`)."""
 
     def take(self) -> int:
         """The trainer's number of the push being applied, taken once (raises if none was named)."""
@@ -157,7 +157,7 @@ class StoreGroup:
         """``(store, source)`` for every store the update of ``weights`` reaches (nothing written)."""
         unknown = [k for k in weights if k not in self.keys]
         if unknown:
-            raise KeyError(f"keys {unknown} are not in this collector's shmsync stores (they hold {self.keys})")
+            raise UnknownKeyError(f"keys {unknown} are not in this collector's shmsync stores (they hold {self.keys})")
         targets = {key: self._targets(key, w, worker_ids) for key, w in weights.items()}
         reached = sorted(set().union(*targets.values())) if targets else []
         return [(self.stores[w], self._source(w, weights, targets)) for w in reached]
@@ -188,7 +188,9 @@ class StoreGroup:
         """The stores an update reaches, checked before anything is written."""
         if _is_per_worker(weights):
             if worker_ids is not None:
-                raise ValueError(f"key {key!r}: pass per-worker weights {{worker: weights}} or worker_ids, not both")
+                raise InvalidArgumentError(
+                    f"key {key!r}: pass per-worker weights {{worker: weights}} or worker_ids, not both"
+                )
             ids, what = sorted(weights), "per-worker weights"
         elif worker_ids is None:
             return tuple(range(len(self.stores)))
@@ -197,12 +199,12 @@ class StoreGroup:
         if self.num_workers is not None:
             unknown = [i for i in ids if not 0 <= i < self.num_workers]
             if unknown:
-                raise ValueError(f"key {key!r}: {what} name workers {unknown}; there are {self.num_workers}")
+                raise InvalidArgumentError(f"key {key!r}: {what} name workers {unknown}; there are {self.num_workers}")
         if self.per_worker:
             return tuple(ids)
         if self.num_workers is not None and set(ids) == set(range(self.num_workers)):
             return (0,)
-        raise ValueError(
+        raise InvalidArgumentError(
             f"key {key!r}: {what} would update only some workers, but every worker of this collector "
             "loads one shared set of weights; build the scheme with "
             "ShmWeightSyncScheme(per_worker_weights=True) to give each worker its own"
@@ -214,16 +216,18 @@ class StoreGroup:
         for w in ids:
             if isinstance(w, (str, torch.device)):
                 if self.devices is None:
-                    raise ValueError(f"worker_ids={worker_ids!r}: the workers' devices are not known to this scheme")
+                    raise InvalidArgumentError(
+                        f"worker_ids={worker_ids!r}: the workers' devices are not known to this scheme"
+                    )
                 # No device given to the collector: the policy stays where it is built, on the CPU.
                 matches = [i for i, d in enumerate(self.devices) if torch.device(d or "cpu") == torch.device(w)]
                 if not matches:
-                    raise ValueError(f"worker_ids={worker_ids!r}: no worker runs on {w}")
+                    raise InvalidArgumentError(f"worker_ids={worker_ids!r}: no worker runs on {w}")
                 out += matches
             elif isinstance(w, int) and not isinstance(w, bool):
                 out.append(w)
             else:
-                raise TypeError(f"worker_ids must be ints or devices, got {type(w).__name__}")
+                raise ArgumentTypeError(f"worker_ids must be ints or devices, got {type(w).__name__}")
         return sorted(set(out))
 
     def _source(self, w: int, weights: dict[str, Any], targets: dict[str, tuple[int, ...]]) -> dict[str, Any]:
@@ -231,7 +235,7 @@ class StoreGroup:
         source = {}
         for key in self.keys:
             new = weights.get(key) if w in targets.get(key, ()) else None
-            if _is_per_worker(new):
+            if isinstance(new, dict) and _is_per_worker(new):
                 new = new[w]
             source[key] = self.models[w][key] if new is None else new
         return source
@@ -252,12 +256,12 @@ class Publisher:
 
     Args:
         collector: the TorchRL collector, or None.
-        leg: set when the collector is another process's remote leg (a node, a Ray actor).
+        pushes: set when the collector is another process's remote node (a node, a Ray actor).
     """
 
-    def __init__(self, collector: Any = None, leg: RemoteLeg | None = None) -> None:
+    def __init__(self, collector: Any = None, pushes: RemotePushes | None = None) -> None:
         self._collector = weakref.ref(collector) if collector is not None else lambda: None
-        self.leg = leg
+        self.pushes = pushes
         self.groups: list[StoreGroup] = []
         self.keys: set[str] = set()  # the collector's shmsync keys
         self.unchecked: list[StoreGroup] = []  # groups whose workers are still to be seen attached
@@ -306,23 +310,23 @@ class Publisher:
     def publish(self, weights: dict[str, Any], worker_ids: Any = None, given: int | None = None) -> None:
         """Publish ``weights`` (key -> weights, or None for the key's model) as one version, whatever
         groups the keys live in (checked all before any is written); then tell the tracker, and the
-        trainer if this collector is a remote leg."""
-        leg = self.leg
-        if self.unchecked and leg is None:  # a remote leg applies pushes while still being built
+        trainer if this collector is a remote node."""
+        pushes = self.pushes
+        if self.unchecked and pushes is None:  # a remote node applies pushes while still being built
             self._check_attached()
         groups = [g for g in self.groups if not g.closed and any(k in g.keys for k in weights)]
         if not groups:
             return
-        if leg is None:
+        if pushes is None:
             self._publish_in(groups, weights, worker_ids, given)
             return
-        # A remote leg: the trainer's number of the push, and the trainer told how it went.
+        # A remote node: the trainer's number of the push, and the trainer told how it went.
         try:
-            newest = self._publish_in(groups, weights, worker_ids, given if given is not None else leg.take())
+            newest = self._publish_in(groups, weights, worker_ids, given if given is not None else pushes.take())
         except BaseException as error:
-            leg.failed(error)
+            pushes.failed(error)
             return
-        leg.applied(newest)
+        pushes.applied(newest)
 
     def _publish_in(
         self, groups: list[StoreGroup], weights: dict[str, Any], worker_ids: Any, version: int | None
@@ -343,12 +347,6 @@ class Publisher:
         """Once per group: every worker's reader attached (TorchRL set the scheme up in each)."""
         while self.unchecked:
             self.unchecked.pop().check_workers_attached()
-
-    def sync_tracker(self) -> None:
-        """Make ``track_policy_version``'s tracker report the version last published."""
-        groups = self.live_groups()
-        if self.report_version is not None and groups:
-            self.report_version([s.promised for g in groups for s in g.stores])
 
     # -- the wrappers -----------------------------------------------------------------------------
     def update(self, original: Callable, *args: Any, version: int | None = None, **kwargs: Any) -> Any:
@@ -379,13 +377,14 @@ class Publisher:
         attached, and for every worker without ``track_policy_version``, as TorchRL answers."""
         if "policy" not in self.keys:  # another scheme syncs the policy: TorchRL asks the workers
             return original(*args, **kwargs)
+        workers = self.num_workers or 0  # a collector's publisher: its collector has workers
         if self.report_version is None:  # no track_policy_version
-            return dict.fromkeys(range(self.num_workers))
+            return dict.fromkeys(range(workers))
         loaded: dict[int, int] = {}
         for row in merge([g.readers() for g in self.live_groups()]):
             if row.worker is not None:  # a worker runs the oldest of its keys' versions
                 loaded[row.worker] = min(row.version, loaded.get(row.worker, row.version))
-        return {w: loaded.get(w) for w in range(self.num_workers)}
+        return {w: loaded.get(w) for w in range(workers)}
 
     def iterator(self, original: Callable, *args: Any, **kwargs: Any) -> Iterator[Any]:
         self._check_attached()  # before the first batch: a worker left out would run its first weights
@@ -423,13 +422,13 @@ class SchemeOfKey(Protocol):
 
 
 def publisher_and_group(
-    scheme: SchemeOfKey, collector: Any, make_leg: Callable[[], RemoteLeg] | None
+    scheme: SchemeOfKey, collector: Any, make_pushes: Callable[[], RemotePushes] | None
 ) -> tuple[Publisher, StoreGroup]:
     """The publisher of ``collector`` and the group that holds ``scheme``'s key: the one the
     collector made for all its shmsync keys at once, the one ``scheme`` made before the collector
-    existed, or a new one for every shmsync key of the collector; ``make_leg()`` gives a new
-    publisher its remote leg, where the collector is another process's (None: it is not). A
-    remote leg copies each push before it returns, even with ``unsafe_background_copy``: TorchRL's
+    existed, or a new one for every shmsync key of the collector; ``make_pushes()`` gives a new
+    publisher the pushes of its remote node, where the collector is another process's (None: it is not). A
+    remote node copies each push before it returns, even with ``unsafe_background_copy``: TorchRL's
     receiving thread writes the next push into the same module at once.
 
     Raises:
@@ -448,7 +447,7 @@ def publisher_and_group(
             "if you need versions)"
         )
     # Made before the collector existed, or now for every shmsync key of the collector.
-    group = scheme.group if scheme.group is not None else _group_of_keys(scheme, collector, make_leg is not None)
+    group = scheme.group if scheme.group is not None else _group_of_keys(scheme, collector, make_pushes is not None)
     try:
         if group.per_worker and collector.num_workers != group.num_workers:
             raise InvalidArgumentError(
@@ -456,14 +455,14 @@ def publisher_and_group(
                 f"the collector has {collector.num_workers}"
             )
         if publisher is None:
-            publisher = Publisher(collector, make_leg() if make_leg is not None else None)
+            publisher = Publisher(collector, make_pushes() if make_pushes is not None else None)
         publisher.add(group, scheme.settings.version_key)
     except BaseException:
         if scheme.group is None:
             group.close()
         raise
-    if publisher.leg is not None:
-        publisher.leg.started()
+    if publisher.pushes is not None:
+        publisher.pushes.started()
     return publisher, group
 
 
@@ -528,6 +527,6 @@ def _is_per_worker(weights: Any) -> bool:
 
 
 def _saved_version(state_dict: Any, worker: int) -> int | None:
-    worker_state = state_dict.get(f"worker{worker}") if hasattr(state_dict, "get") else None
+    worker_state: Any = state_dict.get(f"worker{worker}") if hasattr(state_dict, "get") else None
     version = worker_state.get("policy_version") if hasattr(worker_state, "get") else None
     return int(version) if isinstance(version, (int, torch.Tensor)) and not isinstance(version, bool) else None

@@ -119,7 +119,7 @@ class Receiver:
     def _install_hooks(self, model: nn.Module) -> None:
         if getattr(model, "_shmsync_hooks", None) == self.token:
             return  # copied along with the module: the closures already point here
-        model._shmsync_hooks = self.token  # a plain attribute: deep copies of the module keep it
+        vars(model)["_shmsync_hooks"] = self.token  # a plain attribute: deep copies of the module keep it
         # state_dict() of the worker's policy shows the newest published weights.
         model.register_state_dict_pre_hook(_state_dict_pre_hook(self))
         # First among the pre-hooks: it loads what the reader's not-loaded guard would refuse to run.
@@ -171,7 +171,7 @@ class PollingRollout:
                 receiver.in_rollout = False
                 receiver.set_waiting(True)
         key = first.scheme.settings.version_key if first is not None else None
-        if key is not None and isinstance(batch, TensorDictBase):
+        if first is not None and key is not None and isinstance(batch, TensorDictBase):
             if first.hooked_calls == hooked:
                 # The policy ran without its hooks (TorchRL called it another way): nothing
                 # reloaded during the rollout, so every frame ran the version polled above.
@@ -183,7 +183,7 @@ class PollingRollout:
 # Hooks are closures, not bound methods: deep-copying a module copies its hooks, and a
 # copied bound method would copy the receiver (and its mapping) with it.
 def _state_dict_pre_hook(receiver: Receiver) -> Callable:
-    def hook(module, prefix, keep_vars):
+    def hook(module, _prefix, _keep_vars):
         receiver.poll()
 
     return hook

@@ -64,7 +64,7 @@ class _AfterRegistryLoads(importlib.abc.MetaPathFinder):
         sys.meta_path.remove(self)  # once: and the lookup below must not find this finder
         spec = importlib.util.find_spec(name)
         loader = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
+        if spec is None or loader is None or not hasattr(loader, "exec_module"):
             return spec
         spec.loader = _ThenRegister(loader)
         return spec

@@ -2,7 +2,7 @@
 imported here: the backend registration reads the installed distribution's metadata).
 
 Releases 0.11 to 0.14 are each tested by ``make test``. TorchRL's next minor, 0.15, is tested
-ahead of its release through ``torchrl-nightly`` (``make test-full``'s nightly leg, pinned to
+ahead of its release through ``torchrl-nightly`` (``make test-full``'s nightly pushes, pinned to
 :data:`NIGHTLY_TESTED`): a nightly of that date or later counts as 0.15. A nightly's version is its
 build date (``2026.10.27``), the distribution ``torchrl-nightly``.
 """

@@ -23,12 +23,12 @@ from tensordict import TensorDictBase
 from torch import nn
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 
-from shmsync.errors import ShmSyncError
+from shmsync.errors import InvalidArgumentError, NotSupportedError, ShmSyncError
 from shmsync.store.reader_table import ReaderTable, RemoteSources, assemble, merge
 from shmsync.torchrl import compat
-from shmsync.torchrl.legs import make_leg
 from shmsync.torchrl.publishing import Publisher, StoreGroup, group_before_collector, publisher_and_group
 from shmsync.torchrl.receiver import Receiver
+from shmsync.torchrl.remote_nodes import make_pushes
 from shmsync.torchrl.settings import SchemeSettings
 from shmsync.watch.alarm import STALE_AFTER, ReaderAlarm, StaleEvent
 from shmsync.writer.store import WeightStore
@@ -132,8 +132,8 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         self.publisher: Publisher | None = None  # trainer side: the route of every publish
         self._awaiting_collector = False  # initialized before any collector, none handed itself over yet
         self._receiver: Receiver | None = None
-        self._leg: str | None = None  # "distributed" / "ray": the local leg of shmsync's remote collector
-        self.upstream: tuple[str, int] | None = None  # a node's leg: the trainer's push store
+        self._remote_kind: str | None = None  # "distributed" / "ray": the local scheme of shmsync's remote collector
+        self.upstream: tuple[str, int] | None = None  # a node's scheme: the trainer's push store
         self.remote_rows = RemoteSources()  # a distributed or Ray collector's nodes report their workers here
 
     # -- sender ---------------------------------------------------------------------------------
@@ -167,16 +167,16 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             extra = [k for k, v in dict(model=model, weights=weights, params_map=params_map, devices=devices,
                                         device_map_fn=device_map_fn).items() if v is not None]  # fmt: skip
             if extra:
-                raise ValueError(f"init_on_sender(context=...) takes model_id only, not {extra}")
+                raise InvalidArgumentError(f"init_on_sender(context=...) takes model_id only, not {extra}")
             if model_id is None:
-                raise ValueError("init_on_sender(context=...) needs model_id")
+                raise InvalidArgumentError("init_on_sender(context=...) needs model_id")
             self.model_id = model_id
             self.context = context
-            if self._leg is not None and not hasattr(context, "num_workers"):
+            if self._remote_kind is not None and not hasattr(context, "num_workers"):
                 return  # the trainer's single-process probe of a distributed collector: nothing to sync
-            kind, upstream = self._leg, self.upstream
+            kind, upstream = self._remote_kind, self.upstream
             self.publisher, self.group = publisher_and_group(
-                self, context, (lambda: make_leg(kind, context, model_id, upstream)) if kind else None
+                self, context, (lambda: make_pushes(kind, context, model_id, upstream)) if kind else None
             )
             self._awaiting_collector = False
             self.exact = compat.runs_sent_weights_next(context)
@@ -200,7 +200,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         devices) limits the update to those workers (``per_worker_weights``, or all of them).
         """
         if self.group is None:
-            raise RuntimeError("ShmWeightSyncScheme.send() needs init_on_sender() first (pass it to a collector)")
+            raise ShmSyncError("ShmWeightSyncScheme.send() needs init_on_sender() first (pass it to a collector)")
         if self.publisher is None:
             self.publisher = Publisher()  # no collector yet: the same route, nothing wrapped
             self.publisher.add(self.group, self.settings.version_key)
@@ -221,7 +221,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         ``per_worker_weights`` on the sender side (see :attr:`stores`)."""
         stores = self.stores
         if len(stores) > 1:
-            raise ValueError("per_worker_weights: one store per worker, see ShmWeightSyncScheme.stores")
+            raise InvalidArgumentError("per_worker_weights: one store per worker, see ShmWeightSyncScheme.stores")
         return stores[0] if stores else None
 
     @property
@@ -262,22 +262,22 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         return self.group.alarm if self.group is not None else None
 
     def create_transport(self, **kwargs: Any):  # weights travel through a WeightStore
-        raise NotImplementedError("ShmWeightSyncScheme moves weights through a WeightStore, not a transport")
+        raise NotSupportedError("ShmWeightSyncScheme moves weights through a WeightStore, not a transport")
 
     # -- receiver -------------------------------------------------------------------------------
     def _init_on_receiver_impl(
         self, model_id: str, context: Any = None, model: Any = None, worker_idx: int | None = None, **kwargs: Any
     ) -> None:
         if not self._store_names:
-            raise RuntimeError("this ShmWeightSyncScheme was never initialized on a sender (no store to attach to)")
+            raise ShmSyncError("this ShmWeightSyncScheme was never initialized on a sender (no store to attach to)")
         if len(self._store_names) > 1 and worker_idx is None:
-            raise RuntimeError("per_worker_weights: the receiver needs its worker_idx to pick its store")
+            raise ShmSyncError("per_worker_weights: the receiver needs its worker_idx to pick its store")
         self.model_id, self.worker_idx = model_id, worker_idx
         if model is not None:
             self.model = model
         if context is not None:
             self.context = context
-        name = self._store_names[worker_idx if len(self._store_names) > 1 else 0]
+        name = self._store_names[worker_idx if worker_idx is not None and len(self._store_names) > 1 else 0]
         self._receiver = Receiver(self, name, self._expected_readers)
 
     @property
@@ -305,7 +305,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         WeightSyncScheme.model.fset(self, model)
 
     def _setup_connection_and_weights_on_receiver_impl(self, *, worker_idx: int | None = None) -> None:
-        self._receiver.poll()  # first load (the policy may still be on the meta device)
+        self.poll()  # the first load (the policy may still be on the meta device)
 
     def receive(self, timeout: float | None = None) -> None:
         """Load the newest version if it changed (cheap otherwise). Weights never travel by message."""
@@ -338,7 +338,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
 def _state_to_send(scheme: ShmWeightSyncScheme, check: bool = False) -> dict:
     """What a copy of ``scheme`` in another process gets: the trainer's module, stores and
     publisher stay with the trainer. ``check``: refuse a scheme that no collector initialized."""
-    if check and not scheme._store_names and scheme._leg is None and not scheme.initialized_on_receiver:
+    if check and not scheme._store_names and scheme._remote_kind is None and not scheme.initialized_on_receiver:
         raise ShmSyncError(
             "a ShmWeightSyncScheme that no collector initialized is being sent to another process: it is in the "
             "collector_kwargs of one of TorchRL's remote collectors (DistributedSyncCollector, "
@@ -365,9 +365,9 @@ def _clone(scheme: ShmWeightSyncScheme, memo: dict | None = None) -> ShmWeightSy
     return clone
 
 
-def claim_remote_legs(collector_kwargs: Any, kind: str, collector_name: str) -> list[ShmWeightSyncScheme]:
+def claim_remote_schemes(collector_kwargs: Any, kind: str, collector_name: str) -> list[ShmWeightSyncScheme]:
     """Mark the :class:`ShmWeightSyncScheme` s in a remote collector's ``collector_kwargs`` (one
-    dict, or one per node) as the local legs of that collector (``kind``: ``"distributed"`` or
+    dict, or one per node) as the local schemes of that collector (``kind``: ``"distributed"`` or
     ``"ray"``), before they travel to its nodes or actors."""
     found: list[ShmWeightSyncScheme] = []
     for kw in collector_kwargs if isinstance(collector_kwargs, (list, tuple)) else [collector_kwargs]:
@@ -375,12 +375,12 @@ def claim_remote_legs(collector_kwargs: Any, kind: str, collector_name: str) -> 
             if isinstance(scheme, ShmWeightSyncScheme) and scheme not in found:
                 found.append(scheme)
     if found and compat.TORCHRL_VERSION < (0, 14):
-        raise NotImplementedError(
+        raise NotSupportedError(
             f"ShmWeightSyncScheme as the local scheme of {collector_name}'s nodes needs torchrl >= 0.14 (this is "
             f"{'.'.join(map(str, compat.TORCHRL_VERSION))}); use TorchRL's own local scheme here"
         )
     for scheme in found:
-        scheme._leg = kind
+        scheme._remote_kind = kind
     return found
 
 

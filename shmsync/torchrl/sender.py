@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from shmsync.errors import InvalidArgumentError
 from shmsync.torchrl.attribute_paths import resolve_path
 from shmsync.writer.store import WeightStore
 
@@ -39,7 +40,7 @@ class WeightSender:
         self.root = root
         self._paths = isinstance(source, Mapping) and any(isinstance(v, str) for v in source.values())
         if self._paths and root is None:
-            raise ValueError("a source given as paths needs root= (the object the paths are resolved on)")
+            raise InvalidArgumentError("a source given as paths needs root= (the object the paths are resolved on)")
         # Fail now, not at the first interval: every path resolves and matches the store.
         store.writer.check(self._resolve())
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmsync.core.processes import process_state
-from shmsync.errors import StaleReaderError
+from shmsync.errors import InvalidArgumentError, StaleReaderError
 from shmsync.store.reader_table import HOST, STOPPED, ReaderRow, ReaderTable
 
 log = logging.getLogger("shmsync.alarm")
@@ -216,13 +216,13 @@ class ReaderAlarm:
 def check_settings(stale_after: Any, max_lag: Any, on_stale: Any) -> None:
     """Raise ValueError for alarm settings out of range."""
     if stale_after is not None and (isinstance(stale_after, bool) or not isinstance(stale_after, (int, float))):
-        raise ValueError(f"stale_after must be a number of seconds > 0 or None, got {stale_after!r}")
+        raise InvalidArgumentError(f"stale_after must be a number of seconds > 0 or None, got {stale_after!r}")
     if stale_after is not None and not stale_after > 0:
-        raise ValueError(f"stale_after must be > 0 seconds or None, got {stale_after!r}")
+        raise InvalidArgumentError(f"stale_after must be > 0 seconds or None, got {stale_after!r}")
     if max_lag is not None and (isinstance(max_lag, bool) or not isinstance(max_lag, int) or max_lag < 1):
-        raise ValueError(f"max_lag must be an int >= 1 or None, got {max_lag!r}")
+        raise InvalidArgumentError(f"max_lag must be an int >= 1 or None, got {max_lag!r}")
     if not callable(on_stale) and on_stale not in ("warn", "raise"):
-        raise ValueError(f"on_stale must be 'warn', 'raise' or a function, got {on_stale!r}")
+        raise InvalidArgumentError(f"on_stale must be 'warn', 'raise' or a function, got {on_stale!r}")
 
 
 class _Ticker:

@@ -11,6 +11,8 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
+from shmsync.errors import UnknownKeyError
+
 
 def tag_versions(module: nn.Module, version: Callable[[], int], key: str = "policy_version") -> None:
     """After every forward call of ``module``, write ``version()`` into its output TensorDict.
@@ -29,12 +31,12 @@ def tag_versions(module: nn.Module, version: Callable[[], int], key: str = "poli
         [7, 7]
     """
 
-    warned = []
+    warned: list[bool] = []
     # The last tag made, reused while the version, shape and device stay (a collector stacks its
     # frames into a buffer of its own: the tensor is only read). Made anew at every change.
     last: list = [None, None]  # (version, batch size, device) and the tag
 
-    def hook(mod, args, output):
+    def hook(_mod, _args, output):
         if not isinstance(output, TensorDictBase):
             return
         existing = output.get(key, None)
@@ -113,7 +115,7 @@ def staleness(batch: TensorDictBase, current: Any, key: str = "policy_version") 
         2
     """
     if key not in batch.keys(include_nested=isinstance(key, tuple)):
-        raise KeyError(f"the batch has no {key!r} entry: was it collected with ShmWeightSyncScheme?")
+        raise UnknownKeyError(f"the batch has no {key!r} entry: was it collected with ShmWeightSyncScheme?")
     version = current if isinstance(current, int) else int(current.version)
     return version - batch.get(key).to(torch.int64)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shmsync.core import segment
-from shmsync.errors import ShmSyncError
+from shmsync.errors import InvalidArgumentError, ShmSyncError
 from shmsync.store.reader_table import HOST, MAX_WORKER, MODES, HostReport, ReaderRow, rebase
 
 log = logging.getLogger("shmsync.table")
@@ -62,7 +62,7 @@ def row_to_wire(r: ReaderRow) -> list[Any]:
 
 def _int(value: Any, lo: int, hi: int, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(f"{what} is {str(value)[:40]}, not an int from {lo} to {hi}")
+        raise InvalidArgumentError(f"{what} is {str(value)[:40]}, not an int from {lo} to {hi}")
     return value
 
 
@@ -70,23 +70,23 @@ def _seconds(value: Any, what: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e9:
-        raise ValueError(f"{what} is {str(value)[:40]}, not a number of seconds")
+        raise InvalidArgumentError(f"{what} is {str(value)[:40]}, not a number of seconds")
     return float(value)
 
 
 def _text(value: Any, most: int, what: str) -> str:
     if not isinstance(value, str) or len(value) > most or not value.isprintable():
-        raise ValueError(f"{what} is {ascii(value)[:60]}, not printable text of at most {most} characters")
+        raise InvalidArgumentError(f"{what} is {ascii(value)[:60]}, not printable text of at most {most} characters")
     return value
 
 
 def row_from_wire(fields: Any, host: str, store: str, age_s: float) -> ReaderRow:
     """A row another host reported, every field checked (ValueError names the first bad one)."""
     if not isinstance(fields, list) or len(fields) not in (len(WIRE_FIELDS) - 1, len(WIRE_FIELDS)):
-        raise ValueError(f"a reader row is {str(fields)[:60]}, not a list of {len(WIRE_FIELDS)} fields")
+        raise InvalidArgumentError(f"a reader row is {str(fields)[:60]}, not a list of {len(WIRE_FIELDS)} fields")
     worker, pid, version, since, reloads, mode, waiting, state, uss, *device = fields  # a 9-field row: no GPU
     if not isinstance(waiting, bool):
-        raise ValueError(f"a reader row's waiting flag is {str(waiting)[:20]}, not a bool")
+        raise InvalidArgumentError(f"a reader row's waiting flag is {str(waiting)[:20]}, not a bool")
     return ReaderRow(
         store=store,
         host=host,
@@ -130,11 +130,11 @@ def report_to_wire(entries: Iterable[HostRows]) -> dict[str, Any]:
 def _host_entry(entry: Any) -> HostRows:
     """One host's entry of a report, every field checked."""
     if not isinstance(entry, list) or len(entry) != 5 or not isinstance(entry[4], list):
-        raise ValueError(f"a report's host entry is {str(entry)[:60]}, not [host, node, store, age_s, rows]")
+        raise InvalidArgumentError(f"a report's host entry is {str(entry)[:60]}, not [host, node, store, age_s, rows]")
     host = _text(entry[0], MAX_NAME, "a report's host")
     node = entry[1]
     if not (isinstance(node, str) and len(node) == 16 and all(c in "0123456789abcdef" for c in node)):
-        raise ValueError(f"a report's node is {ascii(node)[:40]}, not 16 hex digits")
+        raise InvalidArgumentError(f"a report's node is {ascii(node)[:40]}, not 16 hex digits")
     store = _text(entry[2], MAX_NAME, "a report's store")
     age = _seconds(entry[3], "a report's age_s") or 0.0
     return HostRows(host, node, store, age, tuple(row_from_wire(f, host, store, age) for f in entry[4]))
@@ -144,13 +144,13 @@ def report_from_wire(doc: Any) -> list[HostRows]:
     """A report a peer sent, every field checked (ValueError names the first bad one)."""
     hosts = doc.get("hosts") if isinstance(doc, dict) and set(doc) == {"hosts"} else None
     if not isinstance(hosts, list) or len(hosts) > MAX_REPORT_HOSTS:
-        raise ValueError(f"a report is {str(doc)[:60]}, not {{'hosts': [at most {MAX_REPORT_HOSTS} hosts]}}")
+        raise InvalidArgumentError(f"a report is {str(doc)[:60]}, not {{'hosts': [at most {MAX_REPORT_HOSTS} hosts]}}")
     out, total = [], 0
     for entry in hosts:
         if isinstance(entry, list) and len(entry) == 5 and isinstance(entry[4], list):
             total += len(entry[4])
         if total > MAX_REPORT_ROWS:
-            raise ValueError(f"a report holds more than {MAX_REPORT_ROWS} rows")
+            raise InvalidArgumentError(f"a report holds more than {MAX_REPORT_ROWS} rows")
         out.append(_host_entry(entry))
     return out
 
@@ -207,15 +207,15 @@ def read_report_file(store: str, latest: int) -> tuple[list[HostReport], list[Re
         return [], []
     try:
         if st.st_size > MAX_REPORT_FILE:
-            raise ValueError(f"it holds {st.st_size} bytes, more than {MAX_REPORT_FILE}")
+            raise InvalidArgumentError(f"it holds {st.st_size} bytes, more than {MAX_REPORT_FILE}")
         doc = json.loads(os.pread(fd, st.st_size, 0))
         if not isinstance(doc, dict) or doc.get("format") != 1:
-            raise ValueError("it is not a report file of this shmsync")
+            raise InvalidArgumentError("it is not a report file of this shmsync")
         age = max(0.0, (time.time_ns() - _int(doc.get("written_ns"), 0, 1 << 63, "written_ns")) / 1e9)
         hosts = []
         for h in _list(doc.get("hosts"), MAX_REPORT_HOSTS, "hosts"):
             if not isinstance(h, list) or len(h) != 6:
-                raise ValueError(f"a host entry is {str(h)[:60]}")
+                raise InvalidArgumentError(f"a host entry is {str(h)[:60]}")
             hosts.append(
                 HostReport(
                     _text(h[0], MAX_NAME, "a host"),
@@ -229,7 +229,7 @@ def read_report_file(store: str, latest: int) -> tuple[list[HostReport], list[Re
         rows = []
         for r in _list(doc.get("rows"), MAX_REPORT_ROWS, "rows"):
             if not isinstance(r, list) or len(r) != 4:
-                raise ValueError(f"a row entry is {str(r)[:60]}")
+                raise InvalidArgumentError(f"a row entry is {str(r)[:60]}")
             host, where = _text(r[0], MAX_NAME, "a row's host"), _text(r[1], MAX_NAME, "a row's store")
             rows.append(row_from_wire(r[3], host, where, _seconds(r[2], "a row's age") or 0.0))
         return hosts, rebase(rows, latest, age)
@@ -242,7 +242,7 @@ def read_report_file(store: str, latest: int) -> tuple[list[HostReport], list[Re
 
 def _list(value: Any, most: int, what: str) -> list:
     if not isinstance(value, list) or len(value) > most:
-        raise ValueError(f"{what} is not a list of at most {most} entries")
+        raise InvalidArgumentError(f"{what} is not a list of at most {most} entries")
     return value
 
 

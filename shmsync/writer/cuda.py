@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import cast
 
 import torch
 
@@ -114,7 +115,7 @@ class CudaPublisher:
         try:
             if write.cold:
                 memory.reserve(write.slot)
-            src = self.slots.flat[slot]
+            src = cast(torch.Tensor, self.slots.flat[slot])  # the latest: written, so allocated
             dst = memory.slot_bytes(write.slot)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):

@@ -5,7 +5,6 @@ allocated the first time the writer takes it and shared through its record in th
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 
 import torch
 
@@ -64,7 +63,3 @@ class DeviceSlots:
                 _KEPT.append(self.flat)
         self.flat = [None] * len(self.flat)
         self.views = [[] for _ in self.views]
-
-
-def slots_in_use(flat: Sequence[torch.Tensor | None]) -> int:
-    return sum(t is not None for t in flat)

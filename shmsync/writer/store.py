@@ -485,7 +485,7 @@ class WeightStore:
         """Wait until this process's publishes landed and idle slots went back; returns the version readers see.
 
         Raises:
-            PublishTimeoutError: still copying after ``timeout`` seconds.
+            WaitTimeoutError: still copying after ``timeout`` seconds.
             ShmSyncError: a CUDA or background publish failed (its error is the cause).
         """
         self.writer.flush(timeout)
@@ -565,7 +565,7 @@ class WeightStore:
     def __enter__(self) -> WeightStore:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *_exc: Any) -> None:
         if self.owner:
             self.unlink()
         self.close()

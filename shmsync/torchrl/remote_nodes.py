@@ -1,15 +1,15 @@
-"""A collector that is another process's remote leg: a node of shmsync's distributed collectors,
+"""A collector that is another process's remote node: a node of shmsync's distributed collectors,
 or a Ray actor of its ``RayCollector``.
 
 Such a collector publishes each push of the trainer's weights under the trainer's number of that
 push, and the trainer checks after every push that each node or actor it reached published it
 (:mod:`shmsync.torchrl.distributed`):
 
-- **a node** (:class:`NodeLeg`) reads the number from the TCPStore TorchRL's push already uses,
+- **a node** (:class:`NodePushes`) reads the number from the TCPStore TorchRL's push already uses,
   where the trainer wrote it before pushing, and writes back what it published. It never raises
   into TorchRL's receive path (TorchRL would then never acknowledge the push, and the trainer
   would wait on it for an hour): a problem is written back instead, and the trainer raises it;
-- **an actor** (:class:`ActorLeg`) is told the number in a call the trainer submits just before
+- **an actor** (:class:`ActorPushes`) is told the number in a call the trainer submits just before
   the push (Ray runs an actor's calls from one caller in order), and answers the trainer's
   question afterwards. An error is raised: Ray hands it to the trainer at that push.
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from shmsync.errors import ShmSyncError
+from shmsync.errors import InvalidArgumentError, ShmSyncError
 from shmsync.store.reader_table import merge
 from shmsync.torchrl import compat
 from shmsync.torchrl.publishing import Publisher
@@ -52,13 +52,13 @@ ERROR = "error: "
 log = logging.getLogger("shmsync.torchrl.distributed")
 
 
-class NodeLeg:
+class NodePushes:
     """A node of shmsync's ``DistributedSyncCollector`` / ``DistributedCollector``.
 
     Args:
         collector: the node's own collector (its local workers' collector).
-        model_id: the key whose pushes this leg numbers.
-        upstream: where the trainer's push store listens (the trainer tells its legs before the
+        model_id: the key whose pushes this pushes numbers.
+        upstream: where the trainer's push store listens (the trainer tells its remote_schemes before the
             nodes start).
     """
 
@@ -90,7 +90,7 @@ class NodeLeg:
             log.error("shmsync: node %s cannot tell the trainer its store exists: %s", self.rank, e)
             return
         if store is not None:
-            store.set(READY_KEY.format(rank=self.rank), b"1")
+            store.set(READY_KEY.format(rank=self.rank), "1")
             threading.Thread(
                 target=self._report_readers, args=(self.upstream,), name="shmsync-node-report", daemon=True
             ).start()
@@ -107,14 +107,15 @@ class NodeLeg:
                 if entry is None:
                     return  # the node's collector shut down
                 seq += 1
-                store.set(READERS_KEY.format(rank=rank), encode_report(seq, [entry]))
+                store.set(READERS_KEY.format(rank=rank), encode_report(seq, [entry]).decode())
         except Exception as e:  # the trainer went: nothing to report to
             log.debug("shmsync: node %s stopped reporting its readers: %s", rank, e)
 
     def take(self) -> int:
         """The trainer's number of the push being applied."""
         store = self._store()
-        compat.check(compat.NODES_START, store is not None, "the trainer told this node no push store")
+        if store is None:
+            raise compat.changed(compat.NODES_START, "the trainer told this node no push store")
         number = int(store.get(VERSION_KEY)) if store.check([VERSION_KEY]) else None
         if number is None or number <= self.last:
             raise ShmSyncError(
@@ -137,7 +138,7 @@ class NodeLeg:
             log.error("shmsync: node %s cannot tell the trainer %r: %s", self.rank, value, e)
             return
         if store is not None:
-            store.set(PUBLISHED_KEY.format(rank=self.rank), value.encode())
+            store.set(PUBLISHED_KEY.format(rank=self.rank), value)
 
 
 @functools.cache
@@ -172,7 +173,7 @@ class Announced:
         return number
 
 
-class ActorLeg(Announced):
+class ActorPushes(Announced):
     """A Ray actor of shmsync's ``RayCollector``: the trainer names each push's number first."""
 
     def __init__(self) -> None:
@@ -189,14 +190,16 @@ class ActorLeg(Announced):
         raise error
 
 
-def make_leg(kind: str, collector: Any, model_id: str, upstream: tuple[str, int] | None = None) -> NodeLeg | ActorLeg:
-    """The remote leg of ``kind`` (``"distributed"`` or ``"ray"``) for ``collector`` (a node's leg
+def make_pushes(
+    kind: str, collector: Any, model_id: str, upstream: tuple[str, int] | None = None
+) -> NodePushes | ActorPushes:
+    """The remote node of ``kind`` (``"distributed"`` or ``"ray"``) for ``collector`` (a node's scheme
     reads each push's number in the trainer's push store, at ``upstream``)."""
     if kind == "distributed":
-        return NodeLeg(collector, model_id, upstream)
+        return NodePushes(collector, model_id, upstream)
     if kind == "ray":
-        return ActorLeg()
-    raise ValueError(f"unknown remote leg {kind!r}")
+        return ActorPushes()
+    raise InvalidArgumentError(f"unknown remote node {kind!r}")
 
 
 def collector_rows(collector: Any, node: str) -> HostRows | None:
@@ -217,21 +220,21 @@ def encode_report(seq: int, entries: list[HostRows]) -> bytes:
 def decode_report(raw: bytes) -> tuple[int, list[HostRows]]:
     """A node's report as the trainer reads it, every field checked (ValueError names the first bad one)."""
     if len(raw) > MAX_REPORT_BYTES:
-        raise ValueError(f"a report of {len(raw)} bytes, more than {MAX_REPORT_BYTES}")
+        raise InvalidArgumentError(f"a report of {len(raw)} bytes, more than {MAX_REPORT_BYTES}")
     doc = json.loads(raw)
     if not isinstance(doc, dict) or set(doc) != {"seq", "report"}:
-        raise ValueError("a report is not {'seq': ..., 'report': ...}")
+        raise InvalidArgumentError("a report is not {'seq': ..., 'report': ...}")
     seq = doc["seq"]
     if isinstance(seq, bool) or not isinstance(seq, int):
-        raise ValueError(f"a report's seq is {str(seq)[:20]}")
+        raise InvalidArgumentError(f"a report's seq is {str(seq)[:20]}")
     return seq, report_from_wire(doc["report"])
 
 
 def name_push(actor: Any, number: int) -> None:
     """Inside an actor: the next push is the trainer's number ``number``."""
     publisher = Publisher.of(actor)
-    if publisher is not None and isinstance(publisher.leg, ActorLeg):
-        publisher.leg.name(number)
+    if publisher is not None and isinstance(publisher.pushes, ActorPushes):
+        publisher.pushes.name(number)
 
 
 def shut_down(actor: Any) -> None:
@@ -247,12 +250,12 @@ def published_version(actor: Any) -> tuple[int | None, bytes | None]:
     without shmsync)."""
     publisher = Publisher.of(actor)
     groups = publisher.live_groups() if publisher is not None else []
-    if not groups:
+    if publisher is None or not groups:
         return None, None
     for store in (s for g in groups for s in g.stores):
         store.flush(timeout=CONFIRM_FLUSH_S)
-    leg = publisher.leg
-    node = leg.node if isinstance(leg, ActorLeg) else secrets.token_hex(8)
+    pushes = publisher.pushes
+    node = pushes.node if isinstance(pushes, ActorPushes) else secrets.token_hex(8)
     try:
         entry = collector_rows(actor, node)
         report = encode_report(0, [entry]) if entry is not None else None

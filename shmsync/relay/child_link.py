@@ -1,4 +1,4 @@
-"""Feeding one relay: a thread per admitted relay sends it the newest version whenever there is a
+"""The link to one relay below this node: a thread per admitted relay sends it the newest version whenever there is a
 newer one, straight from a leased slot of this node's store (or, on a relay's node, from the slot
 a version is still arriving in), and a keepalive while idle.
 
@@ -14,12 +14,12 @@ import time
 from typing import Any
 
 from shmsync.core.header import ROW_LINK
-from shmsync.errors import ShmSyncError
+from shmsync.errors import LinkClosedError, LinkTimeoutError, ShmSyncError
 from shmsync.relay.messages import CNCL, DATA, PING, VERS, VERSION, Child, Forwarding
 from shmsync.relay.sealing import SealedVersion
 
 
-class Feeder:
+class ChildLink:
     """Sends ``child`` every newer version of ``server``'s node (a :class:`~shmsync.relay.server.Server`).
 
     Run :meth:`run` on a thread of its own; it ends when the server closes or the relay goes.
@@ -65,8 +65,7 @@ class Feeder:
         table = store.table
         if self.row < 0:
             self.row = table.claim_row(flags=ROW_LINK)  # not a reader: left out of the readers' table
-        in_flight = fwd is not None and fwd.state != "cancelled" and fwd.version > store.version
-        if in_flight and fwd.version > child.sent:
+        if fwd is not None and fwd.state != "cancelled" and fwd.version > max(store.version, child.sent):
             self._forward(store, fwd)
         elif not self._send_latest(store):
             # No slot can be leased now (another link sends from the one that can be, or the
@@ -129,8 +128,8 @@ class Feeder:
         deadline = child.stalled_since + server.timeout
         if not child.link.flush_kept(deadline, server.stopping.is_set):
             if server.stopping.is_set():
-                raise EOFError("closing")
-            raise TimeoutError(f"it took no bytes for {server.timeout:.0f} s")
+                raise LinkClosedError("closing")
+            raise LinkTimeoutError(f"it took no bytes for {server.timeout:.0f} s")
         child.stalled_since = None
         if child.completes >= 0:  # the kept frame was the version's last: it went whole
             child.sent, child.completes = child.completes, -1
@@ -216,4 +215,4 @@ class Feeder:
             pass
 
 
-__all__ = ["Feeder"]
+__all__ = ["ChildLink"]
