@@ -38,7 +38,7 @@ TORCH_LEGS_ARGS ?= $(foreach t,$(TORCH_FREE),--ignore=tests/test_$(t).py)
 TORCHRL_NIGHTLY ?= 2026.10.27
 TENSORDICT_NIGHTLY ?= 2026.10.26
 
-.PHONY: install demo test test-full test-main test-fast test-busy test-protocol test-legs test-torch-current test-nightly docs lint bench bench-quick soak clean
+.PHONY: install demo test test-full test-main test-fast test-busy test-protocol test-legs test-torch-current test-nightly docs lint bench bench-quick bench-loop soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -167,6 +167,10 @@ bench: install
 
 bench-quick: install
 	$(BIN)/python benchmarks/sync_bench.py --quick
+
+# The training loop per batch (update, then the next batch) beside TorchRL's SharedMem scheme.
+bench-loop: install
+	$(BIN)/python benchmarks/loop_bench.py
 
 soak: install
 	$(BIN)/python benchmarks/soak.py

@@ -99,6 +99,7 @@ class Relay:
         self.store: WeightStore | None = None
         self.received = 0
         self.parent: tuple[str, int] | None = None  # where versions come from now
+        self.attachments = 0  # how many times it (re-)attached
         self.server: Server | None = None
         self.description: bytes | None = None
         self.layout: Layout | None = None
@@ -184,6 +185,7 @@ class Relay:
             admitted, redirect, why = self._ask_to_join(link, target, direct)
             if admitted:
                 self.parent = target
+                self.attachments += 1
                 return link
             link.close()
             if redirect is not None and redirect not in seen and len(seen) <= MAX_HOPS:

@@ -119,7 +119,9 @@ class Receiver:
     def _install_hooks(self, model: nn.Module) -> None:
         if getattr(model, "_shmsync_hooks", None) == self.token:
             return  # copied along with the module: the closures already point here
-        vars(model)["_shmsync_hooks"] = self.token  # a plain attribute: deep copies of the module keep it
+        # A plain attribute, so deep copies of the module keep it (torch types Module attributes as
+        # tensors or modules only).
+        model._shmsync_hooks = self.token  # type: ignore[assignment]
         # state_dict() of the worker's policy shows the newest published weights.
         model.register_state_dict_pre_hook(_state_dict_pre_hook(self))
         # First among the pre-hooks: it loads what the reader's not-loaded guard would refuse to run.
