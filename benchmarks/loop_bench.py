@@ -1,6 +1,6 @@
 """The training loop per batch, where users feel weight sync: one update, then the next batch.
 
-    python benchmarks/loop_bench.py                  # 1, 16, 128 MB x 2, 4 workers (about 6 minutes on 2 cores)
+    python benchmarks/loop_bench.py                  # 1, 16, 128 MB x 2, 4 workers (about 10 minutes on 2 cores)
     python benchmarks/loop_bench.py --quick          # 1 and 16 MB, 2 workers, fewer batches
     python benchmarks/loop_bench.py --docs           # also write docs/results/loop_bench.md
 

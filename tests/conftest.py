@@ -62,9 +62,19 @@ FULL_ONLY = {
     # Trees of relays beyond the one that grows, feeds and loses no version.
     "tests/test_relay.py::test_a_stalled_middle_relay_holds_up_only_the_hosts_below_it": None,
     "tests/test_relay.py::test_a_killed_middle_relay_cuts_off_only_the_hosts_below_which_reattach_and_catch_up": None,
+    # A second form of a path another test takes: private copies under MultiSync with 1 worker
+    # (MultiAsync's private copies stay); a pool refusing a mismatched policy (the launch
+    # command's test of the same refusal stays).
+    "tests/test_scheme.py::test_published_weights_reach_every_worker_and_edits_do_not": ["MultiSyncCollector-1-False"],
+    "tests/test_workers.py::test_a_worker_that_cannot_start_fails_the_pool_fast": [
+        "mismatched policy-config1-WeightMismatchError-do not have the store's keys"
+    ],
+    # The benchmarks' smoke run (three collectors side by side): run by hand before a table is
+    # published, and in `make test-full`.
+    "tests/test_benchmarks.py::test_loop_bench_smallest_case": None,
     # The hosts page's cluster blocks: test_distributed.py and test_ray.py run the same remote_schemes.
     "tests/test_docs.py::test_a_block_runs_as_written": [
-        "hosts-Each-host-s-local-pushes-under-TorchRL-s-distributed-collectors",
+        "hosts-Each-host-s-local-scheme-under-TorchRL-s-distributed-collectors",
         "hosts-Ray",
     ],
 }
