@@ -58,6 +58,15 @@ def cli(*args: str, env: dict | None = None, check: bool = True, timeout: float 
     return proc
 
 
+def run_script(*args: str, timeout: float = 240) -> str:
+    """Run ``python ARGS`` from the repository's root, unbuffered; its output (asserting exit 0)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, *args], cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 def use_store_dir(path: str) -> None:
     """Make this process look for stores in ``path`` (a test's own ``SHMSYNC_DIR``)."""
     from shmsync.core import segment

@@ -11,22 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_script
+
 pytestmark = [pytest.mark.slow]
 
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args, timeout=240):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
 @pytest.mark.timeout(120)
 def test_quickstart():
-    out = _run("examples/quickstart.py")
+    out = run_script("examples/quickstart.py")
     assert "trainer: step 40, published version 8" in out
     for worker in (0, 1):
         assert f"worker {worker}: loaded version 8" in out
@@ -42,7 +37,7 @@ def test_quickstart():
 # each alone); `--scheme torchrl` runs TorchRL's own scheme, which the example only times.
 @pytest.mark.parametrize("mode", [[], ["--async", "--private-copy"]], ids=["default", "async-private-copy"])
 def test_train_cartpole_tiny_budget(mode, tmp_path):
-    out = _run(
+    out = run_script(
         "examples/train_cartpole.py",
         "--total-frames",
         "512",
@@ -76,7 +71,7 @@ def test_train_cartpole_tiny_budget(mode, tmp_path):
 
 @pytest.mark.timeout(240)
 def test_train_with_workers_tiny_budget():
-    out = _run(
+    out = run_script(
         "examples/train_with_workers.py",
         "--max-batches",
         "4",
@@ -91,14 +86,26 @@ def test_train_with_workers_tiny_budget():
     assert re.search(r"store (\S+): watch its workers live with  shmsync ls \1 --watch", out)
 
 
+def _start_demo(optim_steps_per_batch: int) -> subprocess.Popen:
+    """The demo with --keep-running, in its own process group: a terminal's Ctrl-C reaches the
+    demo and its workers together."""
+    cmd = [sys.executable, "examples/train_cartpole.py", "--keep-running", "--frames-per-batch", "128"]
+    cmd += ["--optim-steps-per-batch", str(optim_steps_per_batch), "--eval-every", "2", "--eval-episodes", "1"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
+def _kill_demo(proc: subprocess.Popen) -> None:
+    """Whatever a test found: the demo and its workers are gone after it."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
 @pytest.mark.timeout(180)
 def test_the_demo_says_how_to_watch_it_and_keeps_running_until_ctrl_c():
-    cmd = [sys.executable, "examples/train_cartpole.py", "--keep-running", "--frames-per-batch", "128"]
-    cmd += ["--optim-steps-per-batch", "2", "--eval-every", "2", "--eval-episodes", "1"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    # Its own process group, as a terminal's Ctrl-C reaches the demo and its workers together.
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = _start_demo(optim_steps_per_batch=2)
     try:
         assert proc.stdout.readline().startswith("DQN on CartPole-v1: MultiSyncCollector, 2 workers")
         head = [proc.stdout.readline(), proc.stdout.readline()]
@@ -112,9 +119,7 @@ def test_the_demo_says_how_to_watch_it_and_keeps_running_until_ctrl_c():
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        _kill_demo(proc)
     assert proc.returncode == 0 and "--- summary ---" in out, out[-3000:]
     assert re.search(r"stopped by Ctrl-C after \d+ frames", out) and "reached" not in out, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
@@ -123,11 +128,7 @@ def test_the_demo_says_how_to_watch_it_and_keeps_running_until_ctrl_c():
 def _demo_with_a_ctrl_c(delay: float) -> tuple[int, str]:
     """Run the demo until Ctrl-C, pressed (SIGINT to its process group, as a terminal does)
     ``delay`` seconds after it said it started; its exit code and output."""
-    cmd = [sys.executable, "examples/train_cartpole.py", "--keep-running", "--frames-per-batch", "128"]
-    cmd += ["--optim-steps-per-batch", "16", "--eval-every", "2", "--eval-episodes", "1"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = _start_demo(optim_steps_per_batch=16)
     try:
         first = proc.stdout.readline()  # the demo's first line: training starts
         assert first.startswith("DQN on CartPole-v1"), first
@@ -136,9 +137,7 @@ def _demo_with_a_ctrl_c(delay: float) -> tuple[int, str]:
         out, _ = proc.communicate(timeout=90)
         return proc.returncode, first + out
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        _kill_demo(proc)
 
 
 # Seconds after the demo said it started: from inside the collector's start to training well under
@@ -164,7 +163,7 @@ def test_a_ctrl_c_pressed_at_any_point_ends_the_demo_with_its_summary(points):
 
 @pytest.mark.timeout(300)
 def test_train_async_tiny_budget():
-    out = _run(
+    out = run_script(
         "examples/train_async.py",
         "--total-frames",
         "768",
