@@ -33,9 +33,9 @@ TORCH_LEGS_MARK ?= not full and (minors or not (slow or torchrl or distributed o
 # relay wire) run the same on every torch: the main tier runs them.
 TORCH_FREE := protocol_interleavings interleavings protocol_model protocol header fences wire sealing acceptor
 TORCH_LEGS_ARGS ?= $(foreach t,$(TORCH_FREE),--ignore=tests/test_$(t).py)
-# TorchRL's next release, ahead of time (`make test-full`): these nightlies, bumped by hand with
-# NIGHTLY_TESTED in shmsync/torchrl/releases.py.
-TORCHRL_NIGHTLY ?= 2026.10.27
+# TorchRL's next release, ahead of time (`make test-full`): the nightly named by NIGHTLY in
+# shmsync/torchrl/releases.py (the one place it is written), with the tensordict nightly it needs.
+TORCHRL_NIGHTLY ?= $(shell sed -n 's/^NIGHTLY = "\([0-9.]*\)".*/\1/p' shmsync/torchrl/releases.py)
 TENSORDICT_NIGHTLY ?= 2026.10.26
 
 .PHONY: install demo test test-full test-main test-fast test-busy test-protocol test-legs test-torch-current test-nightly docs lint bench bench-quick bench-loop soak clean

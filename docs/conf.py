@@ -7,10 +7,12 @@ import sys
 
 sys.path.insert(0, os.path.abspath(".."))
 
+import shmsync  # noqa: E402  (after the checkout is on the path)
+
 project = "shmsync"
 author = "the shmsync authors"
 copyright = "2026, the shmsync authors"
-release = version = "0.1.0"
+release = version = shmsync.__version__  # written in one place: shmsync/__init__.py
 
 extensions = [
     "myst_parser",

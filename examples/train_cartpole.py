@@ -141,7 +141,8 @@ def main(args: Args) -> dict:
             buffer = TensorDictReplayBuffer(storage=LazyTensorStorage(args.buffer_size), batch_size=args.batch_size)
             trainer = Trainer(
                 collector=collector,
-                total_frames=args.total_frames,  # with --keep-running, the collector's -1: no end
+                # The trainer stops once it collected total_frames: with --keep-running, a count it never reaches.
+                total_frames=sys.maxsize if args.keep_running else args.total_frames,
                 frame_skip=1,
                 optim_steps_per_batch=args.optim_steps_per_batch,
                 loss_module=loss,
@@ -161,7 +162,6 @@ def main(args: Args) -> dict:
             def record(batch):
                 if scheme is not None:
                     stats["staleness"].append(staleness(batch, scheme).flatten())
-                    stats["readers"] = scheme.readers().format()  # every worker, as an operator sees it
                 if scheme is not None and not args.use_async:  # [workers, time]
                     for w in range(args.workers):
                         stats["versions_per_worker"][w].update(batch["policy_version"][w].unique().tolist())
@@ -206,6 +206,10 @@ def main(args: Args) -> dict:
 
             stopped: list[str | None] = [None]  # "target" once the evaluation reached it
             trainer.register_op("post_steps", maybe_evaluate)
+            if (
+                scheme is not None
+            ):  # every worker as an operator sees it once training stopped, the last update included
+                trainer.register_op("shutdown", lambda: stats.update(readers=scheme.readers().format()))
             # After the batch at hand, the trainer stops; the workers and the store shut down.
             ctrl_c.when_pressed(lambda: trainer.request_stop("Ctrl-C"))
 
@@ -214,7 +218,7 @@ def main(args: Args) -> dict:
                 warnings.filterwarnings("ignore", "Converting a tensor with requires_grad")  # TorchRL logging its loss
                 trainer.train()  # shuts the collector (and its store) down at the end
             total = time.perf_counter() - start
-            rate = frames_per_second() if batches[0] > 1 else 0.0
+            rate = frames_per_second() if batches[0] > 1 else None  # one batch times nothing
             why = stopped[0] or ("Ctrl-C" if ctrl_c.pressed else None)
             return summarize(args, trainer.collected_frames, total, rate, actor, scheme, stats, evals, why)
         finally:
@@ -222,10 +226,19 @@ def main(args: Args) -> dict:
 
 
 def summarize(
-    args: Args, frames: int, total: float, rate: float, actor, scheme, stats: dict, evals: list, stopped: str | None
+    args: Args,
+    frames: int,
+    total: float,
+    rate: float | None,
+    actor,
+    scheme,
+    stats: dict,
+    evals: list,
+    stopped: str | None,
 ) -> dict:
-    """Print the run's summary (and the readers' table); return its figures. ``stopped``: why
-    training ended before its frame budget ("target", "Ctrl-C"), or None."""
+    """Print the run's summary (and the readers' table); return its figures. ``rate``: frames per
+    second after the first batch (None: training stopped within it); ``stopped``: why training ended
+    before its frame budget ("target", "Ctrl-C"), or None."""
     final = evaluate(actor, 10, args.seed + 999)
     store = scheme.store if scheme is not None else None
     tags = torch.cat(stats["staleness"]) if stats["staleness"] else torch.zeros(1, dtype=torch.long)
@@ -244,7 +257,8 @@ def summarize(
     sync = f"{args.scheme} weight sync" + (", private copies" if private else "")
     collector = "MultiAsyncCollector" if args.use_async else "MultiSyncCollector"
     print(f"collector            {collector}, {args.workers} workers, {sync}")
-    print(f"frames               {summary['frames']} in {total:.1f}s ({rate:.0f} frames/s after the first batch)")
+    speed = f"{rate:.0f} frames/s after the first batch" if rate is not None else "stopped within the first batch"
+    print(f"frames               {summary['frames']} in {total:.1f}s ({speed})")
     if store is not None:
         summary.update(
             versions_published=store.version,
@@ -254,14 +268,16 @@ def summarize(
             publish_seconds=store.writer.seconds,
             publish_fraction=store.writer.seconds / total,
         )
-        print(f"versions published   {summary['versions_published']}")
+        last = " (the last one after the final batch)" if summary["versions_published"] else ""
+        print(f"versions published   {summary['versions_published']}{last}")
         if summary["versions_seen_per_worker"] is not None:
             seen = summary["versions_seen_per_worker"]
             print(f"versions per worker  {seen} (distinct versions in each worker's frames)")
         print(f"staleness of frames  mean {summary['staleness_mean']:.2f}, max {summary['staleness_max']} versions")
         share = 100 * summary["publish_fraction"]
         print(f"time publishing      {store.writer.seconds * 1e3:.1f} ms ({share:.3f}% of total)")
-        print(f"readers' table at the last batch:\n{stats['readers']}")
+        if "readers" in stats:
+            print(f"readers' table when training stopped:\n{stats['readers']}")
     reached = summary["target_reached_at"]
     if stopped == "Ctrl-C":
         outcome = f"stopped by Ctrl-C after {frames} frames"

@@ -18,7 +18,7 @@ from typing import Any
 from shmsync.errors import UnknownAttributeError
 from shmsync.torchrl import registration
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place the version is written (pyproject.toml reads it)
 
 registration.install()
 
@@ -49,6 +49,8 @@ _LAZY = {
     "WriterBusyError": "shmsync.errors",
     "ReloadTimeoutError": "shmsync.errors",
     "WriterGoneError": "shmsync.errors",
+    "ClosedError": "shmsync.errors",
+    "NotAttachedError": "shmsync.errors",
 }
 
 

@@ -95,6 +95,17 @@ class WriterGoneError(ShmSyncError):
     """
 
 
+class ClosedError(ShmSyncError):
+    """What the call needs was closed in this process: a store closed here, or the collector whose
+    stores an update would publish into shut down. Nothing was published."""
+
+
+class NotAttachedError(ShmSyncError):
+    """A :class:`~shmsync.ShmWeightSyncScheme` was asked for what only a scheme set up by a
+    collector (or by ``init_on_sender``) has: its stores, its workers. It has none yet, or none
+    any more once its collector shut down."""
+
+
 class StaleReaderError(ShmSyncError):
     """A reader fell behind or froze (see :mod:`shmsync.watch.alarm`), raised in the trainer at its next
     publish when the alarm's ``on_stale`` is ``"raise"``. ``event`` says which reader and how.

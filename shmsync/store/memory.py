@@ -60,7 +60,7 @@ from shmsync.core.pages import address_of, holds_pages, punch, reserve, resident
 from shmsync.core.processes import process_start_ns
 from shmsync.core.protocol import Reader, Words, initialize
 from shmsync.core.segment import CREATOR_LOCK, WRITER_LOCK, Segment, SegmentLocks, not_found_hint
-from shmsync.errors import InvalidArgumentError, ShmSyncError, StoreCorruptError, StoreNotFoundError
+from shmsync.errors import ClosedError, InvalidArgumentError, ShmSyncError, StoreCorruptError, StoreNotFoundError
 from shmsync.store.copies import copy_all
 from shmsync.store.layout import Layout, segment_bytes
 
@@ -231,9 +231,9 @@ class StoreMemory:
         return version, tensors
 
     def check_open(self) -> None:
-        """Raise :class:`~shmsync.errors.ShmSyncError` if this process closed the store."""
+        """Raise :class:`~shmsync.errors.ClosedError` if this process closed the store."""
         if self.closed:
-            raise ShmSyncError(f"store {self.name!r} is closed in this process")
+            raise ClosedError(f"store {self.name!r} is closed in this process")
 
     def publisher_alive(self) -> bool:
         """Whether a live process can still publish (it holds the writer role, or is the creator

@@ -33,7 +33,7 @@ import torch
 from tensordict import TensorDictBase
 
 from shmsync.core.segment import default_name
-from shmsync.errors import ArgumentTypeError, InvalidArgumentError, UnknownKeyError
+from shmsync.errors import ArgumentTypeError, ClosedError, InvalidArgumentError, UnknownKeyError
 from shmsync.store.reader_table import ReaderTable, merge
 from shmsync.torchrl import compat
 from shmsync.torchrl.settings import SchemeSettings
@@ -316,6 +316,14 @@ class Publisher:
             self._check_attached()
         groups = [g for g in self.groups if not g.closed and any(k in g.keys for k in weights)]
         if not groups:
+            if any(k in g.keys for g in self.groups for k in weights):  # all of them closed: shut down
+                error = ClosedError(
+                    f"the collector is shut down: its shmsync stores are closed, so the update of "
+                    f"{sorted(k for k in weights if k in self.keys)} reaches no worker (build a new collector)"
+                )
+                if pushes is None:
+                    raise error
+                pushes.failed(error)
             return
         if pushes is None:
             self._publish_in(groups, weights, worker_ids, given)

@@ -2,9 +2,10 @@
 imported here: the backend registration reads the installed distribution's metadata).
 
 Releases 0.11 to 0.14 are each tested by ``make test``. TorchRL's next minor, 0.15, is tested
-ahead of its release through ``torchrl-nightly`` (``make test-full``'s nightly pushes, pinned to
-:data:`NIGHTLY_TESTED`): a nightly of that date or later counts as 0.15. A nightly's version is its
-build date (``2026.10.27``), the distribution ``torchrl-nightly``.
+ahead of its release through ``torchrl-nightly``: ``make test-full``'s nightly leg installs the
+nightly named by :data:`NIGHTLY` (the Makefile reads it from this file: the one place it is
+written), and a nightly of that date or later counts as 0.15. A nightly's version is its build
+date (``2026.10.27``), the distribution ``torchrl-nightly``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 
 SUPPORTED = ((0, 11), (0, 15))  # first and last minor the gate lets in
 NEWEST_RELEASE = (0, 14)  # the newest minor released: the main tier runs on it
-NIGHTLY_TESTED = (2026, 10, 27)  # the torchrl-nightly make test-full runs (bumped by hand)
+NIGHTLY = "2026.10.27"  # the torchrl-nightly make test-full installs and runs (bump it here alone)
 NIGHTLY_MINOR = (0, 15)  # the minor a nightly of that date or later is heading for
 
 
@@ -28,6 +29,9 @@ def _numbers(version: str) -> tuple[int, ...]:
         if digits.end() < len(part):
             break
     return tuple(numbers)
+
+
+NIGHTLY_TESTED = _numbers(NIGHTLY)  # (2026, 10, 27)
 
 
 def is_nightly(version: str) -> bool:
@@ -64,8 +68,7 @@ def refusal(version: str) -> str | None:
     found = minor(version)
     if found is not None and SUPPORTED[0] <= found <= SUPPORTED[1]:
         return None
-    tested = ".".join(f"{n:02d}" if i else str(n) for i, n in enumerate(NIGHTLY_TESTED))
-    why = f"shmsync supports torchrl {first} to {last} (and torchrl-nightly from {tested}); this is torchrl {version}."
+    why = f"shmsync supports torchrl {first} to {last} (and torchrl-nightly from {NIGHTLY}); this is torchrl {version}."
     if is_nightly(version):
         return f"{why} Update the nightly (pip install -U torchrl-nightly tensordict-nightly), or install a release"
     return (

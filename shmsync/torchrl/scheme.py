@@ -23,7 +23,7 @@ from tensordict import TensorDictBase
 from torch import nn
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 
-from shmsync.errors import InvalidArgumentError, NotSupportedError, ShmSyncError
+from shmsync.errors import InvalidArgumentError, NotAttachedError, NotSupportedError, ShmSyncError
 from shmsync.store.reader_table import ReaderTable, RemoteSources, assemble, merge
 from shmsync.torchrl import compat
 from shmsync.torchrl.publishing import Publisher, StoreGroup, group_before_collector, publisher_and_group
@@ -135,6 +135,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         self._remote_kind: str | None = None  # "distributed" / "ray": the local scheme of shmsync's remote collector
         self.upstream: tuple[str, int] | None = None  # a node's scheme: the trainer's push store
         self.remote_rows = RemoteSources()  # a distributed or Ray collector's nodes report their workers here
+        self._shut_down = False
 
     # -- sender ---------------------------------------------------------------------------------
     @property
@@ -200,7 +201,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         devices) limits the update to those workers (``per_worker_weights``, or all of them).
         """
         if self.group is None:
-            raise ShmSyncError("ShmWeightSyncScheme.send() needs init_on_sender() first (pass it to a collector)")
+            raise NotAttachedError(self._why_unattached("send() has no store to publish into"))
         if self.publisher is None:
             self.publisher = Publisher()  # no collector yet: the same route, nothing wrapped
             self.publisher.add(self.group, self.settings.version_key)
@@ -243,18 +244,36 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         worker, its store's. No message, no wait: it works mid-rollout, with a frozen worker too.
         ``processes=False`` leaves out each worker's process state and memory (faster).
 
+        Raises:
+            NotAttachedError: the scheme has no stores: no collector (or ``init_on_sender``) set it
+                up yet, or its collector shut down. An empty table would read as "no worker".
+
         Examples:
             >>> scheme = ShmWeightSyncScheme()
             >>> scheme.init_on_sender(model=nn.Linear(3, 1), devices=["cpu"] * 2, model_id="policy")
             >>> len(scheme.readers()), scheme.readers().latest  # no worker attached yet
             (0, 0)
             >>> scheme.shutdown()
+            >>> scheme.readers()
+            Traceback (most recent call last):
+            ...
+            shmsync.errors.NotAttachedError: ...
         """
+        if self.group is None and self._receiver is None and self._remote_kind is None:
+            raise NotAttachedError(self._why_unattached("it has no workers to list"))
         tables = [store.readers(processes=processes) for store in self.stores if not store.closed]
         latest = max((t.latest for t in tables), default=self.version)
         # The nodes' or actors' reports, on the trainer's side of a distributed or Ray collector.
         remote = assemble(getattr(self, "model_id", None) or "policy", latest, [], [], self.remote_rows)
         return merge([*tables, remote])
+
+    def _why_unattached(self, what: str) -> str:
+        if self._shut_down:
+            return f"this ShmWeightSyncScheme's collector was shut down, so {what}: its stores are gone"
+        return (
+            f"this ShmWeightSyncScheme is not set up yet, so {what}: hand it to a collector "
+            "(weight_sync_schemes={'policy': scheme}) or call scheme.init_on_sender(model=..., devices=...)"
+        )
 
     @property
     def alarm(self) -> ReaderAlarm | None:
@@ -318,6 +337,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
     # -- lifetime, and the copies sent to the workers (pickled, by spawn) -----------------------
     def shutdown(self) -> None:
         super().shutdown()
+        self._shut_down = True
         receiver, self._receiver = getattr(self, "_receiver", None), None
         if receiver is not None:
             receiver.close()
