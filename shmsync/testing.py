@@ -68,12 +68,35 @@ _MANAGED: set[str] = set()
 _HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
+def _runs_helper(p: psutil.Process | None) -> bool:
+    try:
+        return p is not None and any(h in " ".join(p.cmdline()) for h in _HELPERS)
+    except psutil.Error:
+        return False
+
+
+def _is_helper(p: psutil.Process) -> bool:
+    """Whether ``p`` is one of multiprocessing's helpers itself. A forkserver's children run the
+    same command line (they are forked from it) but are the processes it started: not helpers."""
+    try:
+        return _runs_helper(p) and not _runs_helper(p.parent())
+    except psutil.Error:
+        return False
+
+
+def helper_pids() -> set[int]:
+    """The pids of multiprocessing's helpers among this process's descendants (a forkserver is the
+    parent of the processes it starts: a store one of them created names it as the creator's parent)."""
+    return {p.pid for p in psutil.Process().children(recursive=True) if _is_helper(p)}
+
+
 def live_children() -> list[psutil.Process]:
-    """Live descendants of this process, except multiprocessing's own helpers."""
+    """Live descendants of this process, except multiprocessing's own helpers (the processes a
+    forkserver started count)."""
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and not any(h in " ".join(p.cmdline()) for h in _HELPERS):
+            if p.status() != psutil.STATUS_ZOMBIE and not _is_helper(p):
                 out.append(p)
         except psutil.Error:
             pass
@@ -109,12 +132,12 @@ def shm_leak_check() -> Iterator[None]:
     """
     me = os.getpid()
     before_children = {p.pid for p in live_children()}
-    tree = {me} | before_children
+    tree = {me} | before_children | helper_pids()
     before = stores_created_by(tree)
     yield
     extra, collected = _children_left(before_children)
-    # Stores whose creator died are only found through the creator's parent (us) or pid set.
-    pids = tree | {p.pid for p in extra}
+    # Stores whose creator died are only found through the creator's parent (us, a forkserver) or pid set.
+    pids = tree | helper_pids() | {p.pid for p in extra}
     leaked = stores_created_by(pids) - before - _MANAGED
     if leaked and not collected:
         gc.collect()

@@ -11,15 +11,15 @@ import os
 import re
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
 import shmsync
 from shmsync import WeightReader, WeightStore
+from tests.commands import CHECKOUT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = CHECKOUT
 PACKAGE = os.path.dirname(shmsync.__file__)
 DOC = ROOT / "docs" / "architecture.md"
 
@@ -87,7 +87,7 @@ def test_one_update_takes_the_documented_path():
     from torchrl.collectors import MultiSyncCollector
     from torchrl.modules import MLP
 
-    from helpers import make_pendulum
+    from tests.torchrl.collectors import make_pendulum
 
     net = MLP(in_features=3, out_features=1, num_cells=[256, 256])
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=["action"])

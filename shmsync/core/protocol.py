@@ -125,7 +125,7 @@ parties at least one sees the other:
 Without the second handshake and the writer's way through a lease being decided, a reader
 that read ``latest`` just before a publish and a writer granting a pin just after it would
 hold three slots of three between them, and the writer would have to write into the pin
-(both found by ``tests/protocol_model.py``, the exhaustive checker of this protocol).
+(both found by ``tests/core/protocol_model.py``, the exhaustive checker of this protocol).
 
 The promise
 -----------
@@ -142,7 +142,7 @@ withdrawn. No promise is left hanging:
   at that lock twice a second and stops waiting (the store's ``publisher_alive``); a new writer
   withdraws the dead one's promise when it takes the role.
 
-``tests/protocol_model.py`` checks both over every interleaving, the writer dying at every step,
+``tests/core/protocol_model.py`` checks both over every interleaving, the writer dying at every step,
 and finds a waiting reader stuck for good when either rule is taken away. The promise is a hint
 for liveness, never for safety: what a reader accepts is decided by the words above alone.
 

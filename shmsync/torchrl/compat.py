@@ -12,7 +12,7 @@ Each entry is checked where it is used, every time (the checks are attribute loo
 that renamed or removed it, or stopped behaving as relied on, gets a :class:`TorchRLChangedError`
 naming the entry, the installed torchrl and the versions known to work, before a worker can run
 stale weights. No other module of shmsync, ``shmsync.workers`` or ``hydra_plugins`` touches a
-TorchRL private name (``tests/test_torchrl_compat.py`` parses the sources to make sure).
+TorchRL private name (``tests/torchrl/test_compat.py`` parses the sources to make sure).
 
 Nothing here changes TorchRL: the wrappers below are set on the instances of the collectors and
 schemes a user hands a shmsync object to, never on TorchRL's classes or modules.

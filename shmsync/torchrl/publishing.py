@@ -316,14 +316,7 @@ class Publisher:
             self._check_attached()
         groups = [g for g in self.groups if not g.closed and any(k in g.keys for k in weights)]
         if not groups:
-            if any(k in g.keys for g in self.groups for k in weights):  # all of them closed: shut down
-                error = ClosedError(
-                    f"the collector is shut down: its shmsync stores are closed, so the update of "
-                    f"{sorted(k for k in weights if k in self.keys)} reaches no worker (build a new collector)"
-                )
-                if pushes is None:
-                    raise error
-                pushes.failed(error)
+            self._refuse_if_shut_down(weights)
             return
         if pushes is None:
             self._publish_in(groups, weights, worker_ids, given)
@@ -350,6 +343,21 @@ class Publisher:
         if self.report_version is not None:
             self.report_version([s.promised for g in self.groups if not g.closed for s in g.stores])
         return newest
+
+    def _refuse_if_shut_down(self, weights: dict[str, Any]) -> None:
+        """An update of keys whose stores this collector closed (it was shut down) raises
+        :class:`~shmsync.errors.ClosedError`, or, on a remote node, reports it to the trainer:
+        doing nothing would leave the caller believing its workers got the weights."""
+        keys = sorted(k for k in weights if k in self.keys)
+        if not keys:
+            return
+        error = ClosedError(
+            f"the collector is shut down: its shmsync stores are closed, so the update of {keys} reaches no "
+            "worker (build a new collector)"
+        )
+        if self.pushes is None:
+            raise error
+        self.pushes.failed(error)
 
     def _check_attached(self) -> None:
         """Once per group: every worker's reader attached (TorchRL set the scheme up in each)."""

@@ -1,0 +1,1 @@
+"""Every Python block of the README and of docs/, run as pasted."""

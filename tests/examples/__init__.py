@@ -1,0 +1,1 @@
+"""The examples, end to end with tiny budgets."""

@@ -1,0 +1,1 @@
+"""Tests of shmsync/reader/: WeightReader, in place and as a private copy."""

@@ -1,0 +1,1 @@
+"""Tests of shmsync/relay/: the wire, sealing and relay trees on loopback."""

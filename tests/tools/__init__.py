@@ -1,0 +1,1 @@
+"""Tests of shmsync/tools/: the shmsync command and the host's stores."""

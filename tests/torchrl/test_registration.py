@@ -1,0 +1,56 @@
+"""What ``import shmsync`` sets up in TorchRL: the weight-sync backend registry entry (whichever of
+the two is imported first, without loading TorchRL) and the Hydra config entry of config-driven
+trainers."""
+
+import subprocess
+import sys
+
+import pytest
+
+from shmsync.torchrl.compat import TORCHRL_VERSION
+
+pytestmark = [pytest.mark.torchrl, pytest.mark.timeout(180)]
+
+
+@pytest.mark.minors  # its outcome depends on TorchRL's release: it runs under every older minor too
+@pytest.mark.skipif(TORCHRL_VERSION < (0, 14), reason="TorchRL's backend registry came in 0.14")
+@pytest.mark.parametrize("first", ["shmsync", "torchrl"])
+def test_from_backend_builds_the_scheme_whichever_is_imported_first(first):
+    imports = ["import shmsync", "from torchrl.weight_update import WeightSyncScheme"]
+    code = "; ".join(imports if first == "shmsync" else imports[::-1]) + (
+        "; s = WeightSyncScheme.from_backend('shmsync', num_slots=5, zero_copy=True)"
+        "; from shmsync import ShmWeightSyncScheme"
+        "; assert type(s) is ShmWeightSyncScheme, type(s)"
+        "; assert s.settings.num_slots == 5 and s.settings.zero_copy, vars(s)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.shipped
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(TORCHRL_VERSION < (0, 14), reason="TorchRL's config-driven trainers came in 0.14")
+def test_a_config_driven_trainer_selects_shmsync_by_an_override(tmp_path):
+    """TorchRL's config-driven DQN trainer, its weight-sync scheme chosen on the command line by
+    name, as installed: Hydra finds shmsync's config entry through its plugin scan, with nothing
+    on PYTHONPATH (an editable install here, the wheel and the sdist in the shipped legs)."""
+    import json
+    import os
+    from pathlib import Path
+
+    pytest.importorskip("hydra")
+    app = Path(__file__).resolve().parent / "hydra_app" / "train.py"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    override = "+weight_sync_scheme@collector.weight_sync_schemes.policy=shmsync"
+    proc = subprocess.run(
+        [sys.executable, str(app), f"hydra.run.dir={tmp_path}", override],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["schemes"] == {"policy": "ShmWeightSyncScheme"}
+    # 6 batches, one publish after each: frames carry the versions as they were published.
+    assert result["versions"][0] == 0 and max(result["versions"]) >= 3, result

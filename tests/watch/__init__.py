@@ -1,0 +1,1 @@
+"""Tests of shmsync/watch/: the stale-reader alarm and the versions frames carry."""

@@ -1,0 +1,1 @@
+"""Tests of shmsync.workers (workers/): standalone rollout workers and the relay command."""
