@@ -68,7 +68,7 @@ def _host(host_dir: str, port: int, index: int, seen, reps: int, encrypt: bool, 
         if 0 < version <= reps:
             seen[index * (reps + 1) + version] = time.monotonic_ns()
 
-    relay.store.writer.add_listener(visible)  # runs as the version commits: no polling
+    relay.store.add_listener(visible)  # runs as the version commits: no polling
     conn.send(("ready", relay.parent, relay.serving))
     runner.join()
     relay.close()

@@ -57,11 +57,11 @@ class Weights(nn.Module):
 def read_loop(kind: str, name: str, conn) -> None:
     """One reader: reload, check, until told to stop; then report its counts."""
     from shmsync import WeightReader, WeightStore
-    from shmsync.core.protocol import Reader
+    from shmsync.core.protocol import SlotReader
 
     torch.set_num_threads(1)
     if kind == "pinned":
-        Reader.outpaced = lambda self: True  # this reader's copies take the pinned path, every one
+        SlotReader.outpaced = lambda self: True  # this reader's copies take the pinned path, every one
     store = WeightStore.attach(name)
     target = Weights(store.nbytes)
     reader = WeightReader(store, target, zero_copy=kind == "zero-copy")
@@ -82,8 +82,8 @@ def read_loop(kind: str, name: str, conn) -> None:
             "reloads": reloads,
             "torn": torn,
             "viewed": viewed,
-            "failed_copies": store.reader.retries,
-            "pinned_reads": store.reader.pinned_reads,
+            "failed_copies": store.slot_reader.retries,
+            "pinned_reads": store.slot_reader.pinned_reads,
         }
     )
     reader.close()

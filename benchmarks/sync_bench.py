@@ -474,12 +474,12 @@ def _spin(seconds: float) -> None:
 
 def _slow_reader(name: str, nbytes: int, seconds: float, pin_first: bool, conn) -> None:
     from shmsync import WeightReader, WeightStore
-    from shmsync.core.protocol import Reader
+    from shmsync.core.protocol import SlotReader
 
     os.nice(10)
     torch.set_num_threads(1)
     if not pin_first:  # the reader as it was: optimistic copies first, whatever their length
-        Reader.outpaced = lambda self: False
+        SlotReader.outpaced = lambda self: False
     store = WeightStore.attach(name)
     reader = WeightReader(store, Payload(nbytes), zero_copy=False)
     conn.send("ready")
@@ -496,7 +496,7 @@ def _slow_reader(name: str, nbytes: int, seconds: float, pin_first: bool, conn) 
             dst.copy_(src)
         copies.append(time.perf_counter_ns() - began)
     copy_ns = statistics.median(copies)
-    role = reader._binding.role  # this reader's protocol role counts its failed copies and pins
+    role = reader._binding.slot_reader  # this reader's protocol role counts its failed copies and pins
     conn.send({"loads": loads, "failed_copies": role.retries, "pinned": role.pinned_reads, "copy_ns": copy_ns})
     reader.close()
     store.close()

@@ -265,8 +265,8 @@ def summarize(
             versions_seen_per_worker=None if args.use_async else [len(v) for v in stats["versions_per_worker"]],
             staleness_mean=tags.float().mean().item(),
             staleness_max=int(tags.max()),
-            publish_seconds=store.writer.seconds,
-            publish_fraction=store.writer.seconds / total,
+            publish_seconds=store.publish_seconds,
+            publish_fraction=store.publish_seconds / total,
         )
         last = " (the last one after the final batch)" if summary["versions_published"] else ""
         print(f"versions published   {summary['versions_published']}{last}")
@@ -275,7 +275,7 @@ def summarize(
             print(f"versions per worker  {seen} (distinct versions in each worker's frames)")
         print(f"staleness of frames  mean {summary['staleness_mean']:.2f}, max {summary['staleness_max']} versions")
         share = 100 * summary["publish_fraction"]
-        print(f"time publishing      {store.writer.seconds * 1e3:.1f} ms ({share:.3f}% of total)")
+        print(f"time publishing      {store.publish_seconds * 1e3:.1f} ms ({share:.3f}% of total)")
         if "readers" in stats:
             print(f"readers' table when training stopped:\n{stats['readers']}")
     reached = summary["target_reached_at"]

@@ -5,9 +5,11 @@ version with a :class:`WeightReader` when, and only when, it changed.
 :class:`UpdateWeights` and :class:`ShmWeightSyncScheme` plug into TorchRL.
 
 Names are imported on first use, so ``import shmsync`` (and the ``shmsync`` command) stays
-light; the store and the reader never import TorchRL. The one thing ``import shmsync`` does in
-TorchRL is to make ``"shmsync"`` a backend of ``WeightSyncScheme.from_backend`` (torchrl >= 0.14),
-through TorchRL's public registry; TorchRL's classes and modules are left as they are.
+light; the store and the reader never import TorchRL, and ``import shmsync`` changes nothing in
+TorchRL. Importing the scheme (``from shmsync import ShmWeightSyncScheme``, or
+``import shmsync.torchrl.scheme``) makes ``"shmsync"`` a backend of TorchRL's
+``WeightSyncScheme.from_backend`` (torchrl >= 0.14), as importing TorchRL's own scheme modules does
+for theirs.
 """
 
 from __future__ import annotations
@@ -16,11 +18,8 @@ import importlib
 from typing import Any
 
 from shmsync.errors import UnknownAttributeError
-from shmsync.torchrl import registration
 
 __version__ = "0.2.0"  # the one place the version is written (pyproject.toml reads it)
-
-registration.install()
 
 # The public names, and where each lives: the one list (``__all__`` and ``dir(shmsync)`` read it).
 # Each is imported on first use; a type checker finds them in those modules.

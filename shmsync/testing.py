@@ -41,6 +41,7 @@ import pytest
 
 from shmsync.core import segment
 from shmsync.core.header import MAGIC, W_CREATOR_PID, W_CREATOR_PPID, W_MAGIC
+from shmsync.core.protocol import ReaderRows, SlotWriter
 from shmsync.errors import ShmSyncError
 
 
@@ -203,8 +204,9 @@ def stop_mid_publish(store: Any, fill: float = -1.0) -> int:
     """Start a publish into ``store`` and stop halfway through its copy (half the tensors of the
     slot filled with ``fill``, the slot marked being written), as a writer killed there leaves
     it; returns the slot. The write stays open in this process: kill it next."""
-    write = store.writer.role.begin_write()
-    views = store.memory.map_slots()[write.slot]
+    memory = store.memory
+    write = SlotWriter(memory.host, ReaderRows(memory.host, memory.locks)).begin_write()
+    views = memory.map_slots()[write.slot]
     for view in views[: len(views) // 2]:
         view.fill_(fill)
     return write.slot
@@ -228,8 +230,8 @@ def read_with(
         copy(slot, slots[slot])
 
     if pinned:
-        return store.reader.read_pinned(run, time.monotonic() + timeout, steal_after=steal_after)
-    return store.reader.read(run, timeout=timeout)
+        return store.slot_reader.read_pinned(run, time.monotonic() + timeout, steal_after=steal_after)
+    return store.slot_reader.read(run, timeout=timeout)
 
 
 @contextlib.contextmanager
@@ -253,4 +255,4 @@ def ordering_of(store: Any) -> str:
 
 def page_locked(store: Any) -> bool:
     """Whether ``store``'s slots are page-locked (``cudaHostRegister``) in this process."""
-    return store.memory.pinned
+    return store.memory.page_locked

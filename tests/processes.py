@@ -98,7 +98,7 @@ def stress_reader(store: WeightStore, sizes, min_reloads: int, conn) -> None:
                 mixed += 1
             elif values != {float(reader.version)}:
                 wrong_tag += 1
-    conn.send(("done", reloads, mixed, wrong_tag, store.reader.retries, store.reader.pinned_reads))
+    conn.send(("done", reloads, mixed, wrong_tag, store.slot_reader.retries, store.slot_reader.pinned_reads))
     store.close()
 
 
@@ -273,7 +273,7 @@ def slow_reader(store: WeightStore, sizes, loads: int, delay: float, conn) -> No
         done += 1
         if mixed_values(module) != {float(version)}:
             bad += 1
-    conn.send(("done", done, bad, store.reader.retries, store.reader.pinned_reads, time.monotonic() - start))
+    conn.send(("done", done, bad, store.slot_reader.retries, store.slot_reader.pinned_reads, time.monotonic() - start))
     store.close()
 
 

@@ -150,8 +150,7 @@ TESTED_ELSEWHERE = {
     "shmsync/torchrl/remote_nodes.py": "a remote node's pushes: tests/torchrl/test_publishing.py, test_distributed.py, "
     "test_ray.py",
     "shmsync/torchrl/sender.py": "WeightSender: tests/torchrl/test_hooks.py",
-    "shmsync/torchrl/settings.py": "the scheme's settings: tests/torchrl/test_registration.py, "
-    "tests/watch/test_alarm.py",
+    "shmsync/torchrl/settings.py": "the scheme's settings: tests/torchrl/test_backend.py, tests/watch/test_alarm.py",
     "shmsync/torchrl/trainer_weights.py": "the trainer's models of a collector: tests/torchrl/test_conformance.py",
     "shmsync/watch/remote_rows.py": "other hosts' readers in the table: tests/store/test_reader_table.py, "
     "tests/relay/test_reports.py",
@@ -177,3 +176,43 @@ def test_the_tests_are_laid_out_like_the_package():
     assert not untested, f"modules with no test module of their name, and not in TESTED_ELSEWHERE: {untested}"
     stale = sorted(m for m in TESTED_ELSEWHERE if m not in named or (ROOT / named[m]).exists())
     assert not stale, f"TESTED_ELSEWHERE names modules that are gone or now have a test module: {stale}"
+
+
+# The underscore names of torch's and TorchRL's own objects that shmsync reads on purpose: torch's
+# module registries and tensor version counter (cheaper than their public walks, stable across
+# releases), and TorchRL's, each reached through the boundary module torchrl/compat.py.
+FOREIGN_PRIVATE = {"_parameters", "_buffers", "_version", "_forward_pre_hooks", "_forward_hooks", "_foreach_copy_"}
+
+
+def _private_reads(tree: ast.AST) -> list[tuple[str, int, str]]:
+    """``(function, line, attribute)`` for each ``x._name`` a module-level function reads, where
+    ``x`` is not a module it imported (``torch._foreach_copy_``) nor ``self`` (a method built in a
+    function), and ``_name`` not a dunder."""
+    modules = {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    modules |= {
+        a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names
+    }  # a module imported by name (``from shmsync.core import segment``)
+    found = []
+    for function in (n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        for node in ast.walk(function):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and (root.id in modules or root.id == "self"):
+                continue  # a module's private function (``torch._C._set_grad_enabled``), or a method's own state
+            if node.attr not in FOREIGN_PRIVATE:
+                found.append((function.name, node.lineno, node.attr))
+    return found
+
+
+def test_no_module_level_function_reads_another_objects_private_state():
+    """A function that needs a class's private fields is that class's method (or the state is
+    public): nothing outside an object reaches inside it."""
+    reads = []
+    for name, path in _modules().items():
+        if name == "shmsync.torchrl.compat":
+            continue  # the one boundary where TorchRL's private names are read, each checked (tests/torchrl/)
+        reads += [f"{name}.{f} line {line}: ._{a[1:]}" for f, line, a in _private_reads(ast.parse(path.read_text()))]
+    assert reads == []

@@ -49,7 +49,7 @@ W_ROWS = 23  # rows of the reader table ever claimed: the table is read up to th
 W_STORE_FLAGS = 24  # STORE_* bits below, only ever set
 STORE_PAGE_LOCKED = 1  # a process page-locked the host slots for CUDA copies: their memory is never given back
 W_GIVE_BACK_BEGUN = 25  # give-backs the writer began, and
-W_GIVE_BACK_DONE = 26  # ended (see shmsync.store.memory.StoreMemory.pin_for_cuda)
+W_GIVE_BACK_DONE = 26  # ended (see shmsync.store.memory.StoreMemory.page_lock_for_cuda)
 W_PROMISED = 27  # the newest version a publish has promised: >= W_VERSION, reached once it lands
 W_DEVICE = 28  # the device bank's CUDA device index + 1; 0: the store has no device bank
 W_DEVICE_BYTES = 29  # bytes of device memory the device bank holds now (the writer's GPU)

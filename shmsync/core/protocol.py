@@ -1,11 +1,13 @@
 """The protocol between one writer and many readers of a bank of slots (no torch here).
 
-Three roles work on the shared words of one bank (:class:`Words`): the :class:`Writer`, a
-:class:`Reader` and the :class:`Table` of readers. Each holds the words; the writer also holds a
-table, to ask about leases. Nothing here moves bytes: a caller copies between its own calls (the
-writer between :meth:`Writer.begin_write` and :meth:`Writer.commit`, a reader inside the
-``copy(slot)`` it hands to :meth:`Reader.read`), so every interleaving below can be driven step by
-step in tests, on a plain list of ints, without processes or torch.
+Three roles work on the shared words of one bank (:class:`Words`): the :class:`SlotWriter` (the
+one process that publishes), a :class:`SlotReader` (each process that copies a version out) and
+the :class:`ReaderRows` (each reader's row in the header, and its lease on a slot). Each holds the
+words; the slot writer also holds the rows, to ask about leases. Nothing here moves bytes: a
+caller copies between its own calls (the writer between :meth:`SlotWriter.begin_write` and
+:meth:`SlotWriter.commit`, a reader inside the ``copy(slot)`` it hands to :meth:`SlotReader.read`),
+so every interleaving below can be driven step by step in tests, on a plain list of ints, without
+processes or torch.
 
 Slots and words
 ---------------
@@ -15,20 +17,20 @@ sequence number ``seq[i]`` (odd while it is being written) and the version it ho
 one bank of host slots, and, once published from CUDA, a second one of device slots: the same
 protocol on each (see :mod:`shmsync.core.header`).
 
-Writer (one process at a time, enforced by a kernel lock the store takes)::
+SlotWriter (one process at a time, enforced by a kernel lock the store takes)::
 
     target = a slot that is neither `latest`, nor pinned, nor leased (one holding a version
              first, the least recently written)
     seq[target] += 1            # odd: being written; then a full fence, and back off if leased
-    copy the weights into target                                   (Writer.begin_write)
+    copy the weights into target                                   (SlotWriter.begin_write)
     slot_version[target] = v; fence; seq[target] += 1   # even: complete
-    latest = target; version = v                                   (Writer.commit)
+    latest = target; version = v                                   (SlotWriter.commit)
 
 The writer never reads anything a reader writes except three pin words and the per-slot
 lease counts, and never waits: publishing is a copy plus a handful of word stores. One
 writer has at most one write open at a time (a second ``begin_write`` raises).
 
-Reader, optimistic path (seqlock validation, :meth:`Reader.try_read`)::
+SlotReader, optimistic path (seqlock validation, :meth:`SlotReader.try_read`)::
 
     s = seq[latest]; fence; v = slot_version[latest]; copy the slot; fence; valid iff seq is still s
 
@@ -37,16 +39,16 @@ publish and start the next while one reader copy runs before that copy is invali
 retries are rare. Validation guarantees that a reader never *accepts* a mixed copy, whatever
 the timing.
 
-Memory given back (:meth:`Writer.idle_slots`): after a publish, the writer gives back the
+Memory given back (:meth:`SlotWriter.idle_slots`): after a publish, the writer gives back the
 pages of every slot that is neither latest, nor pinned, nor leased, but one: the slot its
 next write takes. That is the one holding a version, least recently written (empty slots are
 written last: their pages would have to come back first). While nobody leases, the writer so
 alternates between two slots, and the others hold no memory. Giving a slot back is a write
-of zeros, made like any write: marked odd through the write handshake (:meth:`Writer.mark`),
+of zeros, made like any write: marked odd through the write handshake (:meth:`SlotWriter.mark`),
 then aborted (its version -1). So a reader leasing it meanwhile keeps it, and an optimistic
 copy of it fails validation.
 
-Reader, bounded fallback (slot pinning, :meth:`Reader.read_pinned`): after
+SlotReader, bounded fallback (slot pinning, :meth:`SlotReader.read_pinned`): after
 ``max_attempts`` failed optimistic copies a reader takes the bank's single reader token
 (a kernel lock, released if the reader dies) and asks the writer to pin a slot by writing
 a fresh ticket into ``pin_request``. At the start of its next publish the writer sets
@@ -61,7 +63,7 @@ dies while pinned only costs the writer one slot until the next ticket replaces 
 A reader whose last copy took longer than the writer, publishing at its current pace, leaves
 a slot alone (one publish interval, from ``publish_interval``)
 skips the optimistic copies that would only fail and asks for a pin at once: it loads in one
-copy (:meth:`Reader.outpaced`).
+copy (:meth:`SlotReader.outpaced`).
 
 The token bounds the wait of the others: its holder's pinned copy completes, so the next
 reader waits at most one copy for it. A holder that is *stopped* (SIGSTOP, a debugger)
@@ -71,8 +73,8 @@ reader's copy, if it ever resumes, fails validation and is retried. A holder tha
 however slowly, keeps its pin: two slow readers taking the pin off each other would never
 finish.
 
-Leases (zero-copy readers, :meth:`Table.lease_latest`)
-------------------------------------------------------
+Leases (zero-copy readers, :meth:`ReaderRows.lease_latest`)
+------------------------------------------------------------
 A zero-copy reader points its module's parameters at the read-only memory of one slot and
 holds a *lease* on it; the writer never writes a leased slot. Leases are recorded in the
 reader table (each row's lease word of the bank: ``slot + 1``, or ``-(slot + 1)`` while the
@@ -130,16 +132,16 @@ hold three slots of three between them, and the writer would have to write into 
 The promise
 -----------
 A publish that returns before its version is visible (a CUDA copy, or the opt-in background copy
-of CPU tensors) first *promises* the version (:meth:`Writer.promise`, the store's ``promised``
+of CPU tensors) first *promises* the version (:meth:`SlotWriter.promise`, the store's ``promised``
 word). A reader that must run the newest weights at the start of its next batch waits while
-:meth:`Reader.promise_stands`: until its bank's version reaches the promise, or the promise is
+:meth:`SlotReader.promise_stands`: until its bank's version reaches the promise, or the promise is
 withdrawn. No promise is left hanging:
 
-* a copy that fails is aborted and its promise withdrawn at once (:meth:`Writer.withdraw`: the
+* a copy that fails is aborted and its promise withdrawn at once (:meth:`SlotWriter.withdraw`: the
   promised word back to the version the bank holds), so the waiting reader goes on with the
   newest whole version;
 * a writer that dies leaves its promise, but its kernel lock goes with it: a waiting reader looks
-  at that lock twice a second and stops waiting (the store's ``publisher_alive``); a new writer
+  at that lock twice a second and stops waiting (the store's ``writer_alive``); a new writer
   withdraws the dead one's promise when it takes the role.
 
 ``tests/core/protocol_model.py`` checks both over every interleaving, the writer dying at every step,
@@ -158,7 +160,7 @@ Crashes
 -------
 A writer killed in the middle of a copy leaves ``seq[target]`` odd and ``latest``
 untouched: readers keep loading the last complete version, and the next writer rewrites
-that slot from scratch. A copy that raises is aborted (:meth:`Writer.abort`): the slot is
+that slot from scratch. A copy that raises is aborted (:meth:`SlotWriter.abort`): the slot is
 marked empty, and nobody reads it.
 """
 
@@ -276,12 +278,14 @@ class LocalLocks:
 
 
 class Write(NamedTuple):
-    """A write in progress: the slot, the odd sequence number it carries meanwhile, and whether
-    the slot was empty (its memory may have been given back: reserve it before copying)."""
+    """A write in progress: the slot, the odd sequence number it carries meanwhile, whether the
+    slot was empty (its memory may have been given back: reserve it before copying), and the
+    version it will hold once committed (-1 for a slot being given back)."""
 
     slot: int
     seq: int
     cold: bool = False
+    version: int = -1
 
 
 def initialize(h: HeaderWords, num_slots: int) -> None:
@@ -339,8 +343,10 @@ class Words:
         return W_READERS + row * READER_WORDS + self.lease
 
 
-class Table:
-    """The reader table: each reader's row, and the leases of zero-copy readers on one bank.
+class ReaderRows:
+    """The readers' rows in the header: each reader's row (its pid, version, reloads, flags), and
+    the leases of readers in place on one bank. The readers' table that operators read
+    (:class:`~shmsync.store.reader_table.ReaderTable`) is made from these rows.
 
     Args:
         words: the bank's words (rows are shared by the banks; leases are the bank's).
@@ -533,12 +539,12 @@ class Table:
                 h[w.leases[slot]] = max(0, h[w.leases[slot]] - 1)
 
 
-class Writer:
+class SlotWriter:
     """The writer of one bank (one process at a time: the store's writer lock).
 
     Args:
         words: the bank's words.
-        table: the reader table, asked whether a slot is leased.
+        rows: the readers' rows, asked whether a slot is leased.
         pid: this process's id as written into the header.
         clock: wall-clock time in ns (publish times, shared with other processes).
 
@@ -546,25 +552,27 @@ class Writer:
         >>> h = [0] * 20480
         >>> initialize(h, 3)
         >>> words = Words(h)
-        >>> writer = Writer(words, Table(words, LocalLocks()))
+        >>> writer = SlotWriter(words, ReaderRows(words, LocalLocks()))
         >>> write = writer.begin_write()
         >>> writer.commit(write), h[words.version]
         (0, 0)
     """
 
     def __init__(
-        self, words: Words, table: Table, *, pid: int | None = None, clock: Callable[[], int] = time.time_ns
+        self, words: Words, rows: ReaderRows, *, pid: int | None = None, clock: Callable[[], int] = time.time_ns
     ) -> None:
         self.words = words
-        self.table = table
+        self.rows = rows
         self.pid = os.getpid() if pid is None else pid
         self.clock = clock
         self.writing: Write | None = None  # the write this writer has open
         self.replaced = -1  # the slot that was latest before this writer's last commit
         self.seen_latest = -1  # the latest slot as the open write's choice saw it
 
-    def begin_write(self) -> Write:
-        """Choose a slot and mark it being written. Never waits.
+    def begin_write(self, version: int | None = None) -> Write:
+        """Choose a slot, mark it being written, and decide the version it will hold: ``version``
+        (a caller's number, checked higher than every version before), else one more than the
+        store's last. The one place a version is decided. Never waits.
 
         Raises:
             ShmSyncError: this writer already has a write open (say, a CUDA publish in flight).
@@ -584,6 +592,7 @@ class Writer:
                 continue
             write = self.mark(target)
             if write is not None:
+                write = write._replace(version=self.words.h[W_VERSION] + 1 if version is None else version)
                 self.writing = write
                 return write
             backed_off += (target,)
@@ -599,18 +608,16 @@ class Writer:
         odd = seq + 2 if seq & 1 else seq + 1  # odd already: a writer died mid-copy
         h[w.seq[target]] = odd
         w.full_fence()  # the store above before the lease loads below
-        if not h[w.leases[target]] or not self.table.row_leased(target, confirmed=True):
+        if not h[w.leases[target]] or not self.rows.row_leased(target, confirmed=True):
             return Write(target, odd, h[w.slot_version[target]] < 0)
         h[w.seq[target]] = odd + 1
         return None
 
-    def commit(self, write: Write, version: int | None = None) -> int:
-        """Make the written slot the latest, complete version; returns that version
-        (default: one more than the store's last)."""
+    def commit(self, write: Write) -> int:
+        """Make the written slot the latest, complete version (the one its write began with);
+        returns that version."""
         w = self.words
-        h, slot = w.h, write.slot
-        if version is None:
-            version = h[W_VERSION] + 1
+        h, slot, version = w.h, write.slot, write.version
         h[w.slot_version[slot]] = version
         w.fence()  # the copy's stores and the version before the sequence
         h[w.seq[slot]] = write.seq + 1
@@ -674,10 +681,10 @@ class Writer:
         the ones the writer may write, asking the rows if every count says leased (a count may be too
         high), or failing those, a lease still being decided."""
         if not free:
-            free = [s for s in others if not self.table.row_leased(s)]
+            free = [s for s in others if not self.rows.row_leased(s)]
         candidates = [s for s in free if s != pinned]
         if not candidates:  # a lease still being decided gives way (see Handshakes)
-            undecided = [s for s in others if not self.table.row_leased(s, confirmed=True)]
+            undecided = [s for s in others if not self.rows.row_leased(s, confirmed=True)]
             # With 2 slots, so does a pin: the pinned reader retries.
             candidates = [s for s in undecided if s != pinned] or free or undecided
         return candidates
@@ -697,7 +704,7 @@ class Writer:
         idle, held = [], []
         for s in range(w.num_slots):
             if s != latest:
-                if h[w.leases[s]] and self.table.row_leased(s):
+                if h[w.leases[s]] and self.rows.row_leased(s):
                     held.append(s)
                 elif s != pinned:
                     idle.append(s)
@@ -733,13 +740,14 @@ class Writer:
         h = w.h
         latest = h[w.latest]
         for s in range(w.num_slots):
-            if s != latest and h[w.leases[s]] and not h[w.seq[s]] & 1 and self.table.row_leased(s):
+            if s != latest and h[w.leases[s]] and not h[w.seq[s]] & 1 and self.rows.row_leased(s):
                 return s
         return latest
 
 
-class Reader:
-    """A reader of one bank: optimistic copies, and the pinned fallback.
+class SlotReader:
+    """The reader's side of the protocol on one bank: a copy validated by its sequence word, or
+    one from a slot pinned for it (the fallback). A :class:`~shmsync.WeightReader` holds one.
 
     Args:
         words: the bank's words.
@@ -753,14 +761,14 @@ class Reader:
         >>> h = [0] * 20480
         >>> initialize(h, 3)
         >>> words = Words(h)
-        >>> writer = Writer(words, Table(words, LocalLocks()))
+        >>> writer = SlotWriter(words, ReaderRows(words, LocalLocks()))
         >>> slots = [None] * 3
         >>> write = writer.begin_write()
         >>> slots[write.slot] = "weights v0"
         >>> writer.commit(write)
         0
         >>> got = []
-        >>> Reader(words, LocalLocks()).try_read(lambda slot: got.append(slots[slot])), got
+        >>> SlotReader(words, LocalLocks()).try_read(lambda slot: got.append(slots[slot])), got
         (0, ['weights v0'])
     """
 
@@ -802,7 +810,7 @@ class Reader:
         leaves the latest slot alone: an optimistic copy could fail, so the reader asks for a
         pin at once and loads in one copy. A writer publishing back to back may rewrite that
         slot at the second publish after it was written (it alternates between two slots while
-        nobody leases: see :meth:`Writer.choose_target`), and the reader finds it at any point of the
+        nobody leases: see :meth:`SlotWriter.choose_target`), and the reader finds it at any point of the
         first interval: one interval is sure."""
         w = self.words
         interval = w.h[w.publish_interval]

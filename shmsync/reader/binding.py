@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from shmsync.core.header import DEVICE, HOST, W_DEVICE
-from shmsync.core.protocol import Reader, Table, Words
+from shmsync.core.protocol import ReaderRows, SlotReader, Words
 from shmsync.errors import ArgumentTypeError, InvalidArgumentError, WeightMismatchError
 from shmsync.reader.in_place import InPlace
 from shmsync.store.copies import copy_all
@@ -39,7 +39,8 @@ class Binding:
         targets: the module's tensors, matched; indices: their entries in the layout.
         cuda: the module's GPU, or None on the CPU.
         bank: :data:`~shmsync.core.header.HOST` or :data:`~shmsync.core.header.DEVICE`.
-        words, table, role: the bank's words, its reader table, and the reader role copying from it.
+        words, rows, slot_reader: the bank's words, its readers' rows, and the protocol's reader side
+            copying from it.
         slots: per slot, a view of every entry in layout order, as this process reads it.
         in_place: how the parameters point at a leased slot, when they run in place (else None).
     """
@@ -64,8 +65,8 @@ class Binding:
                 f"got weights on {self.cuda}: it copies"
             )
         self.words: Words = memory.host if self.bank == HOST else memory.device
-        self.table = Table(self.words, memory.locks)
-        self.role = Reader(self.words, memory.locks)
+        self.rows = ReaderRows(self.words, memory.locks)
+        self.slot_reader = SlotReader(self.words, memory.locks)
         self.device_seen = memory.header[W_DEVICE]  # the store's device word when bound
         self.slots = slots_for(memory, self.bank, self.cuda)
         self.in_place: InPlace | None = None
@@ -74,6 +75,11 @@ class Binding:
             views = self.slots if self.bank == DEVICE else memory.private_slots()
             device_of_slots = self.cuda if self.bank == DEVICE else None
             self.in_place = InPlace(memory, self.targets, self.indices, viewing, views, device_of_slots)
+
+    def drop_in_place(self) -> None:
+        """From now on the module loads by copying (it wrote its weights: see
+        :meth:`~shmsync.WeightReader.reload`)."""
+        self.in_place = None
 
     @property
     def own_device_bytes(self) -> int:
@@ -106,7 +112,7 @@ def slots_for(memory: StoreMemory, bank: int, cuda: torch.device | None) -> Any:
         return DeviceSlotViews(memory)
     if cuda is None:
         return memory.read_slots()
-    memory.pin_for_cuda()  # host-to-device copies become asynchronous DMA
+    memory.page_lock_for_cuda()  # host-to-device copies become asynchronous DMA
     return memory.map_slots()
 
 

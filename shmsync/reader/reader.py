@@ -3,14 +3,15 @@
 One load, on the worker's thread (:meth:`WeightReader.poll`)::
 
     version word of the reader's bank == loaded?  ->  nothing to do (one load of a shared word)
-    in place: table.lease_latest(row)             (shmsync.core.protocol: a slot the writer leaves alone)
+    in place: rows.lease_latest(row)              (shmsync.core.protocol: a slot the writer leaves alone)
               in_place.point(slot)                (the parameters view it; shmsync.reader.in_place)
-    or a copy: role.read(copy)                    (a seqlock copy, or a pinned one)
-    table.update_row(row, version)                (what the readers' table shows)
+    or a copy: slot_reader.read(copy)             (a seqlock copy, or a pinned one)
+    rows.update_row(row, version)                 (what the readers' table shows)
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 import weakref
@@ -34,7 +35,7 @@ from shmsync.core.header import (
     W_PROMISED,
     W_VERSION,
 )
-from shmsync.core.protocol import Table
+from shmsync.core.protocol import ReaderRows
 from shmsync.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
@@ -47,6 +48,16 @@ from shmsync.reader.in_place import InPlace, make_private
 from shmsync.store.memory import StoreMemory
 
 log = logging.getLogger("shmsync.reader")
+
+
+class Mode(enum.Enum):
+    """How a :class:`WeightReader`'s module holds its weights: the one fact the reader keeps about
+    it. Its ``zero_copy`` and ``viewing``, and its row's zero-copy flag, follow from it; each value
+    is the word the readers' table shows for a reader on the host slots (``ReaderRow.mode``)."""
+
+    IN_PLACE = "zero-copy"  # on the store's memory, on a leased slot
+    FALLEN_BACK = "copy (fallback)"  # in place where it can, on no slot now: not loaded yet, or no slot to lease
+    PRIVATE = "copy"  # a private copy for good: asked for, the device cannot, or the module wrote its weights
 
 
 class WeightReader:
@@ -123,16 +134,17 @@ class WeightReader:
         self.worker = worker  # the index its collector gave it, or None
         self.device_slots = device_slots
         self.private_on_write = False  # a write into the parameters: a private copy, not an error (TorchRL's)
+        self.fallbacks = 0  # reloads that could not lease a slot (a copy instead)
+        self.mode = Mode.PRIVATE if zero_copy is False else Mode.FALLEN_BACK  # on no slot until the first load
+        self._asked = zero_copy  # the argument: True where the module cannot run in place raises
         self._version = -1
         self._memory = memory
         self._parts = parts_of(memory, module, destination)
-        self._zero_copy = zero_copy  # what was asked; the binding says what holds
-        self._viewing: list[torch.Tensor] = []  # parameters now pointing at a leased slot
-        self._said_fallback = False
+        self._viewing: list[torch.Tensor] = []  # the parameters while they point at a leased slot
         self._binding: Binding | None = None
-        # The host bank until bound (its version word is what poll() loads); rows are the host table's.
-        self._words, self._rows = memory.host, Table(memory.host, memory.locks)
-        self._flags = ROW_ZERO_COPY if zero_copy is not False else 0
+        # The host bank until bound (its version word is what poll() loads); rows are the host bank's.
+        self._words, self._rows = memory.host, ReaderRows(memory.host, memory.locks)
+        self._flags = ROW_ZERO_COPY if self.mode is not Mode.PRIVATE else 0
         # A row in the readers' table (`shmsync ls`, store.readers()); -1: the table is full, unlisted.
         self._row = self._rows.claim_row(worker=worker, flags=self._flags)
         self._finalizer = weakref.finalize(self, _leave, memory, self._row, self._viewing)
@@ -141,7 +153,7 @@ class WeightReader:
         if not any(is_meta(m) for _, m in self._parts):
             self._bind()
         else:
-            self._unloaded_guards = [m.register_forward_pre_hook(_not_loaded_yet(self)) for _, m in self._parts]
+            self._unloaded_guards = [m.register_forward_pre_hook(_not_loaded_yet(memory.name)) for _, m in self._parts]
 
     @property
     def version(self) -> int:
@@ -150,10 +162,8 @@ class WeightReader:
 
     @property
     def zero_copy(self) -> bool:
-        """Whether the module runs on the store's memory in place (once bound: as its device allows)."""
-        if self._binding is None:
-            return self._zero_copy is not False
-        return self._binding.in_place is not None
+        """Whether the module runs on the store's memory in place where it can (see :attr:`mode`)."""
+        return self.mode is not Mode.PRIVATE
 
     @property
     def waiting(self) -> bool:
@@ -162,8 +172,8 @@ class WeightReader:
 
     @property
     def viewing(self) -> bool:
-        """Whether the module's parameters now point at shared memory (``zero_copy``)."""
-        return bool(self._viewing)
+        """Whether the module's parameters now point at shared memory (``zero_copy``, on a leased slot)."""
+        return self.mode is Mode.IN_PLACE
 
     def set_waiting(self, waiting: bool) -> None:
         """Say whether the process is between rollouts, waiting for work rather than running the
@@ -180,6 +190,11 @@ class WeightReader:
             True
         """
         self._set_flag(ROW_WAITING, waiting)
+
+    def _set_mode(self, mode: Mode) -> None:
+        """The module holds its weights as ``mode`` says from now on; its row says so too."""
+        self.mode = mode
+        self._set_flag(ROW_ZERO_COPY, mode is not Mode.PRIVATE)
 
     def _set_flag(self, bit: int, on: bool) -> None:
         flags = self._flags | bit if on else self._flags & ~bit
@@ -213,32 +228,16 @@ class WeightReader:
         return self.reload()
 
     def reload(self) -> bool:
-        """Load the newest complete version now, even if it is already loaded."""
+        """Load the newest complete version now, even if it is already loaded. Its job is when and
+        from which bank (bound again when the store's device slots moved); :meth:`_load` loads,
+        then the readers' table is told."""
         memory = self._memory
         if memory.closed:
             memory.check_open()  # raises
         binding = self._binding if self._binding is not None else self._bind()
         if memory.header[W_DEVICE]:
             binding = self._follow_device(binding)
-        in_place = binding.in_place
-        if (
-            self._viewing
-            and in_place is not None
-            and in_place.check_unwritten(self._version, keep=self.private_on_write)
-        ):
-            binding = self._go_private(binding)
-            in_place = None
-        # Without a row in the reader table (it is full) there is no lease: copy.
-        leased = None
-        if in_place is not None and self._row >= 0 and self._finalizer.alive:
-            if self._viewing and binding.cuda is not None:
-                in_place.leave()  # the device's work on the old slot ends before its lease moves
-            leased = binding.table.lease_latest(self._row)
-        if leased is not None:
-            version = leased[1]
-            cast(InPlace, in_place).point(leased[0])
-        else:
-            version = self._copy_latest(binding)
+        version = self._load(binding)
         changed = version != self._version
         self._version = version
         if self._unloaded_guards:
@@ -247,6 +246,28 @@ class WeightReader:
         if self._finalizer.alive:
             self._rows.update_row(self._row, version, self.reloads)
         return changed
+
+    def _load(self, binding: Binding) -> int:
+        """The newest complete version into the module, as its mode says: on a leased slot in place
+        (unless this process wrote the weights there: a private copy then, for good), else a copy.
+        Returns the version loaded."""
+        if self.mode is not Mode.PRIVATE:
+            in_place = cast(InPlace, binding.in_place)  # bound to run in place (else _bind said private)
+            if self.mode is Mode.IN_PLACE and in_place.check_unwritten(self._version, keep=self.private_on_write):
+                self._go_private(binding)
+            elif self._row < 0:  # no row in the readers' table (it is full): no lease, a copy
+                return self._fall_back(binding)
+            else:
+                if self.mode is Mode.IN_PLACE and binding.cuda is not None:
+                    in_place.leave()  # the device's work on the old slot ends before its lease moves
+                leased = binding.rows.lease_latest(self._row)
+                if leased is None:
+                    return self._fall_back(binding)
+                in_place.point(leased[0])
+                if self.mode is not Mode.IN_PLACE:
+                    self._set_mode(Mode.IN_PLACE)
+                return leased[1]
+        return self._copy_latest(binding)
 
     def _first_loaded(self) -> None:
         """The module holds weights now: it may run."""
@@ -263,26 +284,31 @@ class WeightReader:
             _await_host_slots(self._memory, self.timeout)
         return binding
 
-    def _go_private(self, binding: Binding) -> Binding:
+    def _go_private(self, binding: Binding) -> None:
         """The module wrote its weights, kept privately: it copies from now on."""
-        binding.table.release_lease(self._row)
-        binding.in_place = None
-        self._zero_copy = False
-        self._set_flag(ROW_ZERO_COPY, False)
+        binding.rows.release_lease(self._row)
+        binding.drop_in_place()
+        self._set_mode(Mode.PRIVATE)
         _warn_private_copy(self._memory.name, self.worker)
-        return binding
+
+    def _fall_back(self, binding: Binding) -> int:
+        """No slot to lease (readers in place hold every one the writer may not write, or this
+        reader has no row): a private copy this time, said once; a later reload leases again."""
+        self.fallbacks += 1
+        if self.fallbacks == 1 and self._row >= 0:  # said once; the rows say it every time (`shmsync ls`)
+            _warn_no_lease(self._memory.name, self.worker, self._memory.num_slots)
+        copied = self._copy_latest(binding)
+        self._set_mode(Mode.FALLEN_BACK)
+        return copied
 
     def _copy_latest(self, binding: Binding) -> int:
         """A private copy of the newest complete version (a lease refused, or none wanted)."""
-        if binding.in_place is not None and not self._said_fallback and self._row >= 0:
-            self._said_fallback = True
-            _warn_no_lease(self._memory.name, self.worker, self._memory.num_slots)
-        if self._viewing:  # leasing refused: back to private memory before copying into it
+        if self._viewing:  # back to private memory before copying into it
             # (the old slot may be rewritten meanwhile; the copy below overwrites it all)
             make_private(self._viewing)
-            binding.table.release_lease(self._row)
+            binding.rows.release_lease(self._row)
         # Optimistic copies, or the pin at once for a reader slower than the writer.
-        return binding.role.read(binding.copy, timeout=self.timeout)
+        return binding.slot_reader.read(binding.copy, timeout=self.timeout)
 
     def poll_promised(self, timeout: float = 60.0) -> bool:
         """Load the newest version, waiting for one a publish promised and has not landed yet (the
@@ -306,7 +332,7 @@ class WeightReader:
         promised = self._memory.header[W_PROMISED]
         reloaded = self.poll()
         if self._version < promised:
-            _wait_for(self, promised, timeout, f"version {promised}, promised by the trainer's last publish,", True)
+            self._wait(promised, timeout, f"version {promised}, promised by the trainer's last publish,", True)
             reloaded = True
         return reloaded
 
@@ -317,11 +343,54 @@ class WeightReader:
             WriterGoneError: no live process can publish any more (checked twice a second).
             ReloadTimeoutError: ``min_version`` did not come within ``timeout`` seconds.
         """
-        return _wait_for(self, min_version, timeout, f"version {min_version}")
+        return self._wait(min_version, timeout, f"version {min_version}")
+
+    def _wait(self, min_version: int, timeout: float | None, what: str, promise: bool = False) -> int:
+        """:meth:`wait`'s loop: poll, backing off to 1 ms, until ``min_version`` is loaded.
+        ``promise``: ``min_version`` was promised, and the wait ends too once the promise is
+        withdrawn (the promised word fell below it: the newest whole version is then loaded)."""
+        memory = self._memory
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause, next_check = 5e-5, time.monotonic() + 0.5
+        self.poll()
+        while self._version < min_version:
+            binding = self._binding
+            if promise and binding is not None and not binding.slot_reader.promise_stands(min_version):
+                self.poll()  # landed, or withdrawn: the newest whole version is the one to run
+                break
+            now = time.monotonic()
+            if now >= next_check or (deadline is not None and now > deadline):
+                next_check = now + 0.5
+                self._check_writer_alive(min_version, what)
+            if deadline is not None and now > deadline:
+                raise ReloadTimeoutError(
+                    f"store {memory.name!r}: {what} was not published within {timeout}s "
+                    f"(latest published: {memory.header[W_VERSION]}, loaded: {self._version})"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.001)
+            self.poll()
+        return self._version
+
+    def _check_writer_alive(self, min_version: int, what: str) -> None:
+        """Raise :class:`~shmsync.errors.WriterGoneError` if ``min_version`` can never come: no
+        live process can publish, and it had not landed just before the writer died."""
+        memory = self._memory
+        if memory.writer_alive():
+            return
+        self.poll()  # a last look: it may have landed just before the writer died
+        if self._version < min_version:
+            facts = memory.facts()
+            raise WriterGoneError(
+                f"store {memory.name!r}: {what} will never be published: its creator "
+                f"(pid {facts['creator_pid']}) and last writer (pid {facts['writer_pid']}) are dead "
+                f"(latest published: {facts['version']}, loaded: {self._version})"
+            )
 
     def close(self) -> None:
-        """Leave the store's reader table (the module keeps its weights)."""
+        """Leave the store's readers' table (the module keeps its weights, in private memory)."""
         self._finalizer()
+        self.mode = Mode.PRIVATE
 
     def _bind(self) -> Binding:
         """Match the module against the store (materializing meta weights), choose the bank it
@@ -332,13 +401,14 @@ class WeightReader:
             self._parts,
             self.device,
             device_slots=self.device_slots,
-            zero_copy=self._zero_copy,
+            zero_copy=False if self.mode is Mode.PRIVATE else self._asked,
             viewing=self._viewing,
         )
         if old is not None and old.bank != binding.bank:
-            old.table.release_lease(self._row)
+            old.rows.release_lease(self._row)
         self._binding, self._words = binding, binding.words
-        self._set_flag(ROW_ZERO_COPY, binding.in_place is not None)
+        if binding.in_place is None:  # its device cannot run in place (or it was asked not to)
+            self._set_mode(Mode.PRIVATE)
         self._set_flag(ROW_DEVICE, binding.cuda is not None)
         self._set_flag(ROW_DEVICE_BANK, binding.bank == DEVICE)
         self._rows.set_row_word(self._row, R_DEVICE_BYTES, binding.own_device_bytes)
@@ -348,43 +418,6 @@ class WeightReader:
 
     def __repr__(self) -> str:
         return f"WeightReader(store={self._memory.name!r}, version={self._version}, reloads={self.reloads})"
-
-
-def _wait_for(reader: WeightReader, min_version: int, timeout: float | None, what: str, promise: bool = False) -> int:
-    """:meth:`WeightReader.wait`'s loop: poll, backing off to 1 ms, until ``min_version`` is loaded.
-    ``promise``: ``min_version`` was promised, and the wait ends too once the promise is withdrawn
-    (the promised word fell below it: the newest whole version is then loaded)."""
-    memory = reader._memory
-    deadline = None if timeout is None else time.monotonic() + timeout
-    pause, next_check = 5e-5, time.monotonic() + 0.5
-    reader.poll()
-    while reader.version < min_version:
-        binding = reader._binding
-        if promise and binding is not None and not binding.role.promise_stands(min_version):
-            reader.poll()  # landed, or withdrawn: the newest whole version is the one to run
-            break
-        now = time.monotonic()
-        if now >= next_check or (deadline is not None and now > deadline):
-            next_check = now + 0.5
-            if not memory.publisher_alive():
-                reader.poll()  # a last look: it may have landed just before the writer died
-                if reader.version >= min_version:
-                    break
-                facts = memory.facts()
-                raise WriterGoneError(
-                    f"store {memory.name!r}: {what} will never be published: its creator "
-                    f"(pid {facts['creator_pid']}) and last writer (pid {facts['writer_pid']}) are dead "
-                    f"(latest published: {facts['version']}, loaded: {reader.version})"
-                )
-        if deadline is not None and now > deadline:
-            raise ReloadTimeoutError(
-                f"store {memory.name!r}: {what} was not published within {timeout}s "
-                f"(latest published: {memory.header[W_VERSION]}, loaded: {reader.version})"
-            )
-        time.sleep(pause)
-        pause = min(pause * 2, 0.001)
-        reader.poll()
-    return reader.version
 
 
 def _await_host_slots(memory: StoreMemory, timeout: float) -> None:
@@ -422,10 +455,10 @@ def _warn_no_lease(store: str, worker: int | None, num_slots: int) -> None:
     )
 
 
-def _not_loaded_yet(reader: WeightReader) -> Any:
+def _not_loaded_yet(store: str) -> Any:
     def hook(module: nn.Module, args: Any) -> None:
         raise NotLoadedError(
-            f"this module's weights come from store {reader._memory.name!r} and are not loaded yet (they are on "
+            f"this module's weights come from store {store!r} and are not loaded yet (they are on "
             "the meta device): call reader.poll() or reader.wait(0) before running it"
         )
 
@@ -439,5 +472,5 @@ def _leave(memory: StoreMemory, row: int, viewing: list[torch.Tensor]) -> None:
         make_private(viewing)
     if not memory.closed:
         for words in (memory.host, memory.device):
-            Table(words, memory.locks).release_lease(row)
-        Table(memory.host, memory.locks).release_row(row)
+            ReaderRows(words, memory.locks).release_lease(row)
+        ReaderRows(memory.host, memory.locks).release_row(row)

@@ -42,8 +42,8 @@ class ChildLink:
         finally:
             store, row = self.store, self.row
             if store is not None and row >= 0 and not store.closed:
-                store.table.release_lease(row)
-                store.table.release_row(row)
+                store.rows.release_lease(row)
+                store.rows.release_row(row)
             with server.changed:
                 server.children.pop(child.id, None)  # its place and its address go with it
             child.link.close()
@@ -62,7 +62,7 @@ class ChildLink:
             self._sent(child.link.send_or_keep(PING))  # idle: the relay can tell this node lives
             return True
         self.store = store
-        table = store.table
+        table = store.rows
         if self.row < 0:
             self.row = table.claim_row(flags=ROW_LINK)  # not a reader: left out of the readers' table
         if fwd is not None and fwd.state != "cancelled" and fwd.version > max(store.version, child.sent):
@@ -87,7 +87,7 @@ class ChildLink:
 
     def _forward(self, store: Any, fwd: Forwarding) -> None:
         """A version still arriving (or not committed yet): forward what is there, then follow."""
-        table = store.table
+        table = store.rows
         if table.lease_written(self.row, fwd.write):
             try:
                 with store.memory.slot_buffer(fwd.write.slot) as view:
@@ -102,7 +102,7 @@ class ChildLink:
 
     def _send_latest(self, store: Any) -> bool:
         """Send the store's latest version from its leased slot; False if no slot could be leased."""
-        table = store.table
+        table = store.rows
         leased = table.lease_latest(self.row)
         try:
             if leased is None:

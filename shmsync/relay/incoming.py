@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shmsync.core.protocol import Write
 from shmsync.errors import ProtocolError, RelayError
 from shmsync.relay import wire
 from shmsync.relay.messages import (
@@ -22,7 +23,7 @@ from shmsync.relay.messages import (
     VERSION,
     Forwarding,
 )
-from shmsync.relay.raw_versions import create_from_bytes, publish_bytes
+from shmsync.relay.raw_versions import create_from_bytes
 from shmsync.relay.sealing import HEADER, TAG_BYTES, SealedVersion
 
 
@@ -80,10 +81,10 @@ def _receive(relay: Any, link: wire.Link, version: int, sealed: SealedVersion | 
 
 
 def _receive_into_store(relay: Any, link: wire.Link, version: int, sealed: SealedVersion | None) -> bool:
-    def fill(buffer: memoryview) -> None:
+    def fill(buffer: memoryview, write: Write) -> None:
         fwd = None
         if relay.server is not None and relay.store is not None:
-            fwd = relay.server.begin(version, len(buffer), relay.store.writer.role.writing, sealed)
+            fwd = relay.server.begin(version, len(buffer), write, sealed)
         try:
             _fill(relay, link, buffer, fwd, sealed)
         except Cancelled:
@@ -103,7 +104,7 @@ def _receive_into_store(relay: Any, link: wire.Link, version: int, sealed: Seale
             if relay.server is not None:
                 relay.server.set_store(relay.store)
         else:
-            publish_bytes(relay.store, fill, version=version)
+            relay.store.publish_bytes(fill, version=version)
     except Cancelled:
         return False
     return True

@@ -1,18 +1,17 @@
-"""Whole versions as bytes, for moving them between hosts: a store made from another store's
-layout description whose first version is written straight into a slot, a version written
-straight from a socket into a free slot (a store's writer wakes each link of a relay's server as a
-version commits: ``store.writer.add_listener``).
-
-This is how a relay publishes on its host (:mod:`shmsync.relay`), with no copy in between.
+"""A store made from another store's layout description, its first version written straight into a
+slot from the bytes that arrive: how a relay makes its host's store from the trainer's first version
+(:mod:`shmsync.relay`), with no copy in between. The versions after it go the same way, through
+:meth:`~shmsync.WeightStore.publish_bytes`; the store wakes each link of a relay's server as a
+version commits (:meth:`~shmsync.WeightStore.add_listener`).
 
 Examples:
     >>> import torch
     >>> from shmsync import WeightStore
-    >>> from shmsync.relay.raw_versions import create_from_bytes, publish_bytes
+    >>> from shmsync.relay.raw_versions import create_from_bytes
     >>> with WeightStore.create(torch.nn.Linear(2, 2)) as source:
-    ...     ones = lambda buffer: buffer.cast("B").__setitem__(slice(None), b"\\x01" * len(buffer))
+    ...     ones = lambda buffer, write: buffer.cast("B").__setitem__(slice(None), b"\\x01" * len(buffer))
     ...     with create_from_bytes(source.memory.layout_description, ones, version=5, name="raw-example") as copy:
-    ...         publish_bytes(copy, ones, version=6), copy.version
+    ...         copy.publish_bytes(ones, version=6), copy.version
     (6, 6)
 """
 
@@ -20,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from shmsync.core.protocol import Write
 from shmsync.core.segment import Segment, validate_name
 from shmsync.store.layout import Layout
 from shmsync.writer.store import WeightStore, check_version
@@ -27,7 +27,7 @@ from shmsync.writer.store import WeightStore, check_version
 
 def create_from_bytes(
     layout_description: bytes,
-    fill: Callable[[memoryview], None],
+    fill: Callable[[memoryview, Write], None],
     *,
     version: int,
     name: str,
@@ -35,7 +35,8 @@ def create_from_bytes(
     unlink_at_exit: bool = True,
 ) -> WeightStore:
     """A store laid out as ``layout_description`` says (its memory's ``layout_description``),
-    whose first version's bytes ``fill(view)`` writes straight into a slot: how a relay makes the
+    whose first version's bytes ``fill(buffer, write)`` writes straight into a slot (see
+    :meth:`~shmsync.WeightStore.publish_bytes`): how a relay makes the
     store of a host from the trainer's first version.
 
     The store gets its name only once it holds that version, in one step: no process can attach
@@ -57,7 +58,7 @@ def create_from_bytes(
         layout, destinations, name, num_slots=num_slots, unlink_at_exit=unlink_at_exit, make_segment=incoming
     )
     try:
-        store.writer.publish_bytes(fill, version)
+        store.publish_bytes(fill, version=version)
         store.memory.segment.link(name)
     except BaseException:
         store.unlink()
@@ -66,20 +67,4 @@ def create_from_bytes(
     return store
 
 
-def publish_bytes(store: WeightStore, fill: Callable[[memoryview], None], *, version: int) -> int:
-    """Publish into ``store`` a version whose bytes ``fill(buffer)`` writes straight into a free slot.
-
-    ``buffer`` is a writable memoryview of :attr:`~WeightStore.nbytes` bytes in the store's layout,
-    valid while ``fill`` runs. If ``fill`` raises, the slot is left empty and nothing is published.
-
-    Returns:
-        ``version``.
-
-    Raises:
-        ValueError: ``version`` is not higher than the last one; nothing is written.
-        WriterBusyError: another live process holds the writer role.
-    """
-    return store.writer.publish_bytes(fill, version)
-
-
-__all__ = ["create_from_bytes", "publish_bytes"]
+__all__ = ["create_from_bytes"]

@@ -111,7 +111,7 @@ class Server:
                 return
             self.store = store
             self.changed.notify_all()
-        store.writer.add_listener(self.notify)
+        store.add_listener(self.notify)
 
     def notify(self, *_: Any) -> None:
         with self.changed:
@@ -330,7 +330,7 @@ class Server:
             self.changed.notify_all()
             children, store = list(self.children.values()), self.store
         if store is not None:
-            store.writer.remove_listener(self.notify)
+            store.remove_listener(self.notify)
         if self._accept is not None:
             self._accept.join(max(0.0, min(0.5, deadline - time.monotonic())))
         self.sock.close()

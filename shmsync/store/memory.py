@@ -58,7 +58,7 @@ from shmsync.core.header import (
 )
 from shmsync.core.pages import address_of, holds_pages, punch, reserve, resident_bytes
 from shmsync.core.processes import process_start_ns
-from shmsync.core.protocol import Reader, Words, initialize
+from shmsync.core.protocol import SlotReader, Words, initialize
 from shmsync.core.segment import CREATOR_LOCK, WRITER_LOCK, Segment, SegmentLocks, not_found_hint
 from shmsync.errors import ClosedError, InvalidArgumentError, ShmSyncError, StoreCorruptError, StoreNotFoundError
 from shmsync.store.copies import copy_all
@@ -174,7 +174,7 @@ class StoreMemory:
         self.device = Words(h, DEVICE, name=segment.name)
         self.slots: list[list[torch.Tensor]] = []  # per slot, views of the store's pages (a writer's)
         self._private: list[list[torch.Tensor]] = []  # per slot, views of a private mapping (a reader's)
-        self._pinned: list = []  # (pointer, view) of page-locked memory, for CUDA copies
+        self._page_locked: list = []  # (pointer, view) of page-locked memory, for CUDA copies
         # This process's device slots when it is the writer (a process cannot open its own CUDA
         # IPC handles): set by the CUDA publisher, read by a reader on the same GPU.
         self.own_device_slots: list[torch.Tensor | None] | None = None
@@ -182,7 +182,7 @@ class StoreMemory:
         self.closed = False
         # Garbage collected or at exit: views dropped, unlinked if asked (by the creator only).
         self._finalizer = weakref.finalize(
-            self, _release, segment, (self.slots, self._private), h[W_CREATOR_PID], self._pinned, unlink_at_exit
+            self, _release, segment, (self.slots, self._private), h[W_CREATOR_PID], self._page_locked, unlink_at_exit
         )
 
     @classmethod
@@ -222,12 +222,12 @@ class StoreMemory:
             segment.close()
             raise
 
-    def copy_latest(self, role: Reader, timeout: float) -> tuple[int, list[torch.Tensor]]:
-        """A private copy of the newest complete version in the host slots, read with ``role``:
+    def copy_latest(self, slot_reader: SlotReader, timeout: float) -> tuple[int, list[torch.Tensor]]:
+        """A private copy of the newest complete version in the host slots, read with ``slot_reader``:
         its version and tensors, in layout order."""
         tensors = [torch.empty(e.shape, dtype=e.dtype) for e in self.layout.entries]
         slots = self.read_slots()
-        version = role.read(lambda slot: copy_all(tensors, slots[slot]), timeout=timeout)
+        version = slot_reader.read(lambda slot: copy_all(tensors, slots[slot]), timeout=timeout)
         return version, tensors
 
     def check_open(self) -> None:
@@ -235,7 +235,7 @@ class StoreMemory:
         if self.closed:
             raise ClosedError(f"store {self.name!r} is closed in this process")
 
-    def publisher_alive(self) -> bool:
+    def writer_alive(self) -> bool:
         """Whether a live process can still publish (it holds the writer role, or is the creator
         with the store open), told by the kernel's locks, whatever the PID namespace."""
         segment = self.segment
@@ -247,9 +247,9 @@ class StoreMemory:
         self._dependents.add(obj)
 
     @property
-    def pinned(self) -> bool:
-        """Whether the slots are page-locked in this process (see :meth:`pin_for_cuda`)."""
-        return bool(self._pinned)
+    def page_locked(self) -> bool:
+        """Whether the slots are page-locked in this process (see :meth:`page_lock_for_cuda`)."""
+        return bool(self._page_locked)
 
     def map_slots(self) -> list[list[torch.Tensor]]:
         """Map the store's pages writable (once) and return :attr:`slots`."""
@@ -316,11 +316,11 @@ class StoreMemory:
 
     def give_back(self, slot: int) -> bool:
         """Drop the pages of ``slot`` (marked being written by the caller: see
-        :meth:`~shmsync.core.protocol.Writer.idle_slots`); none once a process page-locked the slots
+        :meth:`~shmsync.core.protocol.SlotWriter.idle_slots`); none once a process page-locked the slots
         for CUDA copies (the device would keep reading the pages it locked). True if given back."""
         h, full_fence, fence = self.header, self.host.full_fence, self.host.fence
         h[W_GIVE_BACK_BEGUN] += 1
-        full_fence()  # the count before the flag's load (pin_for_cuda: the flag, then the count)
+        full_fence()  # the count before the flag's load (page_lock_for_cuda: the flag, then the count)
         given = not h[W_STORE_FLAGS] & STORE_PAGE_LOCKED
         if given:
             offset, length = self.slot_range(slot)
@@ -352,12 +352,12 @@ class StoreMemory:
         """Bytes of memory the store's file takes now (header and the slots holding pages)."""
         return resident_bytes(self.segment.fd)
 
-    def pin_for_cuda(self) -> None:
+    def page_lock_for_cuda(self) -> None:
         """Page-lock the host slots in this process (once), so CUDA copies are asynchronous DMA.
 
         From then on the writer gives no slot's memory back (the device would go on reading the
         pages it locked): a store whose host slots feed a GPU holds all of them in host memory."""
-        if self._pinned or not torch.cuda.is_available():
+        if self._page_locked or not torch.cuda.is_available():
             return
         h = self.header
         h[W_STORE_FLAGS] |= STORE_PAGE_LOCKED
@@ -373,7 +373,7 @@ class StoreMemory:
             if time.monotonic() > deadline:
                 return  # a writer that died mid-give-back: copies stay synchronous
             time.sleep(0.001)
-        self._pinned.append((register_host(region), region))
+        self._page_locked.append((register_host(region), region))
 
     def close(self) -> None:
         """Drop the views and unmap (unlinking, if so made). The header stays readable: a
@@ -404,10 +404,12 @@ def unregister_host(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def _release(segment: Segment, views: tuple[list, ...], creator_pid: int, pinned: list, unlink: bool = False) -> None:
-    for ptr, _view in pinned:
+def _release(
+    segment: Segment, views: tuple[list, ...], creator_pid: int, page_locked: list, unlink: bool = False
+) -> None:
+    for ptr, _view in page_locked:
         unregister_host(ptr)  # before the memory is unmapped
-    pinned.clear()
+    page_locked.clear()
     for v in views:
         v.clear()
     if unlink and os.getpid() == creator_pid:

@@ -5,7 +5,7 @@ store's destinations, :func:`as_tensordict` turns one part into a TensorDict."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -100,6 +100,16 @@ def parts(
     return [((d,), source[d]) for d in sorted(source)]
 
 
+class CheckedSource(NamedTuple):
+    """A source :class:`SourceMatcher` checked whole, kept for its fast path."""
+
+    source: Any  # the object published
+    keys: set | None  # its keys, for a mapping of destinations (None: one module or TensorDict)
+    parts: list[tuple[Any, list | None]]  # each module or TensorDict in it, with its leaf keys (None: a module)
+    held: list[torch.Tensor | None]  # every tensor those parts held (see _held)
+    tensors: list[torch.Tensor]  # what was published, in the layout's entry order
+
+
 class SourceMatcher:
     """Checks what is published against a store's layout (keys, shapes, dtypes) and returns its
     tensors in entry order.
@@ -125,28 +135,28 @@ class SourceMatcher:
 
     def __init__(self, layout: Any, destinations: tuple[str, ...] | None) -> None:
         self.layout, self.destinations = layout, destinations
-        # The last source checked: (it, its keys or None, its parts, what they held, the tensors in entry order).
-        self._last: tuple | None = None
+        self._last: CheckedSource | None = None
 
     def match(self, source: Any, what: str) -> list[torch.Tensor]:
         """The source's tensors in entry order, checked against the layout (nothing written)."""
         last = self._last
         if last is not None:
-            before, keys, held_parts, held, tensors = last
             now = source.values() if type(source) is dict else (source,)
-            same = source is before or keys is not None and type(source) is dict and source.keys() == keys
+            same = source is last.source or (
+                last.keys is not None and type(source) is dict and source.keys() == last.keys
+            )
             # The very parts of last time, holding the very tensors, shaped and typed as published
             # (both kept in `_last`, so an equal id is the same object).
             if (
                 same
-                and list(map(id, now)) == [id(p) for p, _ in held_parts]
-                and list(map(id, _held(held_parts))) == list(map(id, held))
+                and list(map(id, now)) == [id(p) for p, _ in last.parts]
+                and list(map(id, _held(last.parts))) == list(map(id, last.held))
                 and all(
                     t.shape == e.shape and t.dtype == e.dtype and not t.is_meta
-                    for t, e in zip(tensors, self.layout.entries)
+                    for t, e in zip(last.tensors, self.layout.entries)
                 )
             ):
-                return tensors
+                return last.tensors
         return self._match(source, what)
 
     def _match(self, source: Any, what: str) -> list[torch.Tensor]:
@@ -167,7 +177,7 @@ class SourceMatcher:
             held = _held(held_parts)
             mine = {id(t) for t in held}
             if all(id(t) in mine for t in tensors):  # each tensor published is one the parts hold
-                self._last = (source, set(source) if mapping else None, held_parts, held, tensors)
+                self._last = CheckedSource(source, set(source) if mapping else None, held_parts, held, tensors)
         return tensors
 
 

@@ -13,6 +13,7 @@ import contextlib
 import difflib
 import os
 import time
+import warnings
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
@@ -61,9 +62,15 @@ class StoreStatus:
     device_bytes: int = 0  # GPU memory its device slots take now (a store published from CUDA)
 
     @property
-    def publisher_alive(self) -> bool:
+    def writer_alive(self) -> bool:
         """Whether a live process can still publish into it."""
         return self.writer_held or self.creator_alive
+
+    @property
+    def publisher_alive(self) -> bool:
+        """Deprecated: :attr:`writer_alive` (renamed in 0.2.0, removed in 0.3.0)."""
+        warnings.warn("StoreStatus.publisher_alive is deprecated: use writer_alive", DeprecationWarning, stacklevel=2)
+        return self.writer_alive
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -230,7 +237,7 @@ def is_garbage(s: StoreStatus, min_age_s: float = 5.0) -> bool:
 def is_orphaned(s: StoreStatus) -> bool:
     """Live processes (readers that outlived the trainer) hold it, but none can publish: nobody
     holds its writer role and its creator has let go of it."""
-    return s.valid and s.held and not s.publisher_alive
+    return s.valid and s.held and not s.writer_alive
 
 
 def collect_garbage(

@@ -8,7 +8,7 @@ theirs.
 
 A :class:`Publisher` is made when TorchRL gives a scheme its collector (``init_on_sender(context=
 collector)``), or by a scheme initialized before any collector. Every publish goes through
-:meth:`Publisher.publish`, whichever entry point the user calls: TorchRL's loop calls each
+:meth:`Publisher.route`, whichever entry point the user calls: TorchRL's loop calls each
 scheme's ``send()``, and ``update_policy_weights_`` is wrapped on the collector's instance so that
 the keys one call names are published as one version (TorchRL offers no hook around one update
 call, and drops unknown keywords such as ``version=``). Three more public methods are wrapped on
@@ -129,7 +129,7 @@ class StoreGroup:
         """The newest version sent to any of the stores (published, or promised by a copy still landing)."""
         return max(s.promised for s in self.stores)
 
-    def publish(self, weights: dict[str, Any], worker_ids: Any = None, version: int | None = None) -> int:
+    def publish_keys(self, weights: dict[str, Any], worker_ids: Any = None, version: int | None = None) -> int:
         """Publish the keys of ``weights`` (new weights, or None for the key's own model) into every
         store they reach, each store's other keys from their models, as one version a store
         (``version``, or each store's next); everything is checked before anything is written.
@@ -307,10 +307,11 @@ class Publisher:
         return [g for g in self.groups if not g.closed]
 
     # -- the one route of a publish ---------------------------------------------------------------
-    def publish(self, weights: dict[str, Any], worker_ids: Any = None, given: int | None = None) -> None:
+    def route(self, weights: dict[str, Any], worker_ids: Any = None, given: int | None = None) -> None:
         """Publish ``weights`` (key -> weights, or None for the key's model) as one version, whatever
-        groups the keys live in (checked all before any is written); then tell the tracker, and the
-        trainer if this collector is a remote node."""
+        groups the keys live in (all checked before any is written), under ``given`` if set. On a
+        remote node the version is the trainer's number of the push being applied, and the
+        trainer is told how it went (an error goes to it, not up this stack)."""
         pushes = self.pushes
         if self.unchecked and pushes is None:  # a remote node applies pushes while still being built
             self._check_attached()
@@ -319,27 +320,26 @@ class Publisher:
             self._refuse_if_shut_down(weights)
             return
         if pushes is None:
-            self._publish_in(groups, weights, worker_ids, given)
+            self._to_groups(groups, weights, worker_ids, given)
             return
-        # A remote node: the trainer's number of the push, and the trainer told how it went.
-        try:
-            newest = self._publish_in(groups, weights, worker_ids, given if given is not None else pushes.take())
+        try:  # a push the trainer did not number is refused (take() raises), never guessed
+            newest = self._to_groups(groups, weights, worker_ids, given if given is not None else pushes.take())
         except BaseException as error:
             pushes.failed(error)
             return
         pushes.applied(newest)
 
-    def _publish_in(
+    def _to_groups(
         self, groups: list[StoreGroup], weights: dict[str, Any], worker_ids: Any, version: int | None
     ) -> int:
-        """One version in ``groups``; the tracker told. Returns the newest version published."""
+        """One version in ``groups`` (several: all checked before any is written); the tracker told.
+        Returns the newest version published."""
         if len(groups) == 1:
-            newest = groups[0].publish(weights, worker_ids, version)
+            newest = groups[0].publish_keys(weights, worker_ids, version)
         else:
             parts = [(g, {k: w for k, w in weights.items() if k in g.keys}) for g in groups]
-            # Several groups: all are checked before any is written.
             check_all([pair for g, w in parts for pair in g.prepare(w, worker_ids)], version)
-            newest = max(g.publish(w, worker_ids, version) for g, w in parts)
+            newest = max(g.publish_keys(w, worker_ids, version) for g, w in parts)
         if self.report_version is not None:
             self.report_version([s.promised for g in self.groups if not g.closed for s in g.stores])
         return newest
@@ -370,7 +370,7 @@ class Publisher:
         weights, worker_ids = compat.update_request(args, kwargs) if args or kwargs else ({"policy": None}, None)
         rest = {k: w for k, w in weights.items() if k not in self.keys}
         result = original(weights_dict=rest, worker_ids=worker_ids) if rest else None
-        self.publish({k: w for k, w in weights.items() if k in self.keys}, worker_ids, given=version)
+        self.route({k: w for k, w in weights.items() if k in self.keys}, worker_ids, given=version)
         return result
 
     def shutdown(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -535,7 +535,7 @@ def check_all(prepared: list[tuple[WeightStore, Any]], version: int | None = Non
     before it writes anything: checking it twice would only cost time."""
     if len(prepared) > 1:
         for store, source in prepared:
-            store.writer.check(source, version)
+            store.check(source, version)
 
 
 def _is_per_worker(weights: Any) -> bool:

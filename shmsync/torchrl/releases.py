@@ -1,5 +1,5 @@
 """Which TorchRL releases shmsync supports, told from a version string alone (TorchRL is not
-imported here: the backend registration reads the installed distribution's metadata).
+imported here: ``shmsync.torchrl.compat`` gates the installed release with the string it reads).
 
 Releases 0.11 to 0.14 are each tested by ``make test``. TorchRL's next minor, 0.15, is tested
 ahead of its release through ``torchrl-nightly``: ``make test-full``'s nightly leg installs the

@@ -205,7 +205,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         if self.publisher is None:
             self.publisher = Publisher()  # no collector yet: the same route, nothing wrapped
             self.publisher.add(self.group, self.settings.version_key)
-        self.publisher.publish({self.model_id: weights}, worker_ids)
+        self.publisher.route({self.model_id: weights}, worker_ids)
 
     @property
     def stores(self) -> tuple[WeightStore, ...]:
@@ -259,7 +259,8 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             ...
             shmsync.errors.NotAttachedError: ...
         """
-        if self.group is None and self._receiver is None and self._remote_kind is None:
+        unattached = self.group is None or self.group.closed
+        if unattached and self._receiver is None and self._remote_kind is None:
             raise NotAttachedError(self._why_unattached("it has no workers to list"))
         tables = [store.readers(processes=processes) for store in self.stores if not store.closed]
         latest = max((t.latest for t in tables), default=self.version)
@@ -268,7 +269,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         return merge([*tables, remote])
 
     def _why_unattached(self, what: str) -> str:
-        if self._shut_down:
+        if self._shut_down or (self.group is not None and self.group.closed):
             return f"this ShmWeightSyncScheme's collector was shut down, so {what}: its stores are gone"
         return (
             f"this ShmWeightSyncScheme is not set up yet, so {what}: hand it to a collector "
@@ -346,43 +347,47 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             group.close()
 
     def __getstate__(self) -> dict:
-        return _state_to_send(self, check=True)
+        return self._state_to_send(check=True)
 
     def __copy__(self) -> Any:
-        return _clone(self)
+        return self._clone()
 
     def __deepcopy__(self, memo: dict) -> Any:
-        return _clone(self, memo)
+        return self._clone(memo)
 
+    def _state_to_send(self, check: bool = False) -> dict:
+        """What a copy of this scheme in another process gets: the trainer's module, stores and
+        publisher stay with the trainer. ``check``: refuse a scheme that no collector initialized."""
+        if check and not self._store_names and self._remote_kind is None and not self.initialized_on_receiver:
+            raise ShmSyncError(
+                "a ShmWeightSyncScheme that no collector initialized is being sent to another process: it is in the "
+                "collector_kwargs of one of TorchRL's remote collectors (DistributedSyncCollector, "
+                "DistributedCollector, RayCollector), which carry no trainer version to their nodes. Use "
+                "shmsync.torchrl.distributed.DistributedSyncCollector, "
+                "shmsync.torchrl.distributed.DistributedCollector or shmsync.torchrl.distributed.RayCollector: "
+                "the same classes, with each push numbered by the trainer"
+            )
+        state = WeightSyncScheme.__getstate__(self)
+        state.update(group=None, publisher=None, _receiver=None, remote_rows=RemoteSources())
+        alarm = self.settings.alarm
+        if alarm is not None and callable(alarm["on_stale"]):
+            alarm = {**alarm, "on_stale": "warn"}  # a function of the trainer's (a lambda) need not travel
+        state["settings"] = dataclasses.replace(self.settings, source=None, alarm=alarm)  # the module stays here
+        return state
 
-def _state_to_send(scheme: ShmWeightSyncScheme, check: bool = False) -> dict:
-    """What a copy of ``scheme`` in another process gets: the trainer's module, stores and
-    publisher stay with the trainer. ``check``: refuse a scheme that no collector initialized."""
-    if check and not scheme._store_names and scheme._remote_kind is None and not scheme.initialized_on_receiver:
-        raise ShmSyncError(
-            "a ShmWeightSyncScheme that no collector initialized is being sent to another process: it is in the "
-            "collector_kwargs of one of TorchRL's remote collectors (DistributedSyncCollector, "
-            "DistributedCollector, RayCollector), which carry no trainer version to their nodes. Use "
-            "shmsync.torchrl.distributed.DistributedSyncCollector, shmsync.torchrl.distributed.DistributedCollector "
-            "or shmsync.torchrl.distributed.RayCollector: the same classes, with each push numbered by the trainer"
-        )
-    state = WeightSyncScheme.__getstate__(scheme)
-    state.update(group=None, publisher=None, _receiver=None, remote_rows=RemoteSources())
-    alarm = scheme.settings.alarm
-    if alarm is not None and callable(alarm["on_stale"]):
-        alarm = {**alarm, "on_stale": "warn"}  # a function of the trainer's (a lambda) need not travel
-    state["settings"] = dataclasses.replace(scheme.settings, source=None, alarm=alarm)  # the module stays here
-    return state
+    def _clone(self, memo: dict | None = None) -> ShmWeightSyncScheme:
+        """A copy of this scheme as a worker gets it (``memo``: a deep copy's)."""
+        clone = type(self).__new__(type(self))
+        if memo is not None:
+            memo[id(self)] = clone
+        state = self._state_to_send()
+        clone.__setstate__(state if memo is None else copy.deepcopy(state, memo))
+        return clone
 
-
-def _clone(scheme: ShmWeightSyncScheme, memo: dict | None = None) -> ShmWeightSyncScheme:
-    """A copy of ``scheme`` as a worker gets it (``memo``: a deep copy's)."""
-    clone = type(scheme).__new__(type(scheme))
-    if memo is not None:
-        memo[id(scheme)] = clone
-    state = _state_to_send(scheme)
-    clone.__setstate__(state if memo is None else copy.deepcopy(state, memo))
-    return clone
+    def serve_remote_nodes(self, kind: str) -> None:
+        """Be the local scheme of a remote collector's nodes (``kind``: ``"distributed"`` or
+        ``"ray"``): each node publishes the trainer's pushes under the trainer's numbers."""
+        self._remote_kind = kind
 
 
 def claim_remote_schemes(collector_kwargs: Any, kind: str, collector_name: str) -> list[ShmWeightSyncScheme]:
@@ -400,12 +405,14 @@ def claim_remote_schemes(collector_kwargs: Any, kind: str, collector_name: str) 
             f"{'.'.join(map(str, compat.TORCHRL_VERSION))}); use TorchRL's own local scheme here"
         )
     for scheme in found:
-        scheme._remote_kind = kind
+        scheme.serve_remote_nodes(kind)
     return found
 
 
 def _register() -> None:
-    # The class itself replaces the stand-in `import shmsync` put into TorchRL's registry.
+    # "shmsync" among TorchRL's weight-sync backends (torchrl >= 0.14), through its public
+    # registry, as TorchRL's own scheme modules register theirs when imported: no import hook, so
+    # `import shmsync` alone changes nothing in TorchRL (tests/torchrl/test_compat.py checks it).
     from torchrl.weight_update import weight_sync_schemes
 
     register = getattr(weight_sync_schemes, "register_weight_sync_backend", None)

@@ -42,7 +42,7 @@ class WeightSender:
         if self._paths and root is None:
             raise InvalidArgumentError("a source given as paths needs root= (the object the paths are resolved on)")
         # Fail now, not at the first interval: every path resolves and matches the store.
-        store.writer.check(self._resolve())
+        store.check(self._resolve())
 
     def _resolve(self) -> Any:
         if not self._paths:

@@ -1,9 +1,9 @@
 """Publishing from CUDA tensors: versions in device slots on the trainer's GPU, host slots filled
 from them once per version for the readers that need host memory.
 
-One publish, on the trainer's thread (:meth:`CudaPublisher.publish`)::
+One publish, on the trainer's thread (:meth:`CudaWriter.enqueue`)::
 
-    write = device writer.begin_write()       a device slot no reader uses (shmsync.core.protocol)
+    write = device slot writer.begin_write()  a device slot no reader uses (shmsync.core.protocol)
     copy the tensors into it                   device to device, on the trainer's current stream:
                                                after the step that made them, before the next
     record an event; promise the version       the trainer's thread returns here
@@ -11,8 +11,8 @@ One publish, on the trainer's thread (:meth:`CudaPublisher.publish`)::
 and on the store's copier thread: wait for the event, commit the device slot (readers on the same
 GPU run it in place from now on), and, while a reader needs the host slots (a CPU worker, a GPU
 worker without peer access, a relay), copy the device slot into a host slot in chunks on a side
-stream and commit that. One write is open at a time: the next publish waits only if the previous
-copy has not landed (the copy engine is slower than the trainer publishes).
+stream and commit that. One write is open at a time: the next publish waits (``StoreWriter.flush``)
+only if the previous copy has not landed (the copy engine is slower than the trainer publishes).
 """
 
 from __future__ import annotations
@@ -30,31 +30,32 @@ from shmsync.core.header import (
     W_DEVICE,
     W_DEVICE_BYTES,
     W_HOST_WANTED,
-    W_VERSION,
     reader_rows,
 )
-from shmsync.core.protocol import Table, Writer
+from shmsync.core.protocol import ReaderRows, SlotWriter
 from shmsync.store.copies import Copier
 from shmsync.store.memory import StoreMemory
 from shmsync.writer.device_slots import DeviceSlots, host_readers
 
 CHUNK_BYTES = 64 << 20  # device-to-host copies of the host fill, one chunk at a time
-WATCH_EVERY_S = 0.02  # how often an idle publisher looks for a reader asking for the host slots
+WATCH_EVERY_S = 0.02  # how often an idle CUDA writer looks for a reader asking for the host slots
 
 
-class CudaPublisher:
-    """Publishes CUDA tensors into a store's device slots; fills its host slots from them.
+class CudaWriter:
+    """The writing of a store published from CUDA tensors: copies them into its device slots,
+    and fills its host slots from those. Held by the store's ``StoreWriter`` from the first
+    publish from CUDA on.
 
     Args:
         memory: the store's mapping in this process.
-        host: the writer of its host bank (fills it).
+        host: the slot writer of its host bank (fills it).
         copier: the store's background thread (lands each copy).
         device: the trainer's GPU, where the device slots live.
     """
 
-    def __init__(self, memory: StoreMemory, host: Writer, copier: Copier, device: torch.device) -> None:
+    def __init__(self, memory: StoreMemory, host: SlotWriter, copier: Copier, device: torch.device) -> None:
         self.memory, self.host, self.copier, self.device = memory, host, copier, device
-        self.role = Writer(memory.device, Table(memory.device, memory.locks))
+        self.slot_writer = SlotWriter(memory.device, ReaderRows(memory.device, memory.locks))
         self.slots = DeviceSlots(memory.header, memory.layout, memory.num_slots, device)
         memory.own_device_slots = self.slots.flat  # a reader in this process maps these (it cannot open its own)
         self.stream = torch.cuda.Stream(device)  # the host fills' copies
@@ -64,14 +65,13 @@ class CudaPublisher:
         self._watch = threading.Thread(target=self._watch_host, name=f"shmsync-host-fill-{memory.name}", daemon=True)
         self._watch.start()
 
-    def publish(self, tensors: list[torch.Tensor], version: int | None) -> int:
+    def enqueue(self, tensors: list[torch.Tensor], version: int | None) -> int:
         """Copy ``tensors`` into a free device slot on the current stream and promise the version;
-        it lands on the copier's thread. Returns the version."""
-        if self.copier.pending:
-            self.copier.wait()  # one write at a time
-        role = self.role
-        write = role.begin_write()
-        version = self.memory.header[W_VERSION] + 1 if version is None else version
+        it lands on the copier's thread. Returns the version. The write before it has landed
+        (the caller waited for it)."""
+        slot_writer = self.slot_writer
+        write = slot_writer.begin_write(version)
+        version = write.version
         try:
             views = self.slots.take(write.slot)
             with torch.no_grad():
@@ -79,22 +79,22 @@ class CudaPublisher:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
         except BaseException:
-            role.abort(write)
+            slot_writer.abort(write)
             raise
-        role.promise(version)
+        slot_writer.promise(version)
         self.copier.submit(lambda: self._land(write, version, event))
         return version
 
     def _land(self, write, version: int, event: torch.cuda.Event) -> None:
         """On the copier's thread: the device copy ended; commit it, then fill the host slots."""
-        role = self.role
+        slot_writer = self.slot_writer
         try:
             event.synchronize()
         except BaseException:
-            role.abort(write)
-            role.withdraw()
+            slot_writer.abort(write)
+            slot_writer.withdraw()
             raise
-        role.commit(write, version)
+        slot_writer.commit(write)
         self.memory.header[W_DEVICE_BYTES] = self.slots.nbytes
         if self._host_wanted():
             self._fill_host(write.slot, version)
@@ -109,9 +109,9 @@ class CudaPublisher:
         """Copy device slot ``slot`` (the latest: never rewritten while this thread lands nothing
         else) into a host slot, chunk by chunk on the side stream, and commit it as ``version``."""
         memory, host = self.memory, self.host
-        if not memory.pinned:
-            memory.pin_for_cuda()  # device-to-host copies become DMA into the store's own pages
-        write = host.begin_write()
+        if not memory.page_locked:
+            memory.page_lock_for_cuda()  # device-to-host copies become DMA into the store's own pages
+        write = host.begin_write(version)  # the device slot's version, filled into a host slot
         try:
             if write.cold:
                 memory.reserve(write.slot)
@@ -125,7 +125,7 @@ class CudaPublisher:
         except BaseException:
             host.abort(write)
             raise
-        host.commit(write, version)
+        host.commit(write)
 
     def _watch_host(self) -> None:
         """An idle trainer still serves a reader that starts on the host slots: when one asks

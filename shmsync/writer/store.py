@@ -1,12 +1,13 @@
 """The weight store: versioned copies of a model's weights in shared memory, and publishing into it.
 
-One publish, on the trainer's thread (:meth:`WeightStore.publish`)::
+One publish, on the trainer's thread (:meth:`WeightStore.publish`, then :meth:`StoreWriter.write`)::
 
-    tensors = the source matched against the layout        (shmsync.store.sources)
-    write = writer.begin_write()                          (shmsync.core.protocol: a slot no reader uses)
-    copy the tensors into the slot                        (shmsync.store.copies)
-    writer.commit(write)                                  (the version and the latest slot: two words)
-    give back the slots no reader can use                 (writer.idle_slots, then their pages)
+    tensors = the source matched against the layout     (shmsync.store.sources)
+    write = slot_writer.begin_write(version)           (shmsync.core.protocol: a slot no reader uses,
+                                                        and the version it will hold)
+    copy the tensors into the slot                     (shmsync.store.copies)
+    slot_writer.commit(write)                          (the version and the latest slot: two words)
+    give back the slots no reader can use              (on the copier's thread: idle_slots, their pages)
 
 A version is a snapshot: ``publish()`` returns once the weights are copied into the slot (from
 CPU tensors), or once the copy is enqueued on the trainer's current CUDA stream (from CUDA tensors,
@@ -35,7 +36,7 @@ from shmsync.core.header import (
     W_VERSION,
     W_WRITER_PID,
 )
-from shmsync.core.protocol import Reader, Table, Writer
+from shmsync.core.protocol import ReaderRows, SlotReader, SlotWriter, Write
 from shmsync.core.segment import WRITER_LOCK, Segment, default_name
 from shmsync.errors import (
     ArgumentTypeError,
@@ -58,34 +59,34 @@ class Snapshot(NamedTuple):
 
 
 class StoreWriter:
-    """This process's writing into one store: the writer role of its host bank, the check of each
-    source against the layout, the background copier, the CUDA publisher, and the give-backs.
-    Held by a :class:`WeightStore` (its :attr:`~WeightStore.writer`); the store's publishing
-    methods are this object's.
+    """This process's writing into one store: the slot writer of its host bank, the check of each
+    source against the layout, the background copier, the CUDA writer, and the give-backs. Held by
+    a :class:`WeightStore` (its ``writer``), whose publishing methods call it; nothing else does.
 
     Args:
         memory: the store's mapping in this process.
-        table: the reader table of its host bank (asked about leases).
+        rows: the readers' rows of its host bank (asked about leases).
     """
 
-    def __init__(self, memory: StoreMemory, table: Table) -> None:
+    def __init__(self, memory: StoreMemory, rows: ReaderRows) -> None:
         self.memory = memory
         self.name = memory.name
-        self.role = Writer(memory.host, table)
+        self.slot_writer = SlotWriter(memory.host, rows)
         self.unsafe_background = False  # see WeightStore.create(unsafe_background_copy=...)
         self.lock = threading.Lock()  # one publish at a time, whichever thread calls
         self.holding = False  # this process holds the writer role
         self.seconds = 0.0  # time spent publishing by this process
         self.copier = Copier(f"shmsync-publish-{memory.name}")
-        self.cuda: Any = None  # the CUDA publisher (shmsync.writer.cuda), at the first CUDA publish
+        self.cuda: Any = None  # the CUDA writer (shmsync.writer.cuda), from the first CUDA publish on
         self.listeners: list[Callable[[int], None]] = []
         self._matcher = SourceMatcher(memory.layout, memory.destinations)
         self._what = f"weights published to store {memory.name!r}"
         self._empty: dict[int, float] = {}  # slots seen holding no pages, and when
 
-    def publish(self, source: Any, version: int | None = None, unsafe_background: bool | None = None) -> int:
-        """See :meth:`WeightStore.publish`; ``unsafe_background`` overrides the store's setting."""
-        with self.lock:  # a publisher thread beside the trainer's: one version after the other
+    def write(self, source: Any, version: int | None = None, unsafe_background: bool | None = None) -> int:
+        """Match ``source``, then copy it into a slot and commit it (see :meth:`WeightStore.publish`);
+        ``unsafe_background`` overrides the store's setting. Returns the version."""
+        with self.lock:  # a publishing thread beside the trainer's: one version after the other
             start = time.perf_counter()
             if self.memory.closed:
                 self.memory.check_open()  # raises
@@ -94,15 +95,15 @@ class StoreWriter:
                 self.check_version(version)
             if not self.holding:
                 self.acquire()
+            if self.copier.pending:
+                self.flush()  # one write open at a time: the one in flight (and its give-backs) first
             if self.cuda is not None or any(t.is_cuda for t in tensors):
-                version = self._cuda(tensors).publish(tensors, version)
+                version = self._cuda(tensors).enqueue(tensors, version)
             elif self.unsafe_background if unsafe_background is None else unsafe_background:
                 version = self._in_background(tensors, version)
             else:
-                if self.copier.pending:
-                    self.copier.wait()  # one write at a time: after the one in flight
                 slots = self.memory.slots
-                version = self._write(lambda slot: copy_all(slots[slot], tensors, True), version)
+                version = self._copy_and_commit(lambda slot: copy_all(slots[slot], tensors, True), version)
             self.seconds += time.perf_counter() - start
             return version
 
@@ -111,12 +112,10 @@ class StoreWriter:
         thread, reading the caller's live tensors (``unsafe_background_copy``). A write to them that
         moves a version counter meanwhile is found, and the promise withdrawn; a write through
         ``.data`` is not, and may be published mixed."""
-        if self.copier.pending:
-            self.copier.wait()  # one write at a time: back-pressure only when publishing faster than copying
-        role, memory = self.role, self.memory
-        write = role.begin_write()
-        version = memory.header[W_VERSION] + 1 if version is None else version
-        role.promise(version)
+        slot_writer, memory = self.slot_writer, self.memory
+        write = slot_writer.begin_write(version)
+        version = write.version
+        slot_writer.promise(version)
         seen = [t._version for t in tensors]  # bumped by every in-place write (an optimizer step too)
 
         def copy(slot: int) -> None:
@@ -129,24 +128,27 @@ class StoreWriter:
                     "waits by itself), or leave it off: a publish then copies before it returns"
                 )
 
-        self.copier.submit(lambda: self._write(copy, version, write))
+        self.copier.submit(lambda: self._copy_and_commit(copy, write=write))
         return version
 
-    def _write(self, copy: Callable[[int], None], version: int | None, write: Any = None) -> int:
-        """Begin a write (unless given), ``copy(slot)`` into it, commit, give back the idle slots."""
-        role, memory = self.role, self.memory
+    def _copy_and_commit(
+        self, copy: Callable[[int], None], version: int | None = None, write: Write | None = None
+    ) -> int:
+        """Begin a write of ``version`` (None: the next; or take ``write``, begun already),
+        ``copy(slot)`` into it, commit it, tell the listeners, and have the idle slots given back."""
+        slot_writer, memory = self.slot_writer, self.memory
         if write is None:
-            write = role.begin_write()
+            write = slot_writer.begin_write(version)
         try:
             if write.cold:  # its pages may have been given back: have them again, or fail cleanly
                 memory.reserve(write.slot)
                 self._empty.pop(write.slot, None)
             copy(write.slot)
         except BaseException:
-            role.abort(write)
-            role.withdraw()
+            slot_writer.abort(write)
+            slot_writer.withdraw()
             raise
-        version = role.commit(write, version)
+        version = slot_writer.commit(write)
         for listener in self.listeners:
             listener(version)
         if not memory.header[W_STORE_FLAGS] & STORE_PAGE_LOCKED:  # else the device reads the pages it locked
@@ -155,76 +157,56 @@ class StoreWriter:
         return version
 
     def _give_back_idle(self) -> None:
-        """Give back the memory of the slots no reader can use (see ``Writer.idle_slots``). Slots
-        given back lately stay empty, unless a late reader's copy refilled them: they are looked
-        at again now and then only."""
-        memory, role = self.memory, self.role
+        """Give back the memory of the slots no reader can use (see ``SlotWriter.idle_slots``).
+        Slots given back lately stay empty, unless a late reader's copy refilled them: they are
+        looked at again now and then only."""
+        memory, slot_writer = self.memory, self.slot_writer
         now, empty = time.monotonic(), self._empty
-        idle = [s for s in role.idle_slots() if now - empty.get(s, -RECHECK_EMPTY_S) >= RECHECK_EMPTY_S]
+        idle = [s for s in slot_writer.idle_slots() if now - empty.get(s, -RECHECK_EMPTY_S) >= RECHECK_EMPTY_S]
         try:
             for slot in idle:
                 if not memory.holds_pages(slot):
                     self._empty[slot] = now
                     continue
-                write = role.mark(slot)
+                write = slot_writer.mark(slot)
                 if write is not None:  # else a reader leased it meanwhile
                     try:
                         if memory.give_back(slot):
                             self._empty[slot] = now
                     finally:
-                        role.abort(write)
-        except OSError as e:  # the version is out: memory that stays is no reason to fail a publish
+                        slot_writer.abort(write)
+        except OSError as e:
+            # The version is already visible: a slot that keeps its memory costs memory, not correctness.
             warnings.warn(f"store {self.name!r}: unused slots keep their memory ({e})", RuntimeWarning, stacklevel=2)
 
-    def publish_bytes(self, fill: Callable[[memoryview], None], version: int) -> int:
+    def write_bytes(self, fill: Callable[[memoryview, Write], None], version: int) -> int:
         """See :meth:`WeightStore.publish_bytes`."""
         with self.lock:
             self.memory.check_open()
             self.check_version(version)
-            self.flush()
             if not self.holding:
                 self.acquire()
+            self.flush()
+            write = self.slot_writer.begin_write(version)
 
             def copy(slot: int) -> None:
                 with self.memory.slot_buffer(slot, writable=True) as buffer:
-                    fill(buffer)
+                    fill(buffer, write)
 
-            return self._write(copy, version)
-
-    def add_listener(self, listener: Callable[[int], None]) -> None:
-        """Call ``listener(version)`` right after each version this process publishes turns visible,
-        on the thread that made it visible (a relay's links wake on it instead of polling). It must
-        return at once and never raise."""
-        self.listeners.append(listener)
-
-    def remove_listener(self, listener: Callable[[int], None]) -> None:
-        """Undo :meth:`add_listener`."""
-        if listener in self.listeners:
-            self.listeners.remove(listener)
+            return self._copy_and_commit(copy, write=write)
 
     def _cuda(self, tensors: list[torch.Tensor]) -> Any:
-        """The CUDA publisher, made at the first publish from CUDA tensors: the store's versions
-        live on their GPU from then on (CPU tensors published later are copied there)."""
+        """The CUDA writer, made at the first publish from CUDA tensors: the store's versions live
+        on their GPU from then on (CPU tensors published later are copied there)."""
         if self.cuda is None:
-            from shmsync.writer.cuda import CudaPublisher
+            from shmsync.writer.cuda import CudaWriter
 
-            self.copier.wait()
             device = next(t.device for t in tensors if t.is_cuda)
-            self.cuda = CudaPublisher(self.memory, self.role, self.copier, device)
+            self.cuda = CudaWriter(self.memory, self.slot_writer, self.copier, device)
         return self.cuda
 
     def check(self, source: Any, version: int | None = None) -> None:
-        """Raise what :meth:`publish` would raise for ``source`` (and ``version``), writing nothing.
-
-        Examples:
-            >>> import torch
-            >>> from shmsync import WeightStore
-            >>> with WeightStore.create(torch.nn.Linear(4, 2)) as store:
-            ...     store.writer.check(torch.nn.Linear(3, 2))
-            Traceback (most recent call last):
-            ...
-            shmsync.errors.WeightMismatchError: ...
-        """
+        """See :meth:`WeightStore.check`."""
         self._matcher.match(source, f"weights for store {self.name!r}")
         if version is not None:
             self.check_version(version)
@@ -234,7 +216,9 @@ class StoreWriter:
         check_version(version, max(self.memory.header[W_VERSION], self.memory.header[W_PROMISED]), self.name)
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every publish of this process is visible (see :meth:`WeightStore.flush`)."""
+        """Wait until the writes this process handed to the copier landed, and the give-backs after
+        them (see :meth:`WeightStore.flush`): the one wait for a write in flight. A publish waits
+        here only when it comes before the last one's copy is done."""
         self.copier.wait(timeout)
 
     def acquire(self) -> None:
@@ -251,7 +235,7 @@ class StoreWriter:
             )
         self.memory.map_slots()
         self.holding = True
-        self.role.withdraw()  # a promise a dead writer left: it will never land
+        self.slot_writer.withdraw()  # a promise a dead writer left: it will never land
 
     def release(self) -> None:
         """Give up the writer role, after every publish of this process landed."""
@@ -261,7 +245,7 @@ class StoreWriter:
             self.holding = False
 
     def close(self) -> None:
-        """Wait for the publishes in flight, then end the copier's thread and the CUDA publisher."""
+        """Wait for the publishes in flight, then end the copier's thread and the CUDA writer."""
         try:
             self.copier.close()
         finally:
@@ -282,7 +266,8 @@ class WeightStore:
         memory: its mapping in this process; owner: this process created it (a ``with`` unlinks it).
 
     Attributes:
-        table: the reader table of its host slots; reader: the role :meth:`snapshot` reads with.
+        rows: the readers' rows of its host slots; slot_reader: the protocol's reader side
+            :meth:`snapshot` reads with.
         remote_rows: the sources of other hosts' rows in :meth:`readers` (a relay's sender adds its own).
 
     Examples:
@@ -303,9 +288,9 @@ class WeightStore:
             )
         self.memory = memory
         self.owner = owner
-        self.table = Table(memory.host, memory.locks)
-        self.writer = StoreWriter(memory, self.table)
-        self.reader = Reader(memory.host, memory.locks)
+        self.rows = ReaderRows(memory.host, memory.locks)
+        self.writer = StoreWriter(memory, self.rows)
+        self.slot_reader = SlotReader(memory.host, memory.locks)
         self.remote_rows = RemoteSources()
 
     @classmethod
@@ -356,7 +341,7 @@ class WeightStore:
         store = cls.create_empty(layout, destinations, name, num_slots=num_slots, unlink_at_exit=unlink_at_exit)
         store.writer.unsafe_background = bool(unsafe_background_copy)
         try:
-            store.writer.publish(source, version, unsafe_background=False)
+            store.writer.write(source, version, unsafe_background=False)
             store.flush()
         except BaseException:
             store.unlink()
@@ -479,7 +464,7 @@ class WeightStore:
             ...     store.publish(policy), store.publish(policy, version=10), store.version
             (1, 10, 10)
         """
-        return self.writer.publish(source, version)
+        return self.writer.write(source, version)
 
     def flush(self, timeout: float | None = None) -> int:
         """Wait until this process's publishes landed and idle slots went back; returns the version readers see.
@@ -491,21 +476,99 @@ class WeightStore:
         self.writer.flush(timeout)
         return self.version
 
+    def publish_bytes(self, fill: Callable[[memoryview, Write], None], *, version: int) -> int:
+        """Publish a version whose bytes ``fill(buffer, write)`` writes straight into a free slot:
+        how a relay publishes what it receives, with no copy in between.
+
+        Args:
+            fill: writes :attr:`nbytes` bytes, in the store's layout, into ``buffer`` (a writable
+                memoryview valid while it runs); ``write`` is the slot being written (a relay's
+                links forward from it as it fills). If ``fill`` raises, the slot is left empty
+                and nothing is published.
+            version: the version's number, higher than every version before.
+
+        Returns:
+            ``version``.
+
+        Raises:
+            InvalidArgumentError: ``version`` is not higher than the last one; nothing is written.
+            WriterBusyError: another live process holds the writer role.
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightStore
+            >>> with WeightStore.create(torch.nn.Linear(2, 2)) as store:
+            ...     ones = lambda buffer, write: buffer.cast("B").__setitem__(slice(None), b"\\x01" * len(buffer))
+            ...     store.publish_bytes(ones, version=7), store.version
+            (7, 7)
+        """
+        return self.writer.write_bytes(fill, version)
+
+    def check(self, source: Any, version: int | None = None) -> None:
+        """Raise what :meth:`publish` would raise for ``source`` (and ``version``), writing nothing:
+        an update that reaches several stores checks each before it writes any.
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightStore
+            >>> with WeightStore.create(torch.nn.Linear(4, 2)) as store:
+            ...     store.check(torch.nn.Linear(3, 2))
+            Traceback (most recent call last):
+            ...
+            shmsync.errors.WeightMismatchError: ...
+        """
+        self.writer.check(source, version)
+
+    def add_listener(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(version)`` right after each version this process publishes turns visible,
+        on the thread that made it visible (a relay's links wake on it instead of polling). It must
+        return at once and never raise."""
+        self.writer.listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[int], None]) -> None:
+        """Undo :meth:`add_listener`."""
+        if listener in self.writer.listeners:
+            self.writer.listeners.remove(listener)
+
+    @property
+    def publish_seconds(self) -> float:
+        """Seconds this process spent in :meth:`publish` (the calls, not copies landing later)."""
+        return self.writer.seconds
+
     def release_writer(self) -> None:
         """Give up the writer role so another process may publish (once this process's publishes landed)."""
         self.writer.release()
 
-    def publisher_alive(self) -> bool:
+    def writer_alive(self) -> bool:
         """Whether a live process can still publish, as the kernel's locks tell (any PID namespace).
 
         Examples:
             >>> import torch
             >>> from shmsync import WeightStore
             >>> with WeightStore.create(torch.nn.Linear(4, 2)) as store:
-            ...     store.publisher_alive()
+            ...     store.writer_alive()
             True
         """
-        return self.memory.publisher_alive()
+        return self.memory.writer_alive()
+
+    @property
+    def table(self) -> ReaderRows:
+        """Deprecated: :attr:`rows` (renamed in 0.2.0, removed in 0.3.0)."""
+        warnings.warn("WeightStore.table is deprecated: use WeightStore.rows", DeprecationWarning, stacklevel=2)
+        return self.rows
+
+    @property
+    def reader(self) -> SlotReader:
+        """Deprecated: :attr:`slot_reader` (renamed in 0.2.0, removed in 0.3.0)."""
+        warnings.warn("WeightStore.reader is deprecated: use WeightStore.slot_reader", DeprecationWarning, stacklevel=2)
+        return self.slot_reader
+
+    def publisher_alive(self) -> bool:
+        """Deprecated: :meth:`writer_alive` (renamed in 0.2.0, removed in 0.3.0)."""
+        warnings.warn(
+            "WeightStore.publisher_alive() is deprecated: use writer_alive()", DeprecationWarning, stacklevel=2
+        )
+        return self.writer_alive()
 
     # -- reading --------------------------------------------------------------------------------
     def snapshot(self, timeout: float = 60.0) -> Snapshot:
@@ -521,7 +584,7 @@ class WeightStore:
         if self.writer.cuda is not None:
             version, tensors = self.writer.cuda.snapshot()
             return Snapshot(version, memory.layout.as_tensordict(tensors))
-        version, tensors = memory.copy_latest(self.reader, timeout)
+        version, tensors = memory.copy_latest(self.slot_reader, timeout)
         return Snapshot(version, memory.layout.as_tensordict(tensors))
 
     def readers(self, *, processes: bool = True, memory: bool | None = None) -> ReaderTable:

@@ -6,19 +6,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from shmsync.core.protocol import Locks, Reader, Table, Words, Writer
+from shmsync.core.protocol import Locks, ReaderRows, SlotReader, SlotWriter, Words
 
 
 class Party:
-    """A reader's roles (:class:`Reader` and :class:`Table`) on words of its own.
+    """A reader's roles (:class:`SlotReader` and :class:`ReaderRows`) on words of its own.
 
     Attribute lookups go to the reader, then the table (``try_read``, ``claim_row``, ...);
     ``fence`` and ``full_fence`` are the words' own."""
 
     def __init__(self, h: Any, locks: Locks, *, pid: int, ordering: str | None = None, **kwargs: Any) -> None:
         self.words = Words(h, ordering=ordering)
-        self.table = Table(self.words, locks, pid=pid, clock=kwargs.get("clock", time.time_ns))
-        self.reader = Reader(self.words, locks, pid=pid, **kwargs)
+        self.table = ReaderRows(self.words, locks, pid=pid, clock=kwargs.get("clock", time.time_ns))
+        self.reader = SlotReader(self.words, locks, pid=pid, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         for role in (self.__dict__["reader"], self.__dict__["table"]):
@@ -44,11 +44,11 @@ class Party:
 
 
 class WriterParty(Party):
-    """The writer's roles: :class:`Writer` first, then the reader's and the table's."""
+    """The writer's roles: :class:`SlotWriter` first, then the reader's and the table's."""
 
     def __init__(self, h: Any, locks: Locks, *, pid: int = 1, ordering: str | None = None, **kwargs: Any) -> None:
         super().__init__(h, locks, pid=pid, ordering=ordering, **kwargs)
-        object.__setattr__(self, "writer", Writer(self.words, self.table, pid=pid))
+        object.__setattr__(self, "writer", SlotWriter(self.words, self.table, pid=pid))
 
     def __getattr__(self, name: str) -> Any:
         writer = self.__dict__["writer"]

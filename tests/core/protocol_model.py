@@ -198,7 +198,7 @@ def withdraw(o: Options) -> Generator:
 
 
 def promise_stands(o: Options, target: int) -> Generator:
-    """``Reader.promise_stands``: ``target`` has not landed, and is still promised."""
+    """``SlotReader.promise_stands``: ``target`` has not landed, and is still promised."""
     version = yield Load("version")
     if version >= target:
         return False
@@ -208,7 +208,7 @@ def promise_stands(o: Options, target: int) -> Generator:
 
 def waiting_reader(o: Options) -> Generator:
     """``poll_promised``: the promise read once, then waited for while it stands and a writer lives
-    (the code asks the writer's kernel lock, ``publisher_alive``; taken here, it is free: the
+    (the code asks the writer's kernel lock, ``writer_alive``; taken here, it is free: the
     writer died, and the wait ends in ``WriterGoneError``). Its loads of the newest version are the
     plain reader's, checked there."""
     target = yield Load("promised")

@@ -63,13 +63,13 @@ class Store:
 
     def publish_steps(self, version: int):
         """A publish of ``version`` as a generator: one step per store into shared memory."""
-        write = self.writer.begin_write()
+        write = self.writer.begin_write(version)
         yield
         self.slots[write.slot][0] = version
         yield
         self.slots[write.slot][1] = version
         yield
-        self.writer.commit(write, version)
+        self.writer.commit(write)
 
     def publish(self, version: int) -> None:
         for _ in self.publish_steps(version):
@@ -138,9 +138,9 @@ def test_the_writer_alternates_between_two_slots_and_leaves_the_others_empty():
     store = Store(4)
     written = []
     for v in range(1, 7):
-        write = store.writer.begin_write()
+        write = store.writer.begin_write(v)
         written.append(write.slot)
-        store.writer.commit(write, v)
+        store.writer.commit(write)
     assert written == [1, 0, 1, 0, 1, 0]
     assert [store.h[W_SLOT_VERSION + s] for s in (2, 3)] == [-1, -1]
 

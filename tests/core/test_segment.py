@@ -123,7 +123,7 @@ def test_a_store_made_under_a_temporary_name_appears_whole_or_not_at_all(store_d
     source = WeightStore.create(torch.nn.Linear(4, 2), name="source")
     seen = []
 
-    def fill(buffer):
+    def fill(buffer, write):
         seen.append(os.listdir(store_dir))
         buffer[:] = b"\x01" * len(buffer)
 
@@ -137,7 +137,7 @@ def test_a_store_made_under_a_temporary_name_appears_whole_or_not_at_all(store_d
         store.close()
         source.close()
 
-    def failing(buffer):
+    def failing(buffer, write):
         raise RuntimeError("the peer went away")
 
     with pytest.raises(RuntimeError, match="went away"):

@@ -200,6 +200,7 @@ def test_zero_copy_stress(store_factory, start, num_slots):
     assert viewed > 0, "no reload was zero-copy: the test did not exercise leases"
 
 
+@pytest.mark.slow  # every row of the table claimed first: seconds of CPU
 def test_a_reader_without_a_row_in_a_full_table_copies_instead_of_leasing(store_factory):
     from shmsync.core.header import MAX_READERS
 

@@ -1,16 +1,9 @@
-"""The relay tests' fixtures: another host's store folder, and this process made that host."""
+"""The relay tests' fixtures: this process made another host (``host``, the folder of that host's
+stores, is the whole suite's: tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
-
-
-@pytest.fixture
-def host(tmp_path):
-    """Another host's shared memory: a directory of its own."""
-    path = tmp_path / "host-b"
-    path.mkdir()
-    return str(path)
 
 
 @pytest.fixture

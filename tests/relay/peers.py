@@ -72,7 +72,7 @@ def tree_relay(host_dir: str, port: int, name: str, conn) -> None:
             if relay.store is not None and listening is not relay.store:
                 listening = relay.store
                 published.append((relay.store.version, True))  # the first version made the store
-                relay.store.writer.add_listener(on_publish)
+                relay.store.add_listener(on_publish)
             if conn.poll(0.02) and conn.recv() == "report":
                 say("versions", list(published))
 

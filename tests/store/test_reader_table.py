@@ -96,6 +96,7 @@ def test_reading_the_table_writes_nothing_and_takes_no_lock(store_factory):
     assert header_bytes(store) == before
 
 
+@pytest.mark.slow  # a thousand rows claimed and read: seconds of CPU
 def test_a_table_of_a_thousand_readers_stays_readable(store_factory):
     store = store_factory(torch.nn.Linear(2, 2))
     readers = [WeightReader(store, torch.nn.Linear(2, 2), worker=i) for i in range(1000)]

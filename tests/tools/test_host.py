@@ -66,13 +66,13 @@ def test_a_trainer_in_another_pid_namespace_keeps_its_store(store_dir, start, ct
         # What a header written in another PID namespace looks like from here: pids of nobody.
         for word, value in ((W_CREATOR_PID, _dead_pid(ctx)), (W_CREATOR_START, 0), (W_WRITER_PID, _dead_pid(ctx))):
             write_header_word(store, word, value)
-        assert WeightStore.attach("policy").publisher_alive()
+        assert WeightStore.attach("policy").writer_alive()
         status = host.status("policy")
         assert status.held and status.creator_alive and status.writer_held and not host.is_orphaned(status)
         assert _gc(store_dir, "--orphaned") == [] and _gc(store_dir) == []
         assert "in use" in cli("ls", env={**os.environ, "SHMSYNC_DIR": store_dir}).stdout
         store.release_writer()  # the creator alone, holding the store open, still counts
-        assert WeightStore.attach("policy").publisher_alive() and _gc(store_dir, "--orphaned") == []
+        assert WeightStore.attach("policy").writer_alive() and _gc(store_dir, "--orphaned") == []
         assert WeightStore.attach("policy").version == 0  # new workers still attach
     finally:
         store.close()
@@ -139,7 +139,7 @@ def test_pids_in_a_header_are_never_signalled(store_dir, start):
         store.readers()
         store.publish(torch.nn.Linear(64, 64))
         read_with(reader.store, lambda slot, views: None, pinned=True, timeout=5, steal_after=0.0)
-        assert reader.poll() and store.publisher_alive()
+        assert reader.poll() and store.writer_alive()
     finally:
         store.close()
     bird.conn.send("report")

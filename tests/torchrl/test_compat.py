@@ -136,7 +136,7 @@ def _torchrl_private_names() -> set[str]:
     return {n for n in names if n.startswith("_") and not n.startswith("__")} - TORCH_NAMES
 
 
-TORCH_NAMES = {"send_version", "_parameters", "_buffers"}
+TORCH_NAMES = {"_version", "_parameters", "_buffers"}
 
 
 def _torchrl_bases(module: str, cls: str) -> list[type]:

@@ -34,15 +34,15 @@ def publisher_of(group: StoreGroup, pushes=None) -> Publisher:
 def test_a_given_version_wins(group):
     pushes = ActorPushes()
     pushes.name(3)
-    publisher_of(group, pushes).publish({"policy": None}, given=9)
+    publisher_of(group, pushes).route({"policy": None}, given=9)
     assert group.version == 9
     assert pushes.take() == 3, "a given version takes no push number"
 
 
 def test_without_a_remote_leg_the_store_counts(group):
     publisher = publisher_of(group)
-    publisher.publish({"policy": None})
-    publisher.publish({"policy": None})
+    publisher.route({"policy": None})
+    publisher.route({"policy": None})
     assert group.version == 2
 
 
@@ -51,7 +51,7 @@ def test_a_remote_leg_publishes_each_push_under_the_trainers_number(group):
     publisher = publisher_of(group, pushes)
     for number in (1, 2, 5, 6):  # the trainer's numbers skip what went to other actors
         pushes.name(number)
-        publisher.publish({"policy": None})
+        publisher.route({"policy": None})
         assert group.version == number
 
 
@@ -59,12 +59,12 @@ def test_a_push_the_trainer_did_not_name_is_refused_not_guessed(group):
     pushes = ActorPushes()
     publisher = publisher_of(group, pushes)
     with pytest.raises(ShmSyncError, match=r"named no version for it.*shmsync\.torchrl\.distributed\.RayCollector"):
-        publisher.publish({"policy": None})
+        publisher.route({"policy": None})
     pushes.name(4)
-    publisher.publish({"policy": None})
+    publisher.route({"policy": None})
     assert group.version == 4
     with pytest.raises(ShmSyncError, match="named no version"):
-        publisher.publish({"policy": None})  # a second push under the same number: never reused
+        publisher.route({"policy": None})  # a second push under the same number: never reused
     assert group.version == 4
 
 

@@ -9,7 +9,15 @@ import torch
 import torchrl.trainers
 from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
 
-from shmsync import ShmWeightSyncScheme, StoreNotFoundError, UpdateWeights, WeightStore, staleness
+from shmsync import (
+    ClosedError,
+    NotAttachedError,
+    ShmWeightSyncScheme,
+    StoreNotFoundError,
+    UpdateWeights,
+    WeightStore,
+    staleness,
+)
 from tests.commands import cli
 from tests.torchrl.collectors import (
     TIE,
@@ -180,6 +188,22 @@ def test_the_store_leaves_the_host_once_every_worker_attached_and_shutdown_frees
     finally:
         collector.shutdown()
     assert store.closed
+    # Its stores are gone: an update or a look at the workers says so, rather than doing nothing.
+    with pytest.raises(ClosedError, match=r"the collector is shut down: .* reaches no worker"):
+        collector.update_policy_weights_()
+    with pytest.raises(NotAttachedError, match="collector was shut down"):
+        scheme.readers()
+    with pytest.raises(ClosedError, match="the collector is shut down"):
+        scheme.send()
+
+
+@pytest.mark.torchrl
+def test_a_scheme_no_collector_set_up_says_so_rather_than_listing_no_worker():
+    scheme = ShmWeightSyncScheme()
+    for call in (scheme.readers, scheme.send):
+        with pytest.raises(NotAttachedError, match=r"not set up yet.*hand it to a collector"):
+            call()
+    assert scheme.store is None and scheme.version == -1
 
 
 def test_two_keys_publish_atomically():

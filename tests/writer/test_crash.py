@@ -61,14 +61,14 @@ def test_orphaned_reader_learns_the_writer_is_gone(start):
     store = WeightStore.attach(name)
     try:
         reader = WeightReader(store, Blob({"a": 10}))
-        assert reader.wait(0, timeout=10) == 0 and store.publisher_alive()
+        assert reader.wait(0, timeout=10) == 0 and store.writer_alive()
         os.kill(child.pid, signal.SIGKILL)
         child.proc.join(10)
         began = time.monotonic()
         with pytest.raises(WriterGoneError, match=rf"store '{name}': version 5 will never be published"):
             reader.wait(5, timeout=None)
         assert time.monotonic() - began < 3
-        assert not store.publisher_alive()
+        assert not store.writer_alive()
         row = next(r for r in json.loads(cli("ls", "--json").stdout) if r["name"] == name)
         assert row["held"] and not row["creator_alive"]
         line = next(line for line in cli("ls").stdout.splitlines() if line.startswith(name))

@@ -1,6 +1,6 @@
-"""What ``import shmsync`` sets up in TorchRL: the weight-sync backend registry entry (whichever of
-the two is imported first, without loading TorchRL) and the Hydra config entry of config-driven
-trainers."""
+"""shmsync by name in TorchRL: the ``"shmsync"`` weight-sync backend (made when shmsync's scheme is
+imported, whichever of the two comes first; ``import shmsync`` alone changes nothing in TorchRL)
+and the Hydra config entry of config-driven trainers."""
 
 import subprocess
 import sys
@@ -16,12 +16,22 @@ pytestmark = [pytest.mark.torchrl, pytest.mark.timeout(180)]
 @pytest.mark.skipif(TORCHRL_VERSION < (0, 14), reason="TorchRL's backend registry came in 0.14")
 @pytest.mark.parametrize("first", ["shmsync", "torchrl"])
 def test_from_backend_builds_the_scheme_whichever_is_imported_first(first):
-    imports = ["import shmsync", "from torchrl.weight_update import WeightSyncScheme"]
+    imports = ["import shmsync.torchrl.scheme", "from torchrl.weight_update import WeightSyncScheme"]
     code = "; ".join(imports if first == "shmsync" else imports[::-1]) + (
         "; s = WeightSyncScheme.from_backend('shmsync', num_slots=5, zero_copy=True)"
         "; from shmsync import ShmWeightSyncScheme"
         "; assert type(s) is ShmWeightSyncScheme, type(s)"
         "; assert s.settings.num_slots == 5 and s.settings.zero_copy, vars(s)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.skipif(TORCHRL_VERSION < (0, 14), reason="TorchRL's backend registry came in 0.14")
+def test_import_shmsync_alone_adds_no_backend():
+    code = (
+        "import shmsync, sys; from torchrl.weight_update import weight_sync_schemes as w"
+        "; assert 'shmsync' not in w._WEIGHT_SYNC_SCHEMES, sorted(w._WEIGHT_SYNC_SCHEMES)"
+        "; assert not [m for m in sys.modules if m.startswith('shmsync.torchrl')], 'shmsync.torchrl imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
