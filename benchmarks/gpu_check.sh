@@ -36,6 +36,7 @@ EOF
 
 status=0
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rA tests/writer/test_cuda.py tests/torchrl/test_scheme.py \
+    tests/torchrl/test_snapshots.py \
     2>&1 | tee "$out/gpu_tests.log" || status=1
 timeout 100 "$PY" benchmarks/gpu_bench.py --reps 10 --out "$out/gpu_bench.json" \
     2>&1 | tee "$out/gpu_bench.txt" || status=1

@@ -204,6 +204,7 @@ def stop_mid_publish(store: Any, fill: float = -1.0) -> int:
     """Start a publish into ``store`` and stop halfway through its copy (half the tensors of the
     slot filled with ``fill``, the slot marked being written), as a writer killed there leaves
     it; returns the slot. The write stays open in this process: kill it next."""
+    store.flush()  # the give-backs after the last publish first: none may touch the slot it marks
     memory = store.memory
     write = SlotWriter(memory.host, ReaderRows(memory.host, memory.locks)).begin_write()
     views = memory.map_slots()[write.slot]
