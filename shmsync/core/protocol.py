@@ -288,6 +288,13 @@ class Write(NamedTuple):
     version: int = -1
 
 
+class Lease(NamedTuple):
+    """A lease a reader holds: the slot its parameters run on, and the version in it."""
+
+    slot: int
+    version: int
+
+
 def initialize(h: HeaderWords, num_slots: int) -> None:
     """Set the protocol's words of a fresh header: no version yet, every slot of every bank empty."""
     h[W_VERSION] = -1
@@ -442,8 +449,8 @@ class ReaderRows:
             h[w.leases[slot]] = c
         return {slot for slot, c in enumerate(counts) if c}
 
-    def lease_latest(self, row: int) -> tuple[int, int] | None:
-        """Move ``row``'s lease to the latest slot. Returns ``(slot, version)``, or None if the
+    def lease_latest(self, row: int) -> Lease | None:
+        """Move ``row``'s lease to the latest slot. Returns the :class:`Lease`, or None if the
         lease is refused (always without a row). After a refusal the previous slot may be
         rewritten at any moment: stop using it, and :meth:`release_lease` what is left."""
         if row < 0:
@@ -463,7 +470,7 @@ class ReaderRows:
                 return None  # `latest` moved on and that slot is already being rewritten
             if not self._move_lease(row, slot):
                 return None
-        return (slot, version) if self._lease_holds(row, slot, (seq,)) else None
+        return Lease(slot, version) if self._lease_holds(row, slot, (seq,)) else None
 
     def lease_written(self, row: int, write: Write) -> bool:
         """Move ``row``'s lease to the slot of ``write``, a write this process has open or has

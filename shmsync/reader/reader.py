@@ -260,13 +260,13 @@ class WeightReader:
             else:
                 if self.mode is Mode.IN_PLACE and binding.cuda is not None:
                     in_place.leave()  # the device's work on the old slot ends before its lease moves
-                leased = binding.rows.lease_latest(self._row)
-                if leased is None:
+                lease = binding.rows.lease_latest(self._row)
+                if lease is None:
                     return self._fall_back(binding)
-                in_place.point(leased[0])
+                in_place.point(lease.slot)
                 if self.mode is not Mode.IN_PLACE:
                     self._set_mode(Mode.IN_PLACE)
-                return leased[1]
+                return lease.version
         return self._copy_latest(binding)
 
     def _first_loaded(self) -> None:

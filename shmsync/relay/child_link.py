@@ -28,7 +28,7 @@ class ChildLink:
     def __init__(self, server: Any, child: Child) -> None:
         self.server, self.child = server, child
         self.store: Any = None
-        self.row = -1  # this link's row in the store's table (for its leases), claimed on first use
+        self.row = -1  # this link's row in the store's header (for its leases), claimed on first use
 
     def run(self) -> None:
         server, child = self.server, self.child
@@ -62,9 +62,9 @@ class ChildLink:
             self._sent(child.link.send_or_keep(PING))  # idle: the relay can tell this node lives
             return True
         self.store = store
-        table = store.rows
+        rows = store.rows
         if self.row < 0:
-            self.row = table.claim_row(flags=ROW_LINK)  # not a reader: left out of the readers' table
+            self.row = rows.claim_row(flags=ROW_LINK)  # not a reader: left out of the readers' table
         if fwd is not None and fwd.state != "cancelled" and fwd.version > max(store.version, child.sent):
             self._forward(store, fwd)
         elif not self._send_latest(store):
@@ -87,13 +87,13 @@ class ChildLink:
 
     def _forward(self, store: Any, fwd: Forwarding) -> None:
         """A version still arriving (or not committed yet): forward what is there, then follow."""
-        table = store.rows
-        if table.lease_written(self.row, fwd.write):
+        rows = store.rows
+        if rows.lease_written(self.row, fwd.write):
             try:
                 with store.memory.slot_buffer(fwd.write.slot) as view:
                     self._send(fwd.version, view, fwd)
             finally:
-                table.release_lease(self.row)
+                rows.release_lease(self.row)
             return
         server = self.server  # no lease to be had: wait for the commit, then send it whole
         with server.changed:
@@ -102,18 +102,17 @@ class ChildLink:
 
     def _send_latest(self, store: Any) -> bool:
         """Send the store's latest version from its leased slot; False if no slot could be leased."""
-        table = store.rows
-        leased = table.lease_latest(self.row)
+        rows = store.rows
+        lease = rows.lease_latest(self.row)
         try:
-            if leased is None:
+            if lease is None:
                 return False
-            slot, version = leased
-            if version > self.child.sent:
-                with store.memory.slot_buffer(slot) as view:
-                    return self._send(version, view, None)
+            if lease.version > self.child.sent:
+                with store.memory.slot_buffer(lease.slot) as view:
+                    return self._send(lease.version, view, None)
             return True
         finally:
-            table.release_lease(self.row)
+            rows.release_lease(self.row)
 
     def _sent(self, whole: bool) -> bool:
         """Note whether a frame went whole; if not, the relay stalls from now on."""
