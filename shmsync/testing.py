@@ -85,23 +85,31 @@ def _is_helper(p: psutil.Process) -> bool:
         return False
 
 
+def _descendants() -> tuple[list[psutil.Process], set[int]]:
+    """This process's live descendants but multiprocessing's helpers, and those helpers' pids: one
+    walk of the process tree."""
+    live, helpers = [], set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if _is_helper(p):
+                helpers.add(p.pid)
+            elif p.status() != psutil.STATUS_ZOMBIE:
+                live.append(p)
+        except psutil.Error:
+            pass
+    return live, helpers
+
+
 def helper_pids() -> set[int]:
     """The pids of multiprocessing's helpers among this process's descendants (a forkserver is the
     parent of the processes it starts: a store one of them created names it as the creator's parent)."""
-    return {p.pid for p in psutil.Process().children(recursive=True) if _is_helper(p)}
+    return _descendants()[1]
 
 
 def live_children() -> list[psutil.Process]:
     """Live descendants of this process, except multiprocessing's own helpers (the processes a
     forkserver started count)."""
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and not _is_helper(p):
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
+    return _descendants()[0]
 
 
 @pytest.fixture
@@ -132,13 +140,14 @@ def shm_leak_check() -> Iterator[None]:
     Stores made by ``store_factory`` are its to remove, whatever order the fixtures come in.
     """
     me = os.getpid()
-    before_children = {p.pid for p in live_children()}
-    tree = {me} | before_children | helper_pids()
+    live, helpers = _descendants()
+    before_children = {p.pid for p in live}
+    tree = {me} | before_children | helpers
     before = stores_created_by(tree)
     yield
     extra, collected = _children_left(before_children)
     # Stores whose creator died are only found through the creator's parent (us, a forkserver) or pid set.
-    pids = tree | helper_pids() | {p.pid for p in extra}
+    pids = tree | _descendants()[1] | {p.pid for p in extra}
     leaked = stores_created_by(pids) - before - _MANAGED
     if leaked and not collected:
         gc.collect()

@@ -124,6 +124,17 @@ def _suite_leaves_no_store():
 
 
 @pytest.fixture
+def store_dir(tmp_path, monkeypatch):
+    """A store folder of this test's own, where this process makes and looks for stores (a child
+    or a command is given it with ``SHMSYNC_DIR``); group-writable files are not trusted there."""
+    path = tmp_path / "shm"
+    path.mkdir()
+    monkeypatch.setattr(segment, "SHM_DIR", str(path))
+    monkeypatch.delenv("SHMSYNC_TRUST_GROUP", raising=False)
+    return path
+
+
+@pytest.fixture
 def host(tmp_path):
     """Another host's shared memory, for a test that plays several hosts on this one: a store
     folder of its own (a process given it with ``SHMSYNC_DIR`` sees only that host's stores)."""

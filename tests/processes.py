@@ -19,7 +19,7 @@ def use_store_dir(path: str) -> None:
     """Make this process look for stores in ``path`` (a test's own ``SHMSYNC_DIR``)."""
     from shmsync.core import segment
 
-    segment.SHM_DIR = path
+    segment.SHM_DIR = str(path)
 
 
 def hold_store(store_dir: str, name: str, zero_copy: bool, conn) -> None:

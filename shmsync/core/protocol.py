@@ -597,18 +597,18 @@ class SlotWriter:
                     raise ShmSyncError(f"store {self.words.name!r}: every slot but the latest is leased by a reader")
                 backed_off = ()  # those leases may have been brief: look again
                 continue
-            write = self.mark(target)
+            write = self.mark(target, self.words.h[W_VERSION] + 1 if version is None else version)
             if write is not None:
-                write = write._replace(version=self.words.h[W_VERSION] + 1 if version is None else version)
                 self.writing = write
                 return write
             backed_off += (target,)
         raise ShmSyncError(f"store {self.words.name!r}: readers kept leasing every free slot")
 
-    def mark(self, target: int) -> Write | None:
+    def mark(self, target: int, version: int = -1) -> Write | None:
         """The writer's half of the write handshake: mark ``target`` odd, then, after a full fence,
-        look for a confirmed lease on it. Returns the write, or None if a reader leased it meanwhile
-        (the slot is left untouched, its sequence moved on to the next even number)."""
+        look for a confirmed lease on it. Returns the write (of ``version``; -1 for a slot being
+        given back), or None if a reader leased it meanwhile (the slot is left untouched, its
+        sequence moved on to the next even number)."""
         w = self.words
         h = w.h
         seq = h[w.seq[target]]
@@ -616,7 +616,7 @@ class SlotWriter:
         h[w.seq[target]] = odd
         w.full_fence()  # the store above before the lease loads below
         if not h[w.leases[target]] or not self.rows.row_leased(target, confirmed=True):
-            return Write(target, odd, h[w.slot_version[target]] < 0)
+            return Write(target, odd, h[w.slot_version[target]] < 0, version)
         h[w.seq[target]] = odd + 1
         return None
 

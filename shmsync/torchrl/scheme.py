@@ -135,7 +135,6 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         self._remote_kind: str | None = None  # "distributed" / "ray": the local scheme of shmsync's remote collector
         self.upstream: tuple[str, int] | None = None  # a node's scheme: the trainer's push store
         self.remote_rows = RemoteSources()  # a distributed or Ray collector's nodes report their workers here
-        self._shut_down = False
 
     # -- sender ---------------------------------------------------------------------------------
     @property
@@ -269,8 +268,8 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         return merge([*tables, remote])
 
     def _why_unattached(self, what: str) -> str:
-        if self._shut_down or (self.group is not None and self.group.closed):
-            return f"this ShmWeightSyncScheme's collector was shut down, so {what}: its stores are gone"
+        if self._store_names:  # it had stores (they stay named): its collector or it was shut down since
+            return f"this ShmWeightSyncScheme (or its collector) was shut down, so {what}: its stores are gone"
         return (
             f"this ShmWeightSyncScheme is not set up yet, so {what}: hand it to a collector "
             "(weight_sync_schemes={'policy': scheme}) or call scheme.init_on_sender(model=..., devices=...)"
@@ -338,7 +337,6 @@ class ShmWeightSyncScheme(WeightSyncScheme):
     # -- lifetime, and the copies sent to the workers (pickled, by spawn) -----------------------
     def shutdown(self) -> None:
         super().shutdown()
-        self._shut_down = True
         receiver, self._receiver = getattr(self, "_receiver", None), None
         if receiver is not None:
             receiver.close()

@@ -12,20 +12,9 @@ import pytest
 import torch
 
 from shmsync import WeightStore
-from shmsync.core import segment
 from shmsync.errors import StoreUntrustedError
 from shmsync.relay.raw_versions import create_from_bytes
 from tests.core.descriptors import open_fds
-
-
-@pytest.fixture
-def store_dir(tmp_path, monkeypatch):
-    """A store folder of this test's own (``SHMSYNC_DIR``)."""
-    path = tmp_path / "shm"
-    path.mkdir()
-    monkeypatch.setattr(segment, "SHM_DIR", str(path))
-    monkeypatch.delenv("SHMSYNC_TRUST_GROUP", raising=False)
-    return path
 
 
 def _a_store_file(store_dir, name="victim"):

@@ -191,22 +191,29 @@ def join_and_stall(port: int, secret: str, n: int, conn) -> None:
     time.sleep(3600)
 
 
+def _attach_once_made(host_dir: str, name: str, deadline: float) -> WeightStore | None:
+    """Store ``name`` on host ``host_dir``, attached as soon as its relay made it (None if it did
+    not by ``deadline``)."""
+    from shmsync import StoreNotFoundError
+
+    use_store_dir(host_dir)
+    while True:
+        try:
+            return WeightStore.attach(name)
+        except StoreNotFoundError:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.01)
+
+
 def follow(host_dir: str, name: str, sizes, last: int, conn) -> None:
     """A reader on host ``host_dir``: loads every version it sees until ``last``; reports, per
     load, (version, distinct values in the weights)."""
-    use_store_dir(host_dir)
-    from shmsync import StoreNotFoundError
-
     deadline = time.monotonic() + 60
-    while True:
-        try:
-            store = WeightStore.attach(name)
-            break
-        except StoreNotFoundError:
-            if time.monotonic() > deadline:
-                conn.send(("error", "no store"))
-                return
-            time.sleep(0.01)
+    store = _attach_once_made(host_dir, name, deadline)
+    if store is None:
+        conn.send(("error", "no store"))
+        return
     module = Blob(sizes)
     reader = WeightReader(store, module)
     reader.poll()  # the first load
@@ -225,19 +232,11 @@ def follow(host_dir: str, name: str, sizes, last: int, conn) -> None:
 def follow_as_worker(host_dir: str, name: str, sizes, worker: int, conn) -> None:
     """A reader on host ``host_dir`` as worker ``worker``: polls every 10 ms until killed; says
     ("attached", pid) once its store exists and it loaded."""
-    use_store_dir(host_dir)
-    from shmsync import StoreNotFoundError
-
     deadline = time.monotonic() + 60
-    while True:
-        try:
-            store = WeightStore.attach(name)
-            break
-        except StoreNotFoundError:
-            if time.monotonic() > deadline:
-                conn.send(("error", "no store"))
-                return
-            time.sleep(0.01)
+    store = _attach_once_made(host_dir, name, deadline)
+    if store is None:
+        conn.send(("error", "no store"))
+        return
     reader = WeightReader(store, Blob(sizes), worker=worker)
     reader.poll()
     conn.send(("attached", os.getpid()))

@@ -178,14 +178,6 @@ def test_a_report_that_breaks_its_schema_is_refused(doc):
         report_from_wire(doc)
 
 
-@pytest.fixture
-def store_dir(tmp_path, monkeypatch):
-    path = tmp_path / "shm"
-    path.mkdir()
-    monkeypatch.setattr(segment, "SHM_DIR", str(path))
-    return path
-
-
 def test_the_report_file_round_trips_and_ages(store_dir):
     rows = [ReaderRow("policy", "host-b", 0, 99, 4, None, 0.25, 5, "copy", state="running", report_age_s=0.5)]
     hosts = [HostReport("host-b", "relay 1", "policy", 0.5, "reporting", 1)]

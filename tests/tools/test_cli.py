@@ -13,20 +13,11 @@ import pytest
 import torch
 
 from shmsync import WeightReader, WeightStore
-from shmsync.core import segment
 from tests.commands import cli
 from tests.processes import use_store_dir
 from tests.relay.peers import SECRET
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def store_dir(tmp_path, monkeypatch):
-    path = tmp_path / "shm"
-    path.mkdir()
-    monkeypatch.setattr(segment, "SHM_DIR", str(path))
-    return path
 
 
 def _env(store_dir):

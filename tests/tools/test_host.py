@@ -34,14 +34,6 @@ from tests.weights import blob_weights
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def store_dir(tmp_path, monkeypatch):
-    path = tmp_path / "shm"
-    path.mkdir()
-    monkeypatch.setattr(segment, "SHM_DIR", str(path))
-    return str(path)
-
-
 def _dead_pid(ctx) -> int:
     """The pid of a process that has exited (and been reaped)."""
     proc = ctx.Process(target=time.sleep, args=(0,))
@@ -51,7 +43,7 @@ def _dead_pid(ctx) -> int:
 
 
 def _gc(store_dir, *args):
-    env = {**os.environ, "SHMSYNC_DIR": store_dir}
+    env = {**os.environ, "SHMSYNC_DIR": str(store_dir)}
     import json
 
     return [r["name"] for r in json.loads(cli("gc", *args, "--json", env=env).stdout)["removed"]]
@@ -70,7 +62,7 @@ def test_a_trainer_in_another_pid_namespace_keeps_its_store(store_dir, start, ct
         status = host.status("policy")
         assert status.held and status.creator_alive and status.writer_held and not host.is_orphaned(status)
         assert _gc(store_dir, "--orphaned") == [] and _gc(store_dir) == []
-        assert "in use" in cli("ls", env={**os.environ, "SHMSYNC_DIR": store_dir}).stdout
+        assert "in use" in cli("ls", env={**os.environ, "SHMSYNC_DIR": str(store_dir)}).stdout
         store.release_writer()  # the creator alone, holding the store open, still counts
         assert WeightStore.attach("policy").writer_alive() and _gc(store_dir, "--orphaned") == []
         assert WeightStore.attach("policy").version == 0  # new workers still attach
@@ -131,7 +123,7 @@ def test_pids_in_a_header_are_never_signalled(store_dir, start):
         reader.poll()
         for word in (W_CREATOR_PID, W_WRITER_PID, bank_word(HOST, B_TOKEN_PID), row_base(1)):  # row 1: nobody holds it
             write_header_word(store, word, pid)
-        env = {**os.environ, "SHMSYNC_DIR": store_dir}
+        env = {**os.environ, "SHMSYNC_DIR": str(store_dir)}
         cli("ls", env=env)
         cli("ls", "--json", env=env)
         _gc(store_dir)
