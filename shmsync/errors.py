@@ -1,4 +1,4 @@
-"""Exceptions raised by shmsync."""
+"""Exceptions raised by shmsync, and the one warning category of its own."""
 
 from __future__ import annotations
 
@@ -95,6 +95,12 @@ class WriterGoneError(ShmSyncError):
     """
 
 
+class WrittenWhileCopiedError(ShmSyncError):
+    """The weights were written by another thread each time a copy of them was being made
+    (:meth:`~shmsync.WeightStore.publish_if_changed`), so no copy held one state of them. Nothing was
+    published: readers keep the newest version."""
+
+
 class ClosedError(ShmSyncError):
     """What the call needs was closed in this process: a store closed here, or the collector whose
     stores an update would publish into shut down. Nothing was published."""
@@ -144,3 +150,10 @@ class SecretFileError(ShmSyncError, PermissionError):
 
 class TrainerGoneError(RelayError):
     """The trainer's :class:`~shmsync.relay.RelaySender` went away (closed, or its process died)."""
+
+
+class FreshnessWarning(UserWarning):
+    """A collector's workers ran older weights than TorchRL's default scheme would have given them
+    in the same loop (say, a ``MultiAsyncCollector`` whose trainer updates before it trains). Said
+    once per collector; the message names the call and the fix. Every frame still ran exactly
+    the version on its tag."""

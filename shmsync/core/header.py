@@ -6,6 +6,7 @@ Layout of the words::
     [64, 128)      bank 0, the host slots: their versions, sequence numbers, leases and pin
     [128, 192)     bank 1, the device slots (a store published from CUDA), the same words
     [192, 960)     one record per device slot: how another process maps it (CUDA IPC)
+    [960, 1024)    the optimizer steps each of the last 64 versions had seen (a ring)
     [1024, ...)    the reader table: one row of 16 words per reader
 
 A *bank* is one set of slots under the slot protocol (:mod:`shmsync.core.protocol`): the host
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from shmsync.errors import ShmSyncError, StoreCorruptError, StoreNotFoundError
 
 MAGIC = 0x534D5359_4E433031  # "SMSYNC01"
-FORMAT = 6  # 6: two banks of slots (host, device), the promised version, rows of 16 words
+FORMAT = 7  # 7: the optimizer steps of each version; 6: two banks of slots, the promised version, rows of 16 words
 MAX_SLOTS = 16
 ALIGN = 64
 PAGE = 4096
@@ -54,6 +55,7 @@ W_PROMISED = 27  # the newest version a publish has promised: >= W_VERSION, reac
 W_DEVICE = 28  # the device bank's CUDA device index + 1; 0: the store has no device bank
 W_DEVICE_BYTES = 29  # bytes of device memory the device bank holds now (the writer's GPU)
 W_HOST_WANTED = 30  # bumped by a reader of the host bank that finds it behind: fill it
+W_STEPS = 31  # optimizer steps the writer's process has taken on the store's weights so far; -1: not counted
 
 # Banks: 64 words each, from W_BANKS.
 W_BANKS = 64
@@ -78,6 +80,16 @@ B_LEASES = 48  # B_LEASES + i: readers whose modules view slot i in place
 # Device slots: how another process maps each (see shmsync.store.device_records).
 W_DEVICE_RECORDS = 192
 DEVICE_RECORD_WORDS = 48
+
+# The steps ring: for the last STEP_RING versions, the optimizer steps each had seen, one word a
+# version at W_STEP_RING + version % STEP_RING, written by the commit that makes the version
+# (shmsync.core.protocol) in one store: the version's low RING_TAG_BITS bits above its steps'
+# RING_STEPS_BITS (all ones: not counted). What the readers' table reads to say how many optimizer
+# steps behind the trainer each reader runs.
+W_STEP_RING = 960
+STEP_RING = 64
+RING_STEPS_BITS = 40
+RING_TAG_BITS = 23  # with the steps' bits, 63: the word stays a positive int64
 
 # Reader table: one row per attached reader, each row written only by its own reader (and its
 # lease words also by whoever reclaims a dead reader's row).

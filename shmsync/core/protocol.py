@@ -166,6 +166,7 @@ marked empty, and nobody reads it.
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -198,12 +199,17 @@ from shmsync.core.header import (
     R_RELOADS,
     R_VERSION,
     READER_WORDS,
+    RING_STEPS_BITS,
+    RING_TAG_BITS,
+    STEP_RING,
     W_NUM_SLOTS,
     W_PROMISED,
     W_PUBLISH_COUNT,
     W_PUBLISH_NS,
     W_READERS,
     W_ROWS,
+    W_STEP_RING,
+    W_STEPS,
     W_VERSION,
     W_WRITER_PID,
     bank_base,
@@ -215,6 +221,9 @@ from shmsync.core.processes import own_start_ns, pid_stopped
 from shmsync.errors import ReloadTimeoutError, ShmSyncError
 
 CopyFn = Callable[[int], None]  # copies out of (or into) the slot with that index
+KEPT_STEPS = 4096  # versions whose optimizer steps a writer keeps in its own memory
+_NOT_COUNTED = (1 << RING_STEPS_BITS) - 1
+_TAG = (1 << RING_TAG_BITS) - 1
 # A header's int64 words: a memoryview cast to "q" in a store, a list of ints in tests.
 HeaderWords = MutableSequence[int] | memoryview
 
@@ -279,13 +288,15 @@ class LocalLocks:
 
 class Write(NamedTuple):
     """A write in progress: the slot, the odd sequence number it carries meanwhile, whether the
-    slot was empty (its memory may have been given back: reserve it before copying), and the
-    version it will hold once committed (-1 for a slot being given back)."""
+    slot was empty (its memory may have been given back: reserve it before copying), the version
+    it will hold once committed (-1 for a slot being given back), and the optimizer steps the
+    writer had counted when it began (the training the version has seen; -1: not counted)."""
 
     slot: int
     seq: int
     cold: bool = False
     version: int = -1
+    steps: int = -1
 
 
 class Lease(NamedTuple):
@@ -299,6 +310,7 @@ def initialize(h: HeaderWords, num_slots: int) -> None:
     """Set the protocol's words of a fresh header: no version yet, every slot of every bank empty."""
     h[W_VERSION] = -1
     h[W_PROMISED] = -1
+    h[W_STEPS] = -1
     h[W_NUM_SLOTS] = num_slots
     for bank in range(NUM_BANKS):
         base = bank_base(bank)
@@ -306,6 +318,29 @@ def initialize(h: HeaderWords, num_slots: int) -> None:
         h[base + B_LATEST] = 0
         for i in range(num_slots):
             h[base + B_SLOT_VERSION + i] = -1
+
+
+def steps_of(h: HeaderWords, version: int, latest: int) -> int | None:
+    """The optimizer steps ``version`` had seen, from the header's steps ring (read by any process,
+    ``latest`` the store's newest version); None when the ring no longer holds it (``STEP_RING``
+    versions before ``latest`` or more), when its writer counted none, or when the word makes no
+    sense.
+
+    Examples:
+        >>> h = [0] * 20480
+        >>> initialize(h, 3)
+        >>> words = Words(h)
+        >>> writer = SlotWriter(words, ReaderRows(words, LocalLocks()))
+        >>> h[W_STEPS] = 1234  # the optimizer steps counted so far
+        >>> version = writer.commit(writer.begin_write(70))
+        >>> steps_of(h, 70, latest=75), steps_of(h, 6, latest=75), steps_of(h, 70, latest=200)
+        (1234, None, None)
+    """
+    if not 0 <= version <= latest < version + STEP_RING:
+        return None
+    word = h[W_STEP_RING + version % STEP_RING]
+    steps = word & _NOT_COUNTED
+    return steps if word >> RING_STEPS_BITS == version & _TAG and steps != _NOT_COUNTED else None
 
 
 class Words:
@@ -575,11 +610,15 @@ class SlotWriter:
         self.writing: Write | None = None  # the write this writer has open
         self.replaced = -1  # the slot that was latest before this writer's last commit
         self.seen_latest = -1  # the latest slot as the open write's choice saw it
+        # The optimizer steps of the last KEPT_STEPS versions this writer committed (the header's
+        # ring holds the last STEP_RING for other processes).
+        self.steps: collections.OrderedDict[int, int] = collections.OrderedDict()
 
-    def begin_write(self, version: int | None = None) -> Write:
+    def begin_write(self, version: int | None = None, steps: int | None = None) -> Write:
         """Choose a slot, mark it being written, and decide the version it will hold: ``version``
         (a caller's number, checked higher than every version before), else one more than the
-        store's last. The one place a version is decided. Never waits.
+        store's last. The one place a version is decided. Never waits. ``steps``: the optimizer
+        steps the version has seen (default: the store's count now, ``W_STEPS``; -1: not counted).
 
         Raises:
             ShmSyncError: this writer already has a write open (say, a CUDA publish in flight).
@@ -599,6 +638,8 @@ class SlotWriter:
                 continue
             write = self.mark(target, self.words.h[W_VERSION] + 1 if version is None else version)
             if write is not None:
+                if steps is not None:
+                    write = write._replace(steps=steps)
                 self.writing = write
                 return write
             backed_off += (target,)
@@ -616,7 +657,7 @@ class SlotWriter:
         h[w.seq[target]] = odd
         w.full_fence()  # the store above before the lease loads below
         if not h[w.leases[target]] or not self.rows.row_leased(target, confirmed=True):
-            return Write(target, odd, h[w.slot_version[target]] < 0, version)
+            return Write(target, odd, h[w.slot_version[target]] < 0, version, h[W_STEPS])
         h[w.seq[target]] = odd + 1
         return None
 
@@ -640,6 +681,13 @@ class SlotWriter:
             h[W_PUBLISH_NS] = now
             h[W_PUBLISH_COUNT] += 1
             h[W_WRITER_PID] = self.pid
+            # The steps ring (see shmsync.core.header): the version's tag and its steps in one
+            # store, so that no reader of the ring takes one version's steps for another's.
+            steps = write.steps if 0 <= write.steps < _NOT_COUNTED else _NOT_COUNTED
+            h[W_STEP_RING + version % STEP_RING] = (version & _TAG) << RING_STEPS_BITS | steps
+            self.steps[version] = write.steps
+            if len(self.steps) > KEPT_STEPS:
+                self.steps.popitem(last=False)
         self.writing = None
         return version
 

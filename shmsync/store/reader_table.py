@@ -52,10 +52,13 @@ from shmsync.core.header import (
     ROW_LINK,
     ROW_WAITING,
     ROW_ZERO_COPY,
+    W_STEPS,
+    W_VERSION,
     reader_rows,
 )
 from shmsync.core.pages import human_bytes
 from shmsync.core.processes import process_state, process_uss
+from shmsync.core.protocol import steps_of
 
 log = logging.getLogger("shmsync.table")
 
@@ -93,6 +96,9 @@ class ReaderRow:
         report_age_s: for a reader on another host, the age of the report its row came in;
             None for a row read from this host's store just now.
         device_bytes: GPU memory the reader holds of its own (a private device copy; 0 in place).
+        steps_behind: optimizer steps the trainer took on the weights since the version the
+            reader loaded was published (None where not known: before its first load, a version
+            more than 32 publishes old, a store a relay fills).
     """
 
     store: str
@@ -109,6 +115,7 @@ class ReaderRow:
     uss: int | None = None
     report_age_s: float | None = None
     device_bytes: int = 0
+    steps_behind: int | None = None
 
     @property
     def zero_copy(self) -> bool:
@@ -288,13 +295,29 @@ def local_rows(
     memory = processes if memory is None else memory
     rows = [(row, w) for row, w in reader_rows(h) if not w[R_FLAGS] & ROW_LINK]  # a relay's link: no reader
     living = alive([row for row, _ in rows])
+    steps = _StepsBehind(h)
     live: list[ReaderRow] = []
     gone: list[ReaderRow] = []
     for row, w in rows:
         is_alive = row in living
         state, uss = _process_facts(w, is_alive, processes, memory) if processes or not is_alive else ("", None)
-        (live if is_alive else gone).append(_row(store, w, latest, now, state, uss))
+        (live if is_alive else gone).append(_row(store, w, latest, now, state, uss, steps(w[R_VERSION])))
     return live, gone
+
+
+class _StepsBehind:
+    """How many optimizer steps behind the trainer each version is, from header words ``h``: the
+    writer's step count now, less the version's count in the steps ring (None where it has none)."""
+
+    def __init__(self, h: Any) -> None:
+        self.h, self.now, self.latest = h, h[W_STEPS], h[W_VERSION]
+        self.known: dict[int, int | None] = {}
+
+    def __call__(self, version: int) -> int | None:
+        if version not in self.known:
+            then = steps_of(self.h, version, self.latest)
+            self.known[version] = max(0, self.now - then) if then is not None and self.now >= 0 else None
+        return self.known[version]
 
 
 def rebase(rows: Sequence[ReaderRow], latest: int, age_s: float, **changes: Any) -> list[ReaderRow]:
@@ -324,7 +347,9 @@ def _process_facts(w: list[int], is_alive: bool, processes: bool, memory: bool) 
     return state, uss
 
 
-def _row(store: str, w: list[int], latest: int, now: int, state: str, uss: int | None) -> ReaderRow:
+def _row(
+    store: str, w: list[int], latest: int, now: int, state: str, uss: int | None, steps_behind: int | None
+) -> ReaderRow:
     """A row of this host's table from its header words ``w``."""
     version, stamp, flags = w[R_VERSION], w[R_RELOAD_NS], w[R_FLAGS]
     loaded = version >= 0
@@ -342,6 +367,7 @@ def _row(store: str, w: list[int], latest: int, now: int, state: str, uss: int |
         state,
         uss,
         device_bytes=max(w[R_DEVICE_BYTES], 0),
+        steps_behind=steps_behind,
     )
 
 
@@ -433,7 +459,8 @@ def _names(tables: Sequence[ReaderTable]) -> str:
 
 def format_rows(table: ReaderTable, limit: int | None = 50) -> str:
     """``table`` as text: a summary line, then a row per reader (worst first), gone ones last."""
-    head = ["HOST", "WORKER", "PID", "VERSION", "BEHIND", "LAST RELOAD", "RELOADS", "MODE", "STATE", "USS", "GPU"]
+    head = ["HOST", "WORKER", "PID", "VERSION", "BEHIND", "STEPS BEHIND", "LAST RELOAD", "RELOADS", "MODE", "STATE"]
+    head += ["USS", "GPU"]
     rows = [*table.rows, *table.gone]
     shown = rows if limit is None else rows[:limit]
     lines = [head, *(_cells(r) for r in shown)]
@@ -458,6 +485,7 @@ def _cells(r: ReaderRow) -> list[str]:
         str(r.pid),
         str(r.version),
         "-" if r.behind is None else str(r.behind),
+        "-" if r.steps_behind is None else str(r.steps_behind),
         "never" if r.since_reload_s is None else f"{_age(r.since_reload_s)} ago",
         str(r.reloads),
         r.mode,

@@ -24,16 +24,25 @@ push being applied (:mod:`shmsync.torchrl.remote_nodes`), never a guess; else th
 from __future__ import annotations
 
 import functools
+import threading
 import time
+import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 from tensordict import TensorDictBase
 
 from shmsync.core.segment import default_name
-from shmsync.errors import ArgumentTypeError, ClosedError, InvalidArgumentError, UnknownKeyError
+from shmsync.errors import (
+    ArgumentTypeError,
+    ClosedError,
+    FreshnessWarning,
+    InvalidArgumentError,
+    UnknownKeyError,
+    WrittenWhileCopiedError,
+)
 from shmsync.store.reader_table import ReaderTable, merge
 from shmsync.torchrl import compat
 from shmsync.torchrl.settings import SchemeSettings
@@ -168,6 +177,21 @@ class StoreGroup:
             if wanted is not None and int(wanted) > store.promised:
                 store.publish(store.snapshot().weights, version=int(wanted))
 
+    def publish_if_changed(self, keys: Collection[str]) -> list[int]:
+        """The models of ``keys`` into each store where they differ from its newest version, the
+        other keys keeping theirs (see :meth:`~shmsync.WeightStore.publish_if_changed`). Returns
+        the versions published (none where nothing changed).
+
+        Raises:
+            WrittenWhileCopiedError: another thread kept writing the models; that store published nothing.
+        """
+        published = (store.publish_if_changed(models, only=keys) for store, models in zip(self.stores, self.models))
+        return [v for v in published if v is not None]
+
+    def differs(self, keys: Collection[str]) -> bool:
+        """Whether the models of ``keys`` differ from what some store of the group holds now."""
+        return any(store.differs(models, only=keys) for store, models in zip(self.stores, self.models))
+
     def check_workers_attached(self) -> None:
         """For a collector's stores (its publisher calls this once): every worker's reader attached
         (waiting a little for late ones), else raise. Once the collector is built, TorchRL has
@@ -268,6 +292,16 @@ class Publisher:
         self.version_keys: list[str] = []
         self.num_workers = getattr(collector, "num_workers", None)
         self.report_version = None
+        # Keys an update with no weights named since the collector last handed out work, and the
+        # thread that named them: at the next hand-out on that thread they are published again
+        # where training changed them (see hand_out).
+        self.fresh: dict[str, int] = {}
+        self.numbered: dict[str, int] = {}  # likewise, but under a version the caller numbered
+        self.marks = threading.Lock()  # another thread may update while this one hands out
+        self.handing_out = 0  # the thread inside TorchRL's iterator, which updates before it hands out
+        self.warned = False  # FreshnessWarning: once per collector
+        self.hands_out = collector is not None and self.pushes is None  # a remote node's pushes are the trainer's
+        self.numbered_checked = False
         if collector is not None:
             self.report_version = compat.version_setter(collector)  # checked now, before any worker starts
             methods = ["update_policy_weights_", "shutdown", "load_state_dict", "iterator"]
@@ -344,6 +378,67 @@ class Publisher:
             self.report_version([s.promised for g in self.groups if not g.closed for s in g.stores])
         return newest
 
+    def hand_out(self) -> None:
+        """The collector is about to hand its workers their next work: publish again, where they
+        changed, the models an update named without weights since the last hand-out, so that the
+        work runs the trainer's weights as they are now, as with TorchRL's default scheme (which
+        lets workers read the trainer's live weights). Nothing changed: nothing is published.
+
+        Only updates made on this thread, the one that iterates the collector, are published again:
+        an update from another thread marks where that thread's writes stand whole, and its
+        snapshot stays what the workers run (a copy taken here could catch that thread in the
+        middle of writing the weights, where no copy can tell it is)."""
+        me = threading.get_ident()
+        with self.marks:
+            fresh = {k for k, thread in self.fresh.items() if thread == me}
+            numbered = {k for k, thread in self.numbered.items() if thread == me}
+            self.fresh, self.numbered = {}, {}
+        if numbered and not self.numbered_checked:
+            self.numbered_checked = True  # compared once: a loop that changes nothing pays it once
+            if self._changed_since(numbered):
+                self._warn(
+                    f"update_policy_weights_(version=...) published {sorted(numbered)} before the weights were "
+                    "changed again, and a version the caller numbers cannot be published once more at the next "
+                    "batch: the workers run the weights as they were at that call, older than TorchRL's default "
+                    "scheme would give them. Call update_policy_weights_() after the optimizer steps, or leave "
+                    "version= out"
+                )
+        if fresh:
+            self._publish_fresh(fresh)
+
+    def _publish_fresh(self, keys: set[str]) -> None:
+        """The hand-out's publish of ``keys``, where their models changed; said once where the
+        workers ran older weights than TorchRL's default would have given them."""
+        published = []
+        for group in self.live_groups():
+            mine = keys.intersection(group.keys)
+            try:
+                published += group.publish_if_changed(mine) if mine else []
+            except WrittenWhileCopiedError:
+                self._warn(
+                    f"the weights of {sorted(mine)} were being written by another thread each time shmsync copied "
+                    "them as the collector handed out work: its workers run the snapshot update_policy_weights_() "
+                    "took. Publish from the thread that writes them, or pass them: update_policy_weights_(weights)"
+                )
+        if published and self.report_version is not None:
+            self.report_version([s.promised for g in self.live_groups() for s in g.stores])
+        if published and not compat.runs_sent_weights_next(self.collector):
+            self._warn(
+                f"{type(self.collector).__name__}'s workers collect while the trainer trains: the training done after "
+                "update_policy_weights_() reached them only now, as the next batch was asked for (TorchRL's default "
+                "scheme shows it to them at every optimizer step, unversioned). Call update_policy_weights_() after "
+                "the optimizer steps for fresher weights"
+            )
+
+    def _changed_since(self, keys: set[str]) -> bool:
+        """Whether the models of ``keys`` differ from what their stores hold now (read only)."""
+        return any(g.differs(keys.intersection(g.keys)) for g in self.live_groups() if keys.intersection(g.keys))
+
+    def _warn(self, message: str) -> None:
+        if not self.warned:
+            self.warned = True
+            warnings.warn(message, FreshnessWarning, stacklevel=4)
+
     def _refuse_if_shut_down(self, weights: dict[str, Any]) -> None:
         """An update of keys whose stores this collector closed (it was shut down) raises
         :class:`~shmsync.errors.ClosedError`, or, on a remote node, reports it to the trainer:
@@ -366,11 +461,23 @@ class Publisher:
 
     # -- the wrappers -----------------------------------------------------------------------------
     def update(self, original: Callable, *args: Any, version: int | None = None, **kwargs: Any) -> Any:
-        """``update_policy_weights_``: the shmsync keys it names, one version; the rest, TorchRL's."""
+        """``update_policy_weights_``: the shmsync keys it names, one version; the rest, TorchRL's.
+        The keys it names without weights (the trainer's live models) are noted, with the thread
+        that named them, for the next hand-out on that thread (:meth:`hand_out`); keys given
+        weights keep those."""
         weights, worker_ids = compat.update_request(args, kwargs) if args or kwargs else ({"policy": None}, None)
         rest = {k: w for k, w in weights.items() if k not in self.keys}
         result = original(weights_dict=rest, worker_ids=worker_ids) if rest else None
-        self.route({k: w for k, w in weights.items() if k in self.keys}, worker_ids, given=version)
+        mine = {k: w for k, w in weights.items() if k in self.keys}
+        self.route(mine, worker_ids, given=version)
+        me = threading.get_ident()
+        if self.hands_out and self.handing_out != me:  # not TorchRL's own update right before a hand-out
+            with self.marks:
+                for key, w in mine.items():
+                    self.fresh.pop(key, None)
+                    self.numbered.pop(key, None)
+                    if w is None:
+                        (self.fresh if version is None else self.numbered)[key] = me
         return result
 
     def shutdown(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -403,13 +510,27 @@ class Publisher:
         return {w: loaded.get(w) for w in range(workers)}
 
     def iterator(self, original: Callable, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        """Each batch of TorchRL's iterator; before TorchRL hands out work (the first, and each one
+        after the caller's code ran on a batch), :meth:`hand_out`."""
         self._check_attached()  # before the first batch: a worker left out would run its first weights
-        for batch in original(*args, **kwargs):
-            if self.version_keys and isinstance(batch, TensorDictBase):
-                for key in self.version_keys:
-                    if batch.get(("next", key), None) is None and key in batch.keys():
-                        tag_next(batch, key)
-            yield batch
+        batches = original(*args, **kwargs)
+        try:
+            while True:
+                self.hand_out()
+                self.handing_out = threading.get_ident()
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
+                finally:
+                    self.handing_out = 0
+                if self.version_keys and isinstance(batch, TensorDictBase):
+                    for key in self.version_keys:
+                        if batch.get(("next", key), None) is None and key in batch.keys():
+                            tag_next(batch, key)
+                yield batch
+        finally:
+            batches.close()
 
 
 _WRAPPERS = {

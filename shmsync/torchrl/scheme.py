@@ -233,6 +233,17 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         return max((s.promised for s in self.stores), default=-1)
 
     @property
+    def steps(self) -> int:
+        """Optimizer steps the trainer has taken on this scheme's weights so far (see
+        :attr:`WeightStore.steps <shmsync.WeightStore.steps>`); 0 before any store exists."""
+        return max((s.steps for s in self.stores), default=0)
+
+    def steps_of(self, version: int) -> int | None:
+        """The optimizer steps ``version`` had seen when it was published, for
+        ``staleness(batch, scheme, unit="optim_steps")`` (None where no store knows it)."""
+        return next((n for n in (s.steps_of(version) for s in self.stores) if n is not None), None)
+
+    @property
     def versions(self) -> list[int]:
         """Sender: the last version sent to each store (one per worker with ``per_worker_weights``)."""
         return [s.promised for s in self.stores]

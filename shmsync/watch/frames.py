@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
-from shmsync.errors import UnknownKeyError
+from shmsync.errors import ArgumentTypeError, InvalidArgumentError, UnknownKeyError
 
 
 def tag_versions(module: nn.Module, version: Callable[[], int], key: str = "policy_version") -> None:
@@ -89,21 +89,30 @@ def tag_next(batch: TensorDictBase, key: str) -> None:
         batch.set(("next", key), root.clone())
 
 
-def staleness(batch: TensorDictBase, current: Any, key: str = "policy_version") -> torch.Tensor:
-    """How many versions behind ``current`` each frame of ``batch`` was collected.
+def staleness(
+    batch: TensorDictBase, current: Any, key: str = "policy_version", *, unit: str = "versions"
+) -> torch.Tensor:
+    """How far behind the trainer the weights each frame of ``batch`` ran were.
 
     Args:
         batch: collected frames carrying ``key`` (as :class:`~shmsync.ShmWeightSyncScheme`
             writes it).
         current: the trainer's current version: an int, or anything with a ``version``
-            attribute (a :class:`~shmsync.WeightStore` or the scheme).
+            attribute (a :class:`~shmsync.WeightStore` or the scheme). With
+            ``unit="optim_steps"``, a store or a scheme (they know each version's steps).
         key: the version key.
+        unit: ``"versions"``: versions published since the frame's; ``"optim_steps"``: optimizer
+            steps the trainer took on the weights since the frame's version was published (what
+            the frame's weights missed of the training, however many versions that made; see
+            :meth:`~shmsync.WeightStore.steps_of`).
 
     Returns:
         An int64 tensor shaped like ``batch[key]``: 0 for frames of the current weights.
 
     Raises:
         KeyError: ``batch`` has no ``key``.
+        ValueError: ``unit`` is neither, or with ``"optim_steps"``, a frame's version is one the
+            store no longer knows (over 4096 publishes old).
 
     Examples:
         >>> import torch
@@ -113,11 +122,45 @@ def staleness(batch: TensorDictBase, current: Any, key: str = "policy_version") 
         [2, 2, 1]
         >>> staleness(batch, 5).max().item()
         2
+
+        In optimizer steps, from the store the versions were published into:
+
+        >>> from shmsync import WeightStore
+        >>> policy = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+        >>> with WeightStore.create(policy) as store:  # version 0, before any step
+        ...     for _ in range(5):
+        ...         policy(torch.ones(1, 2)).sum().backward()
+        ...         optimizer.step()
+        ...     batch = TensorDict({"policy_version": torch.tensor([0, 0])}, batch_size=[2])
+        ...     staleness(batch, store, unit="optim_steps").tolist()
+        [5, 5]
     """
     if key not in batch.keys(include_nested=isinstance(key, tuple)):
         raise UnknownKeyError(f"the batch has no {key!r} entry: was it collected with ShmWeightSyncScheme?")
-    version = current if isinstance(current, int) else int(current.version)
-    return version - batch.get(key).to(torch.int64)
+    versions = batch.get(key).to(torch.int64)
+    if unit == "versions":
+        version = current if isinstance(current, int) else int(current.version)
+        return version - versions
+    if unit != "optim_steps":
+        raise InvalidArgumentError(f"unit must be 'versions' or 'optim_steps', got {unit!r}")
+    if not callable(getattr(current, "steps_of", None)):
+        raise ArgumentTypeError(
+            f"staleness(..., unit='optim_steps') needs the store or the scheme, which know each version's steps; "
+            f"got {type(current).__name__}"
+        )
+    now, table = int(current.steps), {}
+    for v in versions.unique().tolist():
+        then = current.steps_of(int(v))
+        if then is None:
+            raise InvalidArgumentError(
+                f"frames ran version {v}, whose optimizer steps are no longer known (too old, or never published here)"
+            )
+        table[v] = now - then
+    out = versions.clone()
+    for v, behind in table.items():
+        out[versions == v] = behind
+    return out
 
 
 def lag_stats(
@@ -137,9 +180,11 @@ def lag_stats(
         prefix: put before each name.
 
     Returns:
-        ``{prefix + name: value}`` with names ``frames_mean``, ``frames_min``, ``frames_max``,
-        and with a readers' table ``readers``, ``readers_mean``, ``readers_min``, ``readers_max``
-        (those four only when some reader has loaded a version).
+        ``{prefix + name: value}`` with names ``frames_mean``, ``frames_min``, ``frames_max``;
+        where ``current`` knows each version's optimizer steps (a scheme or store),
+        ``frames_steps_mean`` and ``frames_steps_max`` (optimizer steps behind); and with a
+        readers' table ``readers``, ``readers_mean``, ``readers_min``, ``readers_max`` (those
+        four only when some reader has loaded a version).
 
     Examples:
         >>> import torch
@@ -150,15 +195,20 @@ def lag_stats(
     """
     out: dict[str, float] = {}
     if batch is not None:
-        lag = staleness(batch, current, key)
         mask = batch.get(("collector", "mask"), None)
-        if mask is not None and mask.shape == lag.shape[: mask.ndim]:
-            lag = lag[mask]
+        lag = _unmasked(staleness(batch, current, key), mask)
         if lag.numel():
-            lag = lag.to(torch.float64)
             out[prefix + "frames_mean"] = round(float(lag.mean()), 6)
             out[prefix + "frames_min"] = float(lag.min())
             out[prefix + "frames_max"] = float(lag.max())
+        if callable(getattr(current, "steps_of", None)):
+            try:
+                steps = _unmasked(staleness(batch, current, key, unit="optim_steps"), mask)
+            except InvalidArgumentError:  # a version too old to know its steps: leave them out
+                steps = torch.empty(0)
+            if steps.numel():
+                out[prefix + "frames_steps_mean"] = round(float(steps.mean()), 6)
+                out[prefix + "frames_steps_max"] = float(steps.max())
     readers = getattr(current, "readers", None)
     if callable(readers):
         rows = [r.behind for r in readers(processes=False) if r.behind is not None]
@@ -168,3 +218,10 @@ def lag_stats(
             out[prefix + "readers_min"] = float(min(rows))
             out[prefix + "readers_max"] = float(max(rows))
     return out
+
+
+def _unmasked(lag: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``lag`` as float64, without the padding TorchRL's ``("collector", "mask")`` marks."""
+    if mask is not None and mask.shape == lag.shape[: mask.ndim]:
+        lag = lag[mask]
+    return lag.to(torch.float64)

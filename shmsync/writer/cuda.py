@@ -150,6 +150,14 @@ class CudaWriter:
         if h[self.memory.host.version] < version:
             self._fill_host(h[self.memory.device.latest], version)
 
+    def newest_views(self) -> list[torch.Tensor] | None:
+        """The newest device slot's tensors (None before the first lands): the writer compares a
+        source with them before it publishes again."""
+        h = self.memory.header
+        if h[self.memory.device.version] < 0:
+            return None
+        return self.slots.views[h[self.memory.device.latest]]
+
     def snapshot(self) -> tuple[int, list[torch.Tensor]]:
         """The newest version as CPU tensors (in this process: the device slots are its own)."""
         h = self.memory.header

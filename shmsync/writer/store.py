@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, NamedTuple
 
 import torch
@@ -32,23 +32,29 @@ from shmsync.core.header import (
     STORE_PAGE_LOCKED,
     W_PAYLOAD_BYTES,
     W_PROMISED,
+    W_STEPS,
     W_STORE_FLAGS,
     W_VERSION,
     W_WRITER_PID,
 )
-from shmsync.core.protocol import ReaderRows, SlotReader, SlotWriter, Write
+from shmsync.core.protocol import ReaderRows, SlotReader, SlotWriter, Write, steps_of
 from shmsync.core.segment import WRITER_LOCK, Segment, default_name
 from shmsync.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
     ShmSyncError,
     WriterBusyError,
+    WrittenWhileCopiedError,
 )
 from shmsync.store.copies import Copier, copy_all
 from shmsync.store.layout import Layout
 from shmsync.store.memory import RECHECK_EMPTY_S, StoreMemory
 from shmsync.store.reader_table import ReaderTable, RemoteSources, assemble, local_rows
 from shmsync.store.sources import SourceMatcher, as_tensordict
+from shmsync.writer.changes import changed_leaves, same_as
+from shmsync.writer.steps import OptimizerSteps
+
+COPY_ATTEMPTS = 3  # copies publish_if_changed tries before it gives up on a source being written
 
 
 class Snapshot(NamedTuple):
@@ -79,6 +85,7 @@ class StoreWriter:
         self.copier = Copier(f"shmsync-publish-{memory.name}")
         self.cuda: Any = None  # the CUDA writer (shmsync.writer.cuda), from the first CUDA publish on
         self.listeners: list[Callable[[int], None]] = []
+        self.steps = OptimizerSteps(memory.header)  # counting once this process takes the writer role
         self._matcher = SourceMatcher(memory.layout, memory.destinations)
         self._what = f"weights published to store {memory.name!r}"
         self._empty: dict[int, float] = {}  # slots seen holding no pages, and when
@@ -95,6 +102,7 @@ class StoreWriter:
                 self.check_version(version)
             if not self.holding:
                 self.acquire()
+            self.steps.tensors = tensors  # optimizers holding them count from now on
             if self.copier.pending:
                 self.flush()  # one write open at a time: the one in flight (and its give-backs) first
             if self.cuda is not None or any(t.is_cuda for t in tensors):
@@ -106,6 +114,82 @@ class StoreWriter:
                 version = self._copy_and_commit(lambda slot: copy_all(slots[slot], tensors, True), version)
             self.seconds += time.perf_counter() - start
             return version
+
+    def write_if_changed(self, source: Any, only: Collection[str] | None = None) -> int | None:
+        """See :meth:`WeightStore.publish_if_changed`."""
+        with self.lock:
+            start = time.perf_counter()
+            tensors, changed = self._compare(source, only)
+            if not changed:
+                return None
+            if self.cuda is not None or any(t.is_cuda for t in tensors):
+                # Stream order makes it a snapshot: writes enqueued after it on the stream come after.
+                version = self._cuda(tensors).enqueue(tensors, None)
+            else:
+                version = self._copy_checked(tensors)
+            self.seconds += time.perf_counter() - start
+            return version
+
+    def differs(self, source: Any, only: Collection[str] | None = None) -> bool:
+        """See :meth:`WeightStore.differs`."""
+        with self.lock:
+            return self._compare(source, only)[1]
+
+    def _compare(self, source: Any, only: Collection[str] | None) -> tuple[list[torch.Tensor], bool]:
+        """``source``'s tensors (the newest version's outside ``only``), and whether any differs
+        from the newest version. Takes the writer role, and waits for the write in flight."""
+        self.memory.check_open()
+        tensors = self._matcher.match(source, self._what)
+        if not self.holding:
+            self.acquire()
+        self.steps.tensors = tensors
+        self.flush()  # the write in flight landed: the newest version is whole in its slot
+        newest = self._newest_views()
+        if newest is None:
+            return tensors, True
+        if only is not None:
+            tensors = self._keep_others(tensors, newest, only)
+        return tensors, any(changed_leaves(tensors, newest))
+
+    def _newest_views(self) -> list[torch.Tensor] | None:
+        """The newest version's slot, viewed in this process (the writer's), or None before any."""
+        if self.cuda is not None:
+            return self.cuda.newest_views()
+        h, host = self.memory.header, self.memory.host
+        return self.memory.slots[h[host.latest]] if h[host.version] >= 0 else None
+
+    def _keep_others(
+        self, tensors: list[torch.Tensor], newest: list[torch.Tensor], only: Collection[str]
+    ) -> list[torch.Tensor]:
+        """``tensors``, but the newest version's for every destination not in ``only``."""
+        layout, keep = self.memory.layout, list(tensors)
+        for destination in self.memory.destinations or ():
+            if destination not in only:
+                for i in layout.subset((destination,)):
+                    keep[i] = newest[i]
+        return keep
+
+    def _copy_checked(self, tensors: list[torch.Tensor]) -> int:
+        """Copy ``tensors`` into a slot and commit it if, once copied, every one still holds what
+        was copied (no other thread wrote them meanwhile: see :mod:`shmsync.writer.changes`);
+        else drop that copy and try again, :data:`COPY_ATTEMPTS` times in all."""
+        slots = self.memory.slots
+
+        def copy(slot: int) -> None:
+            copy_all(slots[slot], tensors, True)
+            if not same_as(tensors, slots[slot]):
+                raise WrittenWhileCopiedError(
+                    f"store {self.name!r}: the weights were written while they were being copied, "
+                    f"{COPY_ATTEMPTS} times in a row; nothing was published"
+                )
+
+        for attempt in range(COPY_ATTEMPTS):
+            try:
+                return self._copy_and_commit(copy)
+            except WrittenWhileCopiedError:
+                if attempt == COPY_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def _in_background(self, tensors: list[torch.Tensor], version: int | None) -> int:
         """Begin the write and promise its version; the copy and the commit run on the copier's
@@ -187,7 +271,7 @@ class StoreWriter:
             if not self.holding:
                 self.acquire()
             self.flush()
-            write = self.slot_writer.begin_write(version)
+            write = self.slot_writer.begin_write(version, steps=-1)  # bytes from elsewhere: no training seen here
 
             def copy(slot: int) -> None:
                 with self.memory.slot_buffer(slot, writable=True) as buffer:
@@ -235,6 +319,7 @@ class StoreWriter:
             )
         self.memory.map_slots()
         self.holding = True
+        self.steps.start()
         self.slot_writer.withdraw()  # a promise a dead writer left: it will never land
 
     def release(self) -> None:
@@ -249,6 +334,7 @@ class StoreWriter:
         try:
             self.copier.close()
         finally:
+            self.steps.close()
             if self.cuda is not None:
                 self.cuda.close()
 
@@ -407,6 +493,36 @@ class WeightStore:
         return max(self.memory.header[W_VERSION], self.memory.header[W_PROMISED])
 
     @property
+    def steps(self) -> int:
+        """Optimizer steps the writer's process has taken on the weights it publishes here so far:
+        steps of any optimizer holding a tensor last published (see :mod:`shmsync.writer.steps`)."""
+        return self.memory.header[W_STEPS]
+
+    def steps_of(self, version: int) -> int | None:
+        """The optimizer steps ``version`` had seen when it was published (so ``store.steps -
+        store.steps_of(v)`` is how many steps behind the trainer weights of version ``v`` are);
+        None for a version this store no longer knows (in the writer's process, one of the last
+        4096; elsewhere, of the last 64), or whose writer counted none (a relay's).
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightStore
+            >>> policy = torch.nn.Linear(2, 1)
+            >>> optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+            >>> with WeightStore.create(policy) as store:
+            ...     for _ in range(3):
+            ...         policy(torch.ones(1, 2)).sum().backward()
+            ...         optimizer.step()
+            ...     v = store.publish(policy)
+            ...     optimizer.step()
+            ...     store.steps_of(0), store.steps_of(v), store.steps
+            (0, 3, 4)
+        """
+        writers = [self.writer.slot_writer, *([self.writer.cuda.slot_writer] if self.writer.cuda is not None else [])]
+        known = next((w.steps[version] for w in writers if version in w.steps), None)
+        return known if known is not None else steps_of(self.memory.header, version, self.version)
+
+    @property
     def destinations(self) -> tuple[str, ...] | None:
         """The destination names, or None for a store made from one module or TensorDict."""
         return self.memory.destinations
@@ -465,6 +581,60 @@ class WeightStore:
             (1, 10, 10)
         """
         return self.writer.write(source, version)
+
+    def publish_if_changed(self, source: Any, *, only: Collection[str] | None = None) -> int | None:
+        """Publish ``source`` as a new version if it differs in any byte from the newest version;
+        else publish nothing. Unlike :meth:`publish`, it may be called while other threads write
+        ``source``: a copy that a write reached while it was made is dropped and made again, so
+        the version holds the weights' memory as it was at one moment (with a thread that is in
+        the middle of a write of its own at that moment caught where it stands: see
+        :mod:`shmsync.writer.changes`).
+
+        How a TorchRL collector hands its workers the weights as they are when their work starts
+        (see the TorchRL page): the update call publishes a snapshot, and the hand-out of the
+        next batch publishes again only what training changed since.
+
+        Args:
+            source: what :meth:`publish` takes.
+            only: for a store of destinations, the destinations to take from ``source``; the
+                others keep the newest version's weights. Default: all.
+
+        Returns:
+            The new version, or None if ``source`` holds the newest version's bytes.
+
+        Raises:
+            WrittenWhileCopiedError: each of the copies it made was written while it was being
+                made; nothing was published.
+            WeightMismatchError: a key, shape or dtype differs; nothing is written.
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightStore
+            >>> policy = torch.nn.Linear(4, 2)
+            >>> with WeightStore.create(policy) as store:
+            ...     unchanged = store.publish_if_changed(policy)
+            ...     with torch.no_grad():
+            ...         _ = policy.bias.add_(1.0)
+            ...     unchanged, store.publish_if_changed(policy), store.version
+            (None, 1, 1)
+        """
+        return self.writer.write_if_changed(source, only)
+
+    def differs(self, source: Any, *, only: Collection[str] | None = None) -> bool:
+        """Whether ``source`` differs in any byte from the newest version (publishes nothing; waits
+        for this process's write in flight). ``only``: as :meth:`publish_if_changed`.
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightStore
+            >>> policy = torch.nn.Linear(4, 2)
+            >>> with WeightStore.create(policy) as store:
+            ...     before = store.differs(policy)
+            ...     policy.weight.data[0, 0] = 7.0  # a write torch's version counter does not see
+            ...     before, store.differs(policy)
+            (False, True)
+        """
+        return self.writer.differs(source, only)
 
     def flush(self, timeout: float | None = None) -> int:
         """Wait until this process's publishes landed and idle slots went back; returns the version readers see.

@@ -1,11 +1,14 @@
-"""Every version a snapshot: once ``update_policy_weights_()`` returns, the trainer may write its
-weights any way, at once, and the next batch still runs exactly the weights sent, whole.
+"""Every version a snapshot: once ``update_policy_weights_(weights)`` returns, the trainer may write
+its weights any way, at once, and the next batch still runs exactly the weights sent, whole. With
+no weights argument, the next batch runs the trainer's weights as they are when it starts (as
+TorchRL's default scheme gives them), whole and under a version of their own.
 
 The policy (:class:`collectors.WeightProbe`) reports, per frame, the smallest and the largest of all
 its weights. Each round sets every weight to the round's number ``k``, updates, then writes the
 weights again right away (as the next optimizer step, a target-network update or a reset would),
-to ``k + 0.5``; the batch after the update must carry ``lo == hi == k`` and the version tag ``k``
-on every frame: a frame that ran the write, or a mix of the two states, shows otherwise.
+to ``k + 0.5``; the batch after an update with weights must carry ``lo == hi == k`` and the version
+tag ``k`` on every frame, the batch after an update without them ``lo == hi == k + 0.5`` under one
+new tag: a frame that ran another state, or a mix of the two, shows otherwise.
 """
 
 import threading
@@ -77,7 +80,7 @@ def test_writing_the_weights_right_after_an_update_never_reaches_its_version(who
     try:
         it = iter(collector)
         next(it)
-        exact = 0
+        exact, tags = 0, []
         for k in range(1, ROUNDS + 1):
             _set(trainer, float(k), "in place")
             if own:
@@ -86,18 +89,25 @@ def test_writing_the_weights_right_after_an_update_never_reaches_its_version(who
                 collector.update_policy_weights_()
             _set(trainer, k + 0.5, how)  # at once: the next step, before any worker ran version k
             ran = _ran(next(it))
-            assert ran == [(k, k, k)], f"round {k}: the batch after the update ran {ran} (lo, hi, tag)"
+            if own:  # the weights passed, as they were at the call
+                assert ran == [(k, k, k)], f"round {k}: the batch after the update ran {ran} (lo, hi, tag)"
+            else:  # the trainer's weights as the batch started: the write, whole, under a tag of its own
+                assert len(ran) == 1 and ran[0][:2] == (k + 0.5, k + 0.5), f"round {k}: the batch ran {ran}"
+                assert ran[0][2] == scheme.version, f"round {k}: tagged {ran[0][2]}, the newest is {scheme.version}"
+                tags.append(ran[0][2])
             exact += 1
-        assert exact == ROUNDS and scheme.version == ROUNDS
+        assert exact == ROUNDS and scheme.version == (ROUNDS if own else 2 * ROUNDS)
+        assert tags == sorted(set(tags))
     finally:
         collector.shutdown()
 
 
 @pytest.mark.parametrize("device", _devices())
 def test_a_publisher_thread_beside_the_loop_keeps_every_frame_whole_and_tagged(device):
-    """``update_policy_weights_()`` from a second thread, flat out, while the main thread iterates:
-    every frame ran one whole version and carries its tag, each worker's versions only go up, and
-    no worker dies."""
+    """``update_policy_weights_()`` from a second thread, flat out, while the main thread iterates
+    (and so publishes at each hand-out what changed, while the other thread writes): every frame
+    ran one whole version, each tag one state, later versions later states, each worker's versions
+    only go up, and no worker dies."""
     policy = make_probe_policy(big=2048).to(device)  # 16 MB
     collector, scheme = _collector(policy, device)
     stop, errors, sent = threading.Event(), [], [0]
@@ -119,13 +129,17 @@ def test_a_publisher_thread_beside_the_loop_keeps_every_frame_whole_and_tagged(d
         next(it)
         publisher.start()
         seen: dict[int, list[int]] = {}
+        held: dict[int, float] = {}
         frames = 0
         for _ in range(20):
             batch = next(it)
             lo, hi = batch["w_lo"].float().cpu(), batch["w_hi"].float().cpu()
             tag = batch["policy_version"].float()
             assert torch.equal(lo, hi), "a frame ran a mix of two versions"
-            assert torch.equal(lo, tag), "a frame's tag is not the version whose weights it ran"
+            # One state per tag: the update calls' snapshots, and the hand-outs' (the weights as
+            # each batch started, published under versions of their own).
+            for v, w in zip(tag.flatten().tolist(), lo.flatten().tolist()):
+                assert held.setdefault(v, w) == w, f"frames tagged {v} ran {held[v]} and {w}"
             for w in range(batch.shape[0]):  # MultiSync stacks the workers' frames along dim 0
                 seen.setdefault(w, []).extend(batch["policy_version"][w].flatten().tolist())
             frames += batch.numel()
@@ -136,6 +150,8 @@ def test_a_publisher_thread_beside_the_loop_keeps_every_frame_whole_and_tagged(d
         for w, versions in seen.items():
             assert versions == sorted(versions), f"worker {w}'s versions went back"
         assert len({v for vs in seen.values() for v in vs}) >= 3, "the workers saw too few versions"
+        values = [held[v] for v in sorted(held)]
+        assert values == sorted(values), f"a later version held older weights: {held}"
     finally:
         stop.set()
         publisher.join(30)

@@ -90,6 +90,8 @@ def test_lag_stats_leave_out_masked_frames_and_read_the_readers_table(store_fact
         "policy_lag/frames_mean": pytest.approx(5 / 3),
         "policy_lag/frames_min": 0.0,
         "policy_lag/frames_max": 3.0,
+        "policy_lag/frames_steps_mean": 0.0,  # no optimizer stepped on these weights
+        "policy_lag/frames_steps_max": 0.0,
         "policy_lag/readers": 1.0,
         "policy_lag/readers_mean": 3.0,
         "policy_lag/readers_min": 3.0,
