@@ -62,6 +62,17 @@ class SharedMemoryError(ShmSyncError, OSError):
     """The kernel refused to reserve or give back a store's shared memory (``errno`` says why)."""
 
 
+class WriteTrackingError(ShmSyncError, OSError):
+    """The kernel cannot tell which pages of this process were written: write tracking is unavailable
+    here (not Linux 6.7 or later, the system call refused, a feature missing, turned off with
+    ``SHMSYNC_WRITE_TRACKING=0``), or a scan failed (``errno`` says why). The message says which;
+    a caller copies what it would have skipped."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno  # set here: RuntimeError's constructor, first in line, leaves it unset
+
+
 class WeightMismatchError(ShmSyncError, ValueError):
     """Weights do not match the store's layout: a key, shape or dtype differs.
 

@@ -3,6 +3,7 @@ the next time someone measures."""
 
 import pytest
 
+from shmsync.core.written_pages import unavailable_reason
 from tests.commands import run_script
 
 pytestmark = [pytest.mark.slow]
@@ -28,3 +29,13 @@ def test_loop_bench_smallest_case():
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert len(cells) == 10, row
     assert cells[5].startswith("**") and cells[5].endswith("x**"), row
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(unavailable_reason() is not None, reason="write tracking is unavailable here")
+def test_written_pages_bench_quick():
+    out = run_script("benchmarks/written_pages_bench.py", "--quick", timeout=90)
+    rows = [line for line in out.splitlines() if line.startswith("| look, ")]
+    assert len(rows) == 3, out
+    assert all(float(row.strip("|").split("|")[1]) > 0 for row in rows), out
+    assert "the first write to a protected page:" in out
