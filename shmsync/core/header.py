@@ -56,6 +56,10 @@ W_DEVICE = 28  # the device bank's CUDA device index + 1; 0: the store has no de
 W_DEVICE_BYTES = 29  # bytes of device memory the device bank holds now (the writer's GPU)
 W_HOST_WANTED = 30  # bumped by a reader of the host bank that finds it behind: fill it
 W_STEPS = 31  # optimizer steps the writer's process has taken on the store's weights so far; -1: not counted
+W_COPIED_BYTES = 32  # bytes the last publish copied into its slot, and
+W_SKIPPED_BYTES = 33  # the bytes it did not: the slot held them already (unchanged since its version)
+W_PROOF = 34  # how the last publish proved leaves unchanged: PROOFS[word]
+PROOFS = ("none: every leaf copied", "comparison", "written pages")
 
 # Banks: 64 words each, from W_BANKS.
 W_BANKS = 64

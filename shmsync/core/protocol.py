@@ -287,14 +287,15 @@ class LocalLocks:
 
 
 class Write(NamedTuple):
-    """A write in progress: the slot, the odd sequence number it carries meanwhile, whether the
-    slot was empty (its memory may have been given back: reserve it before copying), the version
-    it will hold once committed (-1 for a slot being given back), and the optimizer steps the
-    writer had counted when it began (the training the version has seen; -1: not counted)."""
+    """A write in progress: the slot, the odd sequence number it carries meanwhile, the version the
+    slot held whole before (-1: none, so its memory may have been given back: reserve it before
+    copying; also where a write there never ended), the version it will hold once committed (-1
+    for a slot being given back), and the optimizer steps the writer had counted when it began
+    (the training the version has seen; -1: not counted)."""
 
     slot: int
     seq: int
-    cold: bool = False
+    held: int = -1
     version: int = -1
     steps: int = -1
 
@@ -657,7 +658,8 @@ class SlotWriter:
         h[w.seq[target]] = odd
         w.full_fence()  # the store above before the lease loads below
         if not h[w.leases[target]] or not self.rows.row_leased(target, confirmed=True):
-            return Write(target, odd, h[w.slot_version[target]] < 0, version, h[W_STEPS])
+            held = -1 if seq & 1 else h[w.slot_version[target]]  # a write that never ended left no version whole
+            return Write(target, odd, held, version, h[W_STEPS])
         h[w.seq[target]] = odd + 1
         return None
 

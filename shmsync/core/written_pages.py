@@ -723,7 +723,8 @@ class WrittenPages:
         the scan fails (its pages may have been protected again unreported)."""
         try:
             written, intact = self._kernel.written(start, end)
-            self._credit(ranges, written)
+            if written:
+                self._credit(ranges, written)
             registered = [(start, end)] if intact else self._kernel.registered(start, end)
         except WriteTrackingError as e:
             for r in ranges:
@@ -736,8 +737,6 @@ class WrittenPages:
 
     def _credit(self, ranges: list[TrackedRange], written: list[tuple[int, int]]) -> None:
         """Add each written page interval (sorted, apart) to every tracked range it overlaps."""
-        if not written:
-            return
         starts = [start for start, _ in written]
         for r in ranges:
             pending = self._pending.get(r)

@@ -31,6 +31,7 @@ from shmsync.core.header import (
     MAGIC,
     MAX_SLOTS,
     STORE_PAGE_LOCKED,
+    W_COPIED_BYTES,
     W_CREATE_NS,
     W_CREATOR_PID,
     W_CREATOR_PPID,
@@ -47,9 +48,12 @@ from shmsync.core.header import (
     W_NUM_SLOTS,
     W_PAYLOAD_BYTES,
     W_PROMISED,
+    W_PROOF,
     W_PUBLISH_COUNT,
     W_PUBLISH_NS,
+    W_SKIPPED_BYTES,
     W_SLOT_BYTES,
+    W_STEPS,
     W_STORE_FLAGS,
     W_VERSION,
     W_WRITER_PID,
@@ -76,6 +80,10 @@ _FACTS = {
     "create_ns": W_CREATE_NS,
     "payload_bytes": W_PAYLOAD_BYTES,
     "device_bytes": W_DEVICE_BYTES,
+    "steps": W_STEPS,
+    "copied_bytes": W_COPIED_BYTES,
+    "skipped_bytes": W_SKIPPED_BYTES,
+    "unchanged_proof": W_PROOF,
 }
 RECHECK_EMPTY_S = 10.0  # a slot given back is looked at again this often (a late reader's copy refills it)
 

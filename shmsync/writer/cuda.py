@@ -113,7 +113,7 @@ class CudaWriter:
             memory.page_lock_for_cuda()  # device-to-host copies become DMA into the store's own pages
         write = host.begin_write(version)  # the device slot's version, filled into a host slot
         try:
-            if write.cold:
+            if write.held < 0:
                 memory.reserve(write.slot)
             src = cast(torch.Tensor, self.slots.flat[slot])  # the latest: written, so allocated
             dst = memory.slot_bytes(write.slot)

@@ -29,9 +29,13 @@ import torch
 from tensordict import TensorDict
 
 from shmsync.core.header import (
+    PROOFS,
     STORE_PAGE_LOCKED,
+    W_COPIED_BYTES,
     W_PAYLOAD_BYTES,
     W_PROMISED,
+    W_PROOF,
+    W_SKIPPED_BYTES,
     W_STEPS,
     W_STORE_FLAGS,
     W_VERSION,
@@ -51,7 +55,7 @@ from shmsync.store.layout import Layout
 from shmsync.store.memory import RECHECK_EMPTY_S, StoreMemory
 from shmsync.store.reader_table import ReaderTable, RemoteSources, assemble, local_rows
 from shmsync.store.sources import SourceMatcher, as_tensordict
-from shmsync.writer.changes import changed_leaves, same_as
+from shmsync.writer.changes import SourceChanges
 from shmsync.writer.steps import OptimizerSteps
 
 COPY_ATTEMPTS = 3  # copies publish_if_changed tries before it gives up on a source being written
@@ -87,6 +91,8 @@ class StoreWriter:
         self.listeners: list[Callable[[int], None]] = []
         self.steps = OptimizerSteps(memory.header)  # counting once this process takes the writer role
         self._matcher = SourceMatcher(memory.layout, memory.destinations)
+        self.changes = SourceChanges(len(memory.layout.entries))  # what a publish need not copy
+        self._nbytes = [e.nbytes for e in memory.layout.entries]
         self._what = f"weights published to store {memory.name!r}"
         self._empty: dict[int, float] = {}  # slots seen holding no pages, and when
 
@@ -107,11 +113,15 @@ class StoreWriter:
                 self.flush()  # one write open at a time: the one in flight (and its give-backs) first
             if self.cuda is not None or any(t.is_cuda for t in tensors):
                 version = self._cuda(tensors).enqueue(tensors, version)
+                self._copied_all()
             elif self.unsafe_background if unsafe_background is None else unsafe_background:
                 version = self._in_background(tensors, version)
+                self._copied_all()
             else:
-                slots = self.memory.slots
-                version = self._copy_and_commit(lambda slot: copy_all(slots[slot], tensors, True), version)
+                h, host = self.memory.header, self.memory.host
+                newest = self.memory.slots[h[host.latest]] if h[host.version] >= 0 else None
+                found = self.changes.find(tensors, newest, "publish")
+                version = self._copy_changes(tensors, found, version)
             self.seconds += time.perf_counter() - start
             return version
 
@@ -119,25 +129,26 @@ class StoreWriter:
         """See :meth:`WeightStore.publish_if_changed`."""
         with self.lock:
             start = time.perf_counter()
-            tensors, changed = self._compare(source, only)
-            if not changed:
+            tensors, found = self._compare(source, only)
+            if not any(found):
                 return None
             if self.cuda is not None or any(t.is_cuda for t in tensors):
                 # Stream order makes it a snapshot: writes enqueued after it on the stream come after.
-                version = self._cuda(tensors).enqueue(tensors, None)
+                version: int | None = self._cuda(tensors).enqueue(tensors, None)
+                self._copied_all()
             else:
-                version = self._copy_checked(tensors)
+                version = self._copy_checked(tensors, found)
             self.seconds += time.perf_counter() - start
             return version
 
     def differs(self, source: Any, only: Collection[str] | None = None) -> bool:
         """See :meth:`WeightStore.differs`."""
         with self.lock:
-            return self._compare(source, only)[1]
+            return any(self._compare(source, only)[1])
 
-    def _compare(self, source: Any, only: Collection[str] | None) -> tuple[list[torch.Tensor], bool]:
-        """``source``'s tensors (the newest version's outside ``only``), and whether any differs
-        from the newest version. Takes the writer role, and waits for the write in flight."""
+    def _compare(self, source: Any, only: Collection[str] | None) -> tuple[list[torch.Tensor], list[bool]]:
+        """``source``'s tensors (the newest version's outside ``only``), and per leaf whether it
+        differs from the newest version. Takes the writer role, and waits for the write in flight."""
         self.memory.check_open()
         tensors = self._matcher.match(source, self._what)
         if not self.holding:
@@ -145,11 +156,9 @@ class StoreWriter:
         self.steps.tensors = tensors
         self.flush()  # the write in flight landed: the newest version is whole in its slot
         newest = self._newest_views()
-        if newest is None:
-            return tensors, True
-        if only is not None:
+        if newest is not None and only is not None:
             tensors = self._keep_others(tensors, newest, only)
-        return tensors, any(changed_leaves(tensors, newest))
+        return tensors, self.changes.find(tensors, newest, "hand-out")
 
     def _newest_views(self) -> list[torch.Tensor] | None:
         """The newest version's slot, viewed in this process (the writer's), or None before any."""
@@ -169,27 +178,50 @@ class StoreWriter:
                     keep[i] = newest[i]
         return keep
 
-    def _copy_checked(self, tensors: list[torch.Tensor]) -> int:
-        """Copy ``tensors`` into a slot and commit it if, once copied, every one still holds what
-        was copied (no other thread wrote them meanwhile: see :mod:`shmsync.writer.changes`);
-        else drop that copy and try again, :data:`COPY_ATTEMPTS` times in all."""
-        slots = self.memory.slots
+    def _copy_changes(self, tensors: list[torch.Tensor], found: list[bool], version: int | None, checked=False) -> int:
+        """Copy into a free slot what it lacks of ``tensors``: the leaves ``found`` changed since the
+        newest version, and those that changed since the version the slot held (all of them, into
+        an empty slot); then commit it. ``checked``: commit only if, once copied, every leaf still
+        holds what was copied (see :meth:`_copy_checked`)."""
+        memory, changes, nbytes = self.memory, self.changes, self._nbytes
+        at, h = changes.changed_at, memory.header
 
-        def copy(slot: int) -> None:
-            copy_all(slots[slot], tensors, True)
-            if not same_as(tensors, slots[slot]):
+        def copy(write: Write) -> None:
+            held, dst = write.held, memory.slots[write.slot]
+            lacks = [i for i, f in enumerate(found) if f or held < 0 or not 0 <= at[i] <= held]
+            if lacks:  # none where nothing changed since the version the slot holds
+                copy_all([dst[i] for i in lacks], [tensors[i] for i in lacks], True)
+            if checked and not changes.unchanged_since(tensors, dst):
                 raise WrittenWhileCopiedError(
                     f"store {self.name!r}: the weights were written while they were being copied, "
                     f"{COPY_ATTEMPTS} times in a row; nothing was published"
                 )
+            h[W_COPIED_BYTES] = copied = sum(nbytes[i] for i in lacks)
+            h[W_SKIPPED_BYTES], h[W_PROOF] = memory.layout.payload_bytes - copied, PROOFS.index(changes.proof)
 
+        before = h[memory.host.version]
+        version = self._copy_and_commit(copy, version)
+        changes.published(version, before)
+        return version
+
+    def _copy_checked(self, tensors: list[torch.Tensor], found: list[bool]) -> int:
+        """Copy what changed of ``tensors`` into a slot and commit it if, once copied, every leaf
+        still holds what was copied (no other thread wrote them meanwhile: see
+        :mod:`shmsync.writer.changes`); else drop that copy and try again, :data:`COPY_ATTEMPTS`
+        times in all."""
         for attempt in range(COPY_ATTEMPTS):
             try:
-                return self._copy_and_commit(copy)
+                return self._copy_changes(tensors, found, None, checked=True)
             except WrittenWhileCopiedError:
                 if attempt == COPY_ATTEMPTS - 1:
                     raise
         raise AssertionError("unreachable")
+
+    def _copied_all(self) -> None:
+        """The last publish copied every leaf (from CUDA, or in the background): no history of changes holds."""
+        h = self.memory.header
+        h[W_COPIED_BYTES], h[W_SKIPPED_BYTES], h[W_PROOF] = self.memory.layout.payload_bytes, 0, 0
+        self.changes.forget()
 
     def _in_background(self, tensors: list[torch.Tensor], version: int | None) -> int:
         """Begin the write and promise its version; the copy and the commit run on the copier's
@@ -202,8 +234,8 @@ class StoreWriter:
         slot_writer.promise(version)
         seen = [t._version for t in tensors]  # bumped by every in-place write (an optimizer step too)
 
-        def copy(slot: int) -> None:
-            copy_all(memory.slots[slot], tensors, True)
+        def copy(write: Write) -> None:
+            copy_all(memory.slots[write.slot], tensors, True)
             if [t._version for t in tensors] != seen:  # written while copied: the copy is no version at all
                 raise ShmSyncError(
                     f"store {self.name!r}: the weights were written while version {version} was being copied in the "
@@ -216,18 +248,18 @@ class StoreWriter:
         return version
 
     def _copy_and_commit(
-        self, copy: Callable[[int], None], version: int | None = None, write: Write | None = None
+        self, copy: Callable[[Write], None], version: int | None = None, write: Write | None = None
     ) -> int:
         """Begin a write of ``version`` (None: the next; or take ``write``, begun already),
-        ``copy(slot)`` into it, commit it, tell the listeners, and have the idle slots given back."""
+        ``copy(write)`` into its slot, commit it, tell the listeners, and have the idle slots given back."""
         slot_writer, memory = self.slot_writer, self.memory
         if write is None:
             write = slot_writer.begin_write(version)
         try:
-            if write.cold:  # its pages may have been given back: have them again, or fail cleanly
+            if write.held < 0:  # its pages may have been given back: have them again, or fail cleanly
                 memory.reserve(write.slot)
                 self._empty.pop(write.slot, None)
-            copy(write.slot)
+            copy(write)
         except BaseException:
             slot_writer.abort(write)
             slot_writer.withdraw()
@@ -273,11 +305,13 @@ class StoreWriter:
             self.flush()
             write = self.slot_writer.begin_write(version, steps=-1)  # bytes from elsewhere: no training seen here
 
-            def copy(slot: int) -> None:
-                with self.memory.slot_buffer(slot, writable=True) as buffer:
+            def copy(write: Write) -> None:
+                with self.memory.slot_buffer(write.slot, writable=True) as buffer:
                     fill(buffer, write)
 
-            return self._copy_and_commit(copy, write=write)
+            version = self._copy_and_commit(copy, write=write)
+            self._copied_all()
+            return version
 
     def _cuda(self, tensors: list[torch.Tensor]) -> Any:
         """The CUDA writer, made at the first publish from CUDA tensors: the store's versions live
@@ -335,6 +369,7 @@ class StoreWriter:
             self.copier.close()
         finally:
             self.steps.close()
+            self.changes.close()
             if self.cuda is not None:
                 self.cuda.close()
 
@@ -540,7 +575,25 @@ class WeightStore:
     def info(self) -> dict[str, int]:
         """Header facts: versions (published and promised), creator and writer pids, publish count
         and times (ns), bytes of host and device memory (``shm_bytes``, ``resident_bytes``,
-        ``device_bytes``), ``num_slots``, the device (-1: none)."""
+        ``device_bytes``), ``num_slots``, the device (-1: none), the optimizer ``steps`` counted
+        (-1: none), and of the last publish: ``copied_bytes``, ``skipped_bytes`` (unchanged since
+        the version its slot held) and ``unchanged_proof``, how unchanged leaves were proved so: 0
+        none (every leaf copied: from CUDA, in the background, bytes from a relay), 1 comparison,
+        2 the pages written (see :mod:`shmsync.writer.changes`).
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightStore
+            >>> policy = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 2))
+            >>> with WeightStore.create(policy, num_slots=2) as store:  # two slots: each publish writes the older
+            ...     for _ in range(3):
+            ...         with torch.no_grad():
+            ...             _ = policy[1].bias.add_(1.0)  # the head trains, the rest stays
+            ...         _ = store.publish(policy)
+            ...     info = store.info()
+            >>> info["copied_bytes"] < 10_000 < info["skipped_bytes"]
+            True
+        """
         return self.memory.facts()
 
     def __repr__(self) -> str:

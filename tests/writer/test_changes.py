@@ -1,15 +1,30 @@
-"""What counts as a change: a leaf is unchanged only when every byte equals the slot's, and a copy
-checked after it was made holds one state of a source that another thread writes."""
+"""What counts as a change: a leaf is unchanged only when every byte is proved equal to the
+newest version's, by the pages written or by comparison, whatever wrote it; a publish copies what
+changed, and a copy checked after it was made holds one moment of a source another thread writes."""
 
+import io
 import threading
 
+import numpy as np
 import pytest
 import torch
 
 from shmsync import WeightReader
+from shmsync.core import header
 from shmsync.errors import WrittenWhileCopiedError
-from shmsync.writer.changes import changed_leaves, same_as, same_bytes
+from shmsync.writer.changes import SourceChanges, same_bytes
 from tests.weights import ParamBlob, fill, mixed_values
+
+PROOFS = ["written pages", "comparison"]
+
+
+@pytest.fixture(params=PROOFS)
+def proof(request, monkeypatch):
+    """Each test under each proof: the pages written (the default here), and comparison (where
+    write tracking is unavailable: another kernel, or SHMSYNC_WRITE_TRACKING=0)."""
+    if request.param == "comparison":
+        monkeypatch.setenv("SHMSYNC_WRITE_TRACKING", "0")
+    return request.param
 
 
 @pytest.mark.parametrize(
@@ -21,20 +36,111 @@ from tests.weights import ParamBlob, fill, mixed_values
         (torch.tensor([1.0, 2.0]), torch.tensor([1.0])),  # another shape
         (torch.tensor([True]), torch.tensor([False])),
         (torch.tensor([1 + 2j]), torch.tensor([1 - 2j])),
+        (torch.arange(12.0).reshape(3, 4).t(), torch.arange(12.0).reshape(4, 3)),  # strided
     ],
 )
 def test_leaves_that_differ_in_any_byte_are_changed(a, b):
     assert not same_bytes(a, b)
-    assert changed_leaves([a], [b]) == [True]
 
 
 def test_leaves_with_the_same_bytes_are_unchanged_whatever_their_strides():
     held = torch.arange(12.0).reshape(3, 4)
-    source = held.t().contiguous().t()  # the same values, column-major
-    assert same_bytes(source, held) and same_as([source], [held])
+    assert same_bytes(held.t().contiguous().t(), held)  # the same values, column-major
     nan = torch.tensor([float("nan"), 1.0])
     assert same_bytes(nan, nan.clone())  # the same NaN bytes: unchanged, though nan != nan
     assert same_bytes(torch.tensor([1 + 2j]), torch.tensor([1 + 2j]))
+
+
+class Policy(torch.nn.Module):
+    """A frozen backbone (2 MB) with a trained head, a buffer written in forward, and a small bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = torch.nn.Linear(512, 1024)
+        self.head = torch.nn.Linear(1024, 64)
+        self.norm = torch.nn.BatchNorm1d(64)
+        self.backbone.requires_grad_(False)
+
+    def forward(self, x):
+        return self.norm(self.head(self.backbone(x)))
+
+
+def _write(policy: Policy, how: str, k: float) -> None:
+    """Change the frozen backbone's weights the way ``how`` says (to values that hold ``k``)."""
+    w = policy.backbone.weight
+    if how == "in place":
+        with torch.no_grad():
+            w[3, 5] = k
+    elif how == ".data":
+        w.data[7, 1] = k
+    elif how == "numpy":
+        w.detach().numpy()[11, 2] = k
+    elif how == "load_state_dict":
+        state = {n: t.clone() for n, t in policy.backbone.state_dict().items()}
+        state["weight"][0, 0] = k
+        policy.backbone.load_state_dict(state)
+    elif how == "swapped":
+        policy.backbone.weight.data = torch.full_like(w, k)  # new memory: what was tracked moved
+    elif how == "unfrozen and stepped":
+        w.requires_grad_(True)
+        optimizer = torch.optim.Adam([w], lr=0.5)
+        policy.backbone(torch.ones(2, 512)).sum().backward()
+        optimizer.step()
+    elif how == "fused adam":
+        w.requires_grad_(True)
+        optimizer = torch.optim.Adam([w], lr=0.5, fused=True)
+        w.grad = torch.ones_like(w)
+        optimizer.step()
+    elif how == "another thread":
+        thread = threading.Thread(target=lambda: w.data.add_(k))
+        thread.start()
+        thread.join()
+    elif how == "readinto":
+        io.BytesIO(np.full(256, k, dtype=np.float32).tobytes()).readinto(w.detach().numpy().reshape(-1)[:256].data)
+    elif how == "copy_ from a state dict tensor":
+        policy.backbone.state_dict()["weight"][5].copy_(torch.full((512,), k))
+    elif how == "vector_to_parameters":
+        vector = torch.nn.utils.parameters_to_vector(policy.backbone.parameters()) + k
+        torch.nn.utils.vector_to_parameters(vector, policy.backbone.parameters())
+    elif how == "buffer in forward":  # BatchNorm's running statistics (small: compared, not tracked)
+        policy.train()
+        policy(torch.randn(8, 512) * k)
+    else:
+        raise ValueError(how)
+
+
+ROUTES = [
+    "in place", ".data", "numpy", "load_state_dict", "swapped", "unfrozen and stepped", "fused adam",
+    "another thread", "readinto", "copy_ from a state dict tensor", "vector_to_parameters", "buffer in forward",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ROUTES)
+def test_every_way_of_writing_reaches_every_reader_byte_for_byte(store_factory, proof, how):
+    """The head changes at every publish, the backbone only through ``how``: after each publish a
+    private reader holds the trainer's bytes exactly, and once both slots hold the backbone as it
+    is, a publish proves it unchanged and copies only the rest."""
+    torch.manual_seed(0)
+    policy = Policy()
+    store = store_factory(policy, num_slots=2)  # each publish writes the slot of the version before last
+    reader = WeightReader(store, Policy(), zero_copy=False)
+    backbone = sum(t.numel() * t.element_size() for t in policy.backbone.parameters())
+    for k in range(1, 4):
+        _write(policy, how, float(k))
+        for n in range(3):
+            with torch.no_grad():
+                policy.head.weight.add_(1.0)  # the trained part
+            store.publish(policy)
+            reader.poll()
+            trainer = {name: t.detach() for name, t in policy.state_dict().items()}
+            for name, t in reader.module.state_dict().items():
+                assert same_bytes(t, trainer[name].contiguous()), f"{how}, round {k}: {name} differs"
+            copied = store.info()["copied_bytes"]
+            if n == 2:  # both slots hold the backbone as it is: proved unchanged, not copied
+                assert copied < store.nbytes - backbone, f"{how}, round {k}: {copied} bytes copied"
+            elif how != "buffer in forward":  # the slot written held the backbone from before the write
+                assert copied > backbone, f"{how}, round {k}: {copied} bytes copied"
+    assert header.PROOFS[store.info()["unchanged_proof"]] == proof
 
 
 def test_publish_if_changed_publishes_only_what_differs_from_the_newest_version(store_factory):
@@ -113,3 +219,45 @@ def test_a_copy_made_while_another_thread_writes_is_one_state_or_nothing(store_f
         assert published >= 10, (published, refused, filled[0])
     else:
         assert refused >= 10, (published, refused, filled[0])
+
+
+@pytest.mark.skipif(
+    __import__("shmsync.core.written_pages", fromlist=["x"]).unavailable_reason() is not None,
+    reason="needs write tracking (Linux 6.7+)",
+)
+@pytest.mark.parametrize("order", ["train, then update", "update, then train"])
+def test_a_leaf_an_optimizer_steps_is_tracked_only_over_the_stretch_it_stays_quiet(order):
+    """An optimizer writes the leaf at every batch, so it is tracked only over the stretch of the
+    loop in which nothing writes it: training, then the update's publish, then the hand-out is
+    quiet from the publish to the hand-out (which proves it unchanged for free), and the leaf is
+    let go at the hand-out, before training writes it (a fault on every page). Updating first,
+    then training: the quiet stretch is from the hand-out's publish to the update's."""
+    changes, version = SourceChanges(1), 0
+    source = [torch.zeros(1 << 18)]  # 1 MB
+    held = [source[0].clone()]
+    tracked_after = {"publish": [], "hand-out": []}
+
+    def look(moment: str) -> list[bool]:
+        nonlocal version
+        found = changes.find(source, held, moment)
+        tracked_after[moment].append(changes.leaves[0].tracked is not None)
+        if moment == "publish" or any(found):
+            held[0].copy_(source[0])
+            version += 1
+            changes.published(version, version - 1)
+        return found
+
+    for _ in range(4):
+        if order == "train, then update":
+            source[0].add_(1.0)
+            assert look("publish") == [True]
+            assert look("hand-out") == [False]
+        else:
+            assert look("publish") == [False]
+            source[0].add_(1.0)
+            assert look("hand-out") == [True]
+    if order == "train, then update":
+        assert tracked_after["publish"][-2:] == [True, True] and not any(tracked_after["hand-out"])
+    else:
+        assert tracked_after["hand-out"][-2:] == [True, True] and not any(tracked_after["publish"][1:])
+    changes.close()
