@@ -746,12 +746,14 @@ class SlotWriter:
             candidates = [s for s in undecided if s != pinned] or free or undecided
         return candidates
 
-    def idle_slots(self) -> list[int]:
+    def idle_slots(self, keep_warm: bool = False) -> list[int]:
         """The slots whose memory may be given back: neither latest, nor pinned, nor leased, but
         the one the next write takes (none is kept while readers hold only the version the last
-        commit replaced: its slot is the next write's once they reload). Empty while a write is
-        open. Give each back as it is written: :meth:`mark` it (None: a reader leased it
-        meanwhile, keep it), drop its pages, then :meth:`abort`. Never waits."""
+        commit replaced: its slot is the next write's once they reload; unless ``keep_warm``: a
+        slot that holds a version is cheaper to write than an empty one, where the writer copies
+        only what changed since it, and the next write may come before the readers move on).
+        Empty while a write is open. Give each back as it is written: :meth:`mark` it (None: a
+        reader leased it meanwhile, keep it), drop its pages, then :meth:`abort`. Never waits."""
         if self.writing is not None:
             return []
         w = self.words
@@ -765,17 +767,18 @@ class SlotWriter:
                     held.append(s)
                 elif s != pinned:
                     idle.append(s)
-        keep = self._kept(idle, held)
+        keep = self._kept(idle, held, keep_warm)
         return [s for s in idle if s != keep]
 
-    def _kept(self, idle: list[int], held: list[int]) -> int:
+    def _kept(self, idle: list[int], held: list[int], keep_warm: bool) -> int:
         """Of the ``idle`` slots, the one kept for the next write (-1: none): the one holding a
-        version, least recently written. None is kept while readers hold only the version just
-        replaced (``held``): they move on at their next reload, and its slot is then the next write's."""
+        version, least recently written. Unless ``keep_warm``, none is kept while readers hold only
+        the version just replaced (``held``): they move on at their next reload, and its slot is
+        then the next write's."""
         w = self.words
         versions = {s: w.h[w.slot_version[s]] for s in idle}  # only this writer changes them
         warm = [s for s in idle if versions[s] >= 0]
-        if not warm or held and all(s == self.replaced for s in held):
+        if not warm or not keep_warm and held and all(s == self.replaced for s in held):
             return -1
         return min(warm, key=versions.__getitem__)
 

@@ -277,8 +277,11 @@ class StoreWriter:
         Slots given back lately stay empty, unless a late reader's copy refilled them: they are
         looked at again now and then only."""
         memory, slot_writer = self.memory, self.slot_writer
-        now, empty = time.monotonic(), self._empty
-        idle = [s for s in slot_writer.idle_slots() if now - empty.get(s, -RECHECK_EMPTY_S) >= RECHECK_EMPTY_S]
+        now, empty, h = time.monotonic(), self._empty, memory.header
+        # Where the last publish copied less than it skipped, a slot holding a version saves more
+        # copying than its memory costs: keep the next write's warm.
+        keep_warm = h[W_SKIPPED_BYTES] > h[W_COPIED_BYTES]
+        idle = [s for s in slot_writer.idle_slots(keep_warm) if now - empty.get(s, -RECHECK_EMPTY_S) >= RECHECK_EMPTY_S]
         try:
             for slot in idle:
                 if not memory.holds_pages(slot):

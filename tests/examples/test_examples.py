@@ -188,3 +188,15 @@ def test_train_async_tiny_budget():
     assert 0 < steps <= 12 and steps + 2 * skipped >= 12, out  # 6 batches, 2 steps each unless all stale
     staleness = float(out.split("staleness of batches  mean ", 1)[1].split()[0])
     assert 0 <= staleness <= 12, out
+
+
+@pytest.mark.timeout(240)
+def test_frozen_backbone_copies_what_changed_and_runs_exact_versions():
+    out = run_script(
+        "examples/frozen_backbone.py", "--backbone-mb", "8", "--batches", "10", "--refresh-every", "4", timeout=200
+    )
+    assert "batches that ran exactly their version's weights  10 of 10" in out, out
+    # Each batch ran the newest weights: the update, then the training, published at the hand-out.
+    assert out.count(" 0 optimizer steps behind") == 10, out
+    share = float(re.search(r"publishes copied .* \((\d+\.\d)%\)", out).group(1))
+    assert share < 50, out  # the frozen backbone was copied into the first slots only
