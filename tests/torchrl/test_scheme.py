@@ -193,6 +193,8 @@ def test_the_store_leaves_the_host_once_every_worker_attached_and_shutdown_frees
         collector.update_policy_weights_()
     with pytest.raises(NotAttachedError, match=r"\(or its collector\) was shut down, so it has no workers"):
         scheme.readers()
+    with pytest.raises(NotAttachedError, match=r"\(or its collector\) was shut down, so it has no version"):
+        scheme.version  # noqa: B018  (the property is what is tested)
     with pytest.raises(ClosedError, match="the collector is shut down"):
         scheme.send()
 
@@ -200,10 +202,10 @@ def test_the_store_leaves_the_host_once_every_worker_attached_and_shutdown_frees
 @pytest.mark.torchrl
 def test_a_scheme_no_collector_set_up_says_so_rather_than_listing_no_worker():
     scheme = ShmWeightSyncScheme()
-    for call in (scheme.readers, scheme.send):
+    for call in (scheme.readers, scheme.send, lambda: scheme.version):
         with pytest.raises(NotAttachedError, match=r"not set up yet.*hand it to a collector"):
             call()
-    assert scheme.store is None and scheme.version == -1
+    assert scheme.store is None and scheme.stores == ()
 
 
 def test_two_keys_publish_atomically():
