@@ -56,7 +56,8 @@ def main() -> int:
     for line in wrong:
         print(f"make dist: {line}", file=sys.stderr)
     if not wrong:
-        print(f"make dist: shmsync {version}, the sdist and {len(pythons)} manylinux wheels: {sorted(p.name for p in dist.iterdir())}")
+        files = sorted(p.name for p in dist.iterdir())
+        print(f"make dist: shmsync {version}, the sdist and {len(pythons)} manylinux wheels: {files}")
     return 1 if wrong else 0
 
 

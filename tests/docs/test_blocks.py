@@ -178,9 +178,9 @@ def _loops_without_finally(code: str) -> list[int]:
             for child in [*node.handlers, *node.orelse, *node.finalbody]:
                 visit(child, guarded)
             return
-        if isinstance(node, ast.For) and isinstance(node.iter, ast.Name) and "collector" in node.iter.id:
-            if node.iter.id not in guarded:
-                bare.append(node.lineno)
+        loop = isinstance(node, ast.For) and isinstance(node.iter, ast.Name) and "collector" in node.iter.id
+        if loop and node.iter.id not in guarded:
+            bare.append(node.lineno)
         for child in ast.iter_child_nodes(node):
             visit(child, guarded)
 
@@ -191,7 +191,9 @@ def _loops_without_finally(code: str) -> list[int]:
 def test_every_collector_loop_shuts_its_collector_down_in_a_finally():
     """What getting-started says to always do: every loop over a collector in the README and the
     docs sits in a ``try`` whose ``finally`` calls that collector's ``shutdown()``."""
-    loops = [(page, title, code) for page, title, code in BLOCKS if re.search(r"^\s*for \w+ in \w*collector\w*:", code, re.M)]
+    loops = [
+        (page, title, code) for page, title, code in BLOCKS if re.search(r"^\s*for \w+ in \w*collector\w*:", code, re.M)
+    ]
     assert len(loops) >= 4, loops  # the README's, getting-started's, torchrl's, hosts' (two)
     bare = [f"{page}, {title!r}: line {line}" for page, title, code in loops for line in _loops_without_finally(code)]
     assert bare == [], "collector loops without a try/finally that shuts the collector down:\n" + "\n".join(bare)

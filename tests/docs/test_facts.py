@@ -68,9 +68,17 @@ def _figures() -> list[tuple[str, str, tuple]]:
         ("docs/gpus.md", r"\((\d+) M by default\)", (slots,)),
         ("docs/operations.md", r"`stale_after` seconds while it runs \((\d+) by default\)", (alarm.STALE_AFTER,)),
         ("README.md", r"stays at an old version for (\d+) s while it runs", (alarm.STALE_AFTER,)),
-        ("docs/torchrl.md", r"`ShmWeightSyncScheme\(stale_after=([\d.]+), max_lag=(\w+), on_stale=\"(\w+)\"\)`", scheme),
+        (
+            "docs/torchrl.md",
+            r"`ShmWeightSyncScheme\(stale_after=([\d.]+), max_lag=(\w+), on_stale=\"(\w+)\"\)`",
+            scheme,
+        ),
         ("docs/operations.md", r"`silent` after ([\d.]+) s without a report", (remote_rows.SILENT_AFTER,)),
-        ("docs/operations.md", r"reads the table on a thread of its own, (twice) a second", ("twice",) * (alarm.TICK == 0.5)),
+        (
+            "docs/operations.md",
+            r"reads the table on a thread of its own, (twice) a second",
+            ("twice",) * (alarm.TICK == 0.5),
+        ),
         ("docs/operations.md", r"state `lost`, for (\d+) seconds", (remote_rows.LOST_KEEP,)),
         ("docs/operations.md", r"`--limit N` rows at most, (\d+) by default", (ls_limit,)),
         ("docs/hosts.md", r"`timeout` seconds \((\d+) by default\)", (default(RelaySender, "timeout"),)),
@@ -86,47 +94,93 @@ def _figures() -> list[tuple[str, str, tuple]]:
         ("docs/security.md", r"both sides' fresh (\d+)-byte nonces", (wire.NONCE_BYTES,)),
         ("docs/security.md", r"A connection silent for (a) second is cut", ("a",) * (messages.SILENT_CUTOFF == 1.0)),
         ("docs/security.md", r"with ([\d,]+) under way", (messages.MAX_PENDING,)),
-        ("docs/security.md", r"with pieces of (\d+) KiB, or the whole payload if smaller, to (\d+) GiB",
-         (sealing.MIN_PIECE_BYTES >> 10, sealing.MAX_PIECE_BYTES >> 30)),
-        ("docs/security.md", r"a layout is at most (\d+) MiB of JSON, ([\d,]+) tensors and (\d+) TiB",
-         (header.MAX_LAYOUT_BYTES >> 20, layout.MAX_ENTRIES, layout.MAX_PAYLOAD_BYTES >> 40)),
-        ("docs/security.md", r"at most 2\^(\d+) above it and at most 2\^(\d+)",
-         (int(math.log2(messages.MAX_VERSION_LEAP)), int(math.log2(messages.MAX_VERSION)))),
+        (
+            "docs/security.md",
+            r"with pieces of (\d+) KiB, or the whole payload if smaller, to (\d+) GiB",
+            (sealing.MIN_PIECE_BYTES >> 10, sealing.MAX_PIECE_BYTES >> 30),
+        ),
+        (
+            "docs/security.md",
+            r"a layout is at most (\d+) MiB of JSON, ([\d,]+) tensors and (\d+) TiB",
+            (header.MAX_LAYOUT_BYTES >> 20, layout.MAX_ENTRIES, layout.MAX_PAYLOAD_BYTES >> 40),
+        ),
+        (
+            "docs/security.md",
+            r"at most 2\^(\d+) above it and at most 2\^(\d+)",
+            (int(math.log2(messages.MAX_VERSION_LEAP)), int(math.log2(messages.MAX_VERSION))),
+        ),
         ("docs/security.md", r"at most one piece, (\d+) MiB by default", (messages.BUCKET_BYTES >> 20,)),
         ("docs/security.md", r"remembered \(the last (\d+) only\)", (messages.MAX_DROPPED,)),
-        ("docs/security.md", r"at most (\d+) MiB a frame, ([\d,]+) hosts and ([\d,]+) rows a report",
-         (remote_rows.MAX_REPORT_BYTES >> 20, remote_rows.MAX_REPORT_HOSTS, remote_rows.MAX_REPORT_ROWS)),
+        (
+            "docs/security.md",
+            r"at most (\d+) MiB a frame, ([\d,]+) hosts and ([\d,]+) rows a report",
+            (remote_rows.MAX_REPORT_BYTES >> 20, remote_rows.MAX_REPORT_HOSTS, remote_rows.MAX_REPORT_ROWS),
+        ),
         ("docs/security.md", r"printable and at most (\d+) characters", (remote_rows.MAX_NAME,)),
         ("docs/security.md", r"only this user's, at most (\d+) MiB", (remote_rows.MAX_REPORT_FILE >> 20,)),
         ("docs/security.md", r"`shmsync new-secret FILE` writes (\d+) random bytes", (secret_file.SECRET_BYTES,)),
         ("README.md", r"`shmsync new-secret FILE` \((\d+) random bytes", (secret_file.SECRET_BYTES,)),
         ("docs/security.md", r"shorter than (\d+) bytes is refused", (secret_file.MIN_SECRET_BYTES,)),
         # The shape of a relay tree.
-        ("docs/hosts.md", r"a version of (\d+) pieces or more goes down a pipelined chain \(`fanout=1`\), a smaller one "
-         r"down a tree of fan-out (\d+)", (messages.CHAIN_FROM_PIECES, messages.FANOUT)),
+        (
+            "docs/hosts.md",
+            r"a version of (\d+) pieces or more goes down a pipelined chain \(`fanout=1`\), a smaller one "
+            r"down a tree of fan-out (\d+)",
+            (messages.CHAIN_FROM_PIECES, messages.FANOUT),
+        ),
         ("docs/hosts.md", r"in pieces \((\d+) MiB by default\)", (messages.BUCKET_BYTES >> 20,)),
-        ("README.md", r"down a chain \(the default for a version of (\d+) pieces or more, a piece being (\d+) MiB\), or to "
-         r"(two), each feeding two more", (messages.CHAIN_FROM_PIECES, messages.BUCKET_BYTES >> 20, "two" * (messages.FANOUT == 2))),
-        ("README.md", r"the trainer sends the payload once per publish by default from (\d+) pieces on \(a chain\), "
-         r"(twice) below that", (messages.CHAIN_FROM_PIECES, "twice" * (messages.FANOUT == 2))),
-        ("docs/performance.md", r"the payload once with the chain \(the default from (\d+) pieces on\), (twice) with "
-         r"fan-out (\d+)", (messages.CHAIN_FROM_PIECES, "twice" * (messages.FANOUT == 2), messages.FANOUT)),
+        (
+            "README.md",
+            r"down a chain \(the default for a version of (\d+) pieces or more, a piece being (\d+) MiB\), or to "
+            r"(two), each feeding two more",
+            (messages.CHAIN_FROM_PIECES, messages.BUCKET_BYTES >> 20, "two" * (messages.FANOUT == 2)),
+        ),
+        (
+            "README.md",
+            r"the trainer sends the payload once per publish by default from (\d+) pieces on \(a chain\), "
+            r"(twice) below that",
+            (messages.CHAIN_FROM_PIECES, "twice" * (messages.FANOUT == 2)),
+        ),
+        (
+            "docs/performance.md",
+            r"the payload once with the chain \(the default from (\d+) pieces on\), (twice) with "
+            r"fan-out (\d+)",
+            (messages.CHAIN_FROM_PIECES, "twice" * (messages.FANOUT == 2), messages.FANOUT),
+        ),
         # Exit codes (2: argparse's, for a wrong command line).
-        ("docs/operations.md", r"Exit codes: 0; (\d) a wrong command line \(an invalid name\); (\d) no store of that "
-         r"name .*?; (\d) a store file that is not this user's alone", (2, cli.NOT_FOUND, cli.BAD_STORE)),
-        ("docs/getting-started.md", r"with its exit code: 0 the batches asked for were collected \(or Ctrl-C\), (\d) a "
-         r"worker failed, (\d) a wrong command line, (\d) no such store, (\d) the policy does not match the store",
-         (launch.EXIT_FAILED, 2, launch.EXIT_NO_STORE, launch.EXIT_MISMATCH)),
-        ("docs/hosts.md", r"`Relay\.run` raises `TrainerGoneError` \(the command exits (\d)\)", (relay.EXIT_TRAINER_GONE,)),
+        (
+            "docs/operations.md",
+            r"Exit codes: 0; (\d) a wrong command line \(an invalid name\); (\d) no store of that "
+            r"name .*?; (\d) a store file that is not this user's alone",
+            (2, cli.NOT_FOUND, cli.BAD_STORE),
+        ),
+        (
+            "docs/getting-started.md",
+            r"with its exit code: 0 the batches asked for were collected \(or Ctrl-C\), (\d) a "
+            r"worker failed, (\d) a wrong command line, (\d) no such store, (\d) the policy does not match the store",
+            (launch.EXIT_FAILED, 2, launch.EXIT_NO_STORE, launch.EXIT_MISMATCH),
+        ),
+        (
+            "docs/hosts.md",
+            r"`Relay\.run` raises `TrainerGoneError` \(the command exits (\d)\)",
+            (relay.EXIT_TRAINER_GONE,),
+        ),
         ("docs/hosts.md", r"key, shape or dtype that differs \(exit code (\d)\)", (relay.EXIT_MISMATCH,)),
         ("docs/hosts.md", r"`AuthenticationError` at once \(exit code (\d)\)", (relay.EXIT_AUTH,)),
         ("docs/hosts.md", r"the relay command exits (\d) with one line naming it", (relay.EXIT_PROTOCOL,)),
         ("docs/security.md", r"A wrong secret exits with code (\d)", (relay.EXIT_AUTH,)),
-        ("docs/hosts.md", r"The relay command's exit codes: " + "; ".join(r"(\d+) [^;]+?" for _ in relay_codes) + r"\. Each",
-         tuple(sorted(relay_codes))),
+        (
+            "docs/hosts.md",
+            r"The relay command's exit codes: " + "; ".join(r"(\d+) [^;]+?" for _ in relay_codes) + r"\. Each",
+            tuple(sorted(relay_codes)),
+        ),
         # The fast tier's budgets (tests/conftest.py).
-        ("docs/testing.md", r"spends more than (\d+) seconds of CPU, or (\d+) seconds in all", (FAST_CPU_S, FAST_WALL_S)),
-    ]  # fmt: skip
+        (
+            "docs/testing.md",
+            r"spends more than (\d+) seconds of CPU, or (\d+) seconds in all",
+            (FAST_CPU_S, FAST_WALL_S),
+        ),
+    ]
 
 
 def test_the_figures_the_pages_cite_are_the_codes():
@@ -139,7 +193,11 @@ def test_the_figures_the_pages_cite_are_the_codes():
             wrong.append(f"{page}: {pattern!r} has {len(found.groups())} figures, the code {len(values)}")
         else:
             for said, value in zip(found.groups(), values):
-                same = said == str(value) if isinstance(value, str) or value is None else float(said.replace(",", "")) == value
+                same = (
+                    said == str(value)
+                    if isinstance(value, str) or value is None
+                    else float(said.replace(",", "")) == value
+                )
                 if not same:
                     wrong.append(f"{page}: says {said}, the code {_words(value)} ({pattern!r})")
     assert wrong == [], "\n".join(wrong)
@@ -220,7 +278,9 @@ def test_the_pages_say_which_tests_run_where_as_the_makefile_runs_them():
             f"the main tier runs on {legs.main_python}",
         ],
     }
-    missing = [f"{page}: {phrase!r}" for page, phrases in says.items() for phrase in phrases if phrase not in _text(page)]
+    missing = [
+        f"{page}: {phrase!r}" for page, phrases in says.items() for phrase in phrases if phrase not in _text(page)
+    ]
     assert missing == [], "the pages no longer say what the Makefile runs:\n" + "\n".join(missing)
 
 
@@ -238,14 +298,24 @@ def test_the_pages_name_the_releases_the_package_supports():
     torch = [f"{major}.{m}" for m in range(first, last + 1)]
     pythons = Legs().pythons
     rl_first, rl_newest = ".".join(map(str, SUPPORTED[0])), ".".join(map(str, NEWEST_RELEASE))
-    assert re.search(rf'"torchrl>={re.escape(rl_first)}[.\d]*,<0\.{SUPPORTED[1][1] + 1}"', text), "pyproject's torchrl range"
+    assert re.search(rf'"torchrl>={re.escape(rl_first)}[.\d]*,<0\.{SUPPORTED[1][1] + 1}"', text), (
+        "pyproject's torchrl range"
+    )
     says = {
-        "README.md": [f"Python {_and(pythons)}, each tested", f"torch {_and(torch)}", f"torchrl {rl_first} to {rl_newest}"],
+        "README.md": [
+            f"Python {_and(pythons)}, each tested",
+            f"torch {_and(torch)}",
+            f"torchrl {rl_first} to {rl_newest}",
+        ],
         "docs/getting-started.md": [f"`torch>={low},<{high}`: {_and(torch)}", f"Python {_and(pythons)}, each tested"],
-        "docs/protocol.md": [f"Python {pythons[0]} to {pythons[-1]}, torch {torch[0]} to {torch[-1]}, torchrl {rl_first} to {rl_newest}"],
+        "docs/protocol.md": [
+            f"Python {pythons[0]} to {pythons[-1]}, torch {torch[0]} to {torch[-1]}, torchrl {rl_first} to {rl_newest}"
+        ],
         "docs/torchrl.md": [f"torchrl {rl_first} to {rl_newest}, each with its own tensordict minor"],
-    }  # fmt: skip
-    missing = [f"{page}: {phrase!r}" for page, phrases in says.items() for phrase in phrases if phrase not in _text(page)]
+    }
+    missing = [
+        f"{page}: {phrase!r}" for page, phrases in says.items() for phrase in phrases if phrase not in _text(page)
+    ]
     assert missing == [], "the pages no longer name the releases pyproject.toml admits:\n" + "\n".join(missing)
 
 
@@ -303,8 +373,12 @@ def test_the_changelog_states_the_formats_the_code_has():
 
     text = _text("CHANGELOG.md")
     newest = text[text.index("## [Unreleased]") : text.index("## [", text.index("## [Unreleased]") + 1)]
-    assert re.search(rf"Store header format {FORMAT}\b", newest), f"the newest entry does not say header format {FORMAT}"
-    assert re.search(rf"relay wire protocol {PROTOCOL}\b", newest), f"the newest entry does not say wire protocol {PROTOCOL}"
+    assert re.search(rf"Store header format {FORMAT}\b", newest), (
+        f"the newest entry does not say header format {FORMAT}"
+    )
+    assert re.search(rf"relay wire protocol {PROTOCOL}\b", newest), (
+        f"the newest entry does not say wire protocol {PROTOCOL}"
+    )
 
 
 def test_the_changelogs_links_resolve():

@@ -53,4 +53,3 @@ def test_a_collector_left_running_is_named_and_shut_down_at_exit(tmp_path):
     assert said[0].startswith(f"shmsync: MultiSyncCollector 'forgotten' (store {store}) was never shut down"), said
     assert "Call forgotten.shutdown() when done with it, in a try/finally around its loop." in said[0], said
     assert "leaked" not in proc.stderr, proc.stderr[-3000:]  # its store went with it
-
