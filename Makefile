@@ -40,9 +40,9 @@ LEGS_PYTEST_ARGS ?= $(PYTEST_ARGS)
 # newest torchrl, and the tests run from a copy outside the checkout, where `import shmsync` is
 # site-packages'. That leg runs the fast tier, the tests marked `shipped` and the `minors` set
 # (what can differ between torch releases and Pythons); the sdist's install runs the `shipped`
-# tests. Those torch releases are CUDA builds of a few GB (the index's CPU build is 2.13 for
-# Python 3.11 only), so each is installed once into a cache outside the checkout, keyed by what it
-# installs, and reused (made again where it is absent). Its installs empty PIP_CONSTRAINT: a pip
+# tests. Those torch releases are CUDA builds of a few GB on PyPI (TORCH_PIP_ARGS can name the CPU
+# index), so each is installed once into a cache outside the checkout, keyed by what it installs,
+# and reused (made again where it is absent). Its installs empty PIP_CONSTRAINT: a pip
 # configured to cap torch (some CI images are) would refuse the release asked for.
 CURRENT_TORCH ?= 2.15.0
 # torch 2.15 has no build for Python 3.10; on 3.11, 2.14.1 is the release test-torch installs too
