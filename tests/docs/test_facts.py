@@ -41,6 +41,7 @@ def _figures() -> list[tuple[str, str, tuple]]:
     from shmsync.store.copies import PARALLEL_MIN_BYTES
     from shmsync.tools import cli, secret_file
     from shmsync.torchrl.distributed import READY_TIMEOUT_S
+    from shmsync.torchrl.releases import NIGHTLY
     from shmsync.watch import alarm, remote_rows
     from shmsync.workers import launch, relay
     from shmsync.writer.cuda import CHUNK_BYTES
@@ -60,6 +61,8 @@ def _figures() -> list[tuple[str, str, tuple]]:
     slots = default(WeightStore.create, "num_slots")
     scheme = [default(ShmWeightSyncScheme, a) for a in ("stale_after", "max_lag", "on_stale")]
     ls_limit = cli._parser().parse_args(["ls"]).limit
+    watch_every = cli._parser().parse_args(["ls", "--watch"]).watch
+    slowest = int(re.search(r"--durations=(\d+)", _makefile()["DURATIONS"]).group(1))
     relay_codes = relay.REASONS
     return [
         # Defaults.
@@ -81,12 +84,14 @@ def _figures() -> list[tuple[str, str, tuple]]:
         ),
         ("docs/operations.md", r"state `lost`, for (\d+) seconds", (remote_rows.LOST_KEEP,)),
         ("docs/operations.md", r"`--limit N` rows at most, (\d+) by default", (ls_limit,)),
+        ("docs/operations.md", r"`--watch` redraws it in place (every second)", ("every second",) * (watch_every == 1)),
         ("docs/hosts.md", r"`timeout` seconds \((\d+) by default\)", (default(RelaySender, "timeout"),)),
         ("docs/security.md", r"`handshake_timeout` \((\d+) s\)", (default(RelaySender, "handshake_timeout"),)),
         ("docs/operations.md", r"threads a copy of (\d+) MB or more is split across", (PARALLEL_MIN_BYTES >> 20,)),
         ("docs/torchrl.md", r"split across the cores that sit idle from (\d+) MB on", (PARALLEL_MIN_BYTES >> 20,)),
         ("docs/gpus.md", r"fills a host slot from each new device slot in (\d+) MB chunks", (CHUNK_BYTES >> 20,)),
         ("docs/torchrl.md", r"the wait ends at its deadline \((\d+) s\)", (READY_TIMEOUT_S,)),
+        ("README.md", r"`torchrl-nightly` from ([\d.]+), which counts as 0\.15", (NIGHTLY,)),
         # Limits.
         ("docs/protocol.md", r"Each store lists up to ([\d,]+) readers", (header.MAX_READERS,)),
         ("docs/operations.md", r"Names are 1 to (\d+) letters", (longest_name(),)),
@@ -174,7 +179,9 @@ def _figures() -> list[tuple[str, str, tuple]]:
             r"The relay command's exit codes: " + "; ".join(r"(\d+) [^;]+?" for _ in relay_codes) + r"\. Each",
             tuple(sorted(relay_codes)),
         ),
-        # The fast tier's budgets (tests/conftest.py).
+        # The tests: the fast tier's budgets (tests/conftest.py), what CI prints (the Makefile).
+        ("docs/testing.md", r"all but the `full` tier, the (\d+) slowest printed", (slowest,)),
+        ("docs/testing.md", r"CI prints the (\d+) slowest tests of the main tier", (slowest,)),
         (
             "docs/testing.md",
             r"spends more than (\d+) seconds of CPU, or (\d+) seconds in all",
