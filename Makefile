@@ -22,8 +22,8 @@ DURATIONS ?= --durations=30
 PYTHONS ?= 3.10 3.11 3.12 3.13
 NEWEST_PYTHON := $(lastword $(PYTHONS))
 # An interpreter of Python X.Y: pythonX.Y where it runs (CI's setup-python puts it on the PATH),
-# else pyenv's newest X.Y.
-python_of = $(shell for p in python$(1) $$(ls -d $$(pyenv root 2>/dev/null)/versions/$(1).*/bin/python$(1) \
+# else pyenv's newest X.Y (under PYENV_ROOT, default ~/.pyenv: pyenv itself need not be on the PATH).
+python_of = $(shell for p in python$(1) $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/$(1).*/bin/python$(1) \
 	2>/dev/null | sort -V | tail -1); do "$$p" -c "" 2>/dev/null && { command -v "$$p"; break; }; done)
 need_python = $(or $(call python_of,$(1)),$(error no interpreter of Python $(1) (python$(1), or pyenv's $(1).x): \
 	install it, or name the Pythons there are with PYTHONS="..."))

@@ -16,6 +16,7 @@ registered first, so this one runs before that handler waits for any child proce
 from __future__ import annotations
 
 import atexit
+import inspect
 import multiprocessing.util  # noqa: F401  (its exit handler, which joins child processes, is registered first)
 import sys
 import weakref
@@ -55,7 +56,7 @@ def warning(publisher: Served) -> str:
     name in the script, where the script's globals hold it), its stores, and the fix."""
     collector = publisher.collector
     main = sys.modules.get("__main__")
-    names = [k for k, v in vars(main).items() if v is collector and not k.startswith("_")] if main else []
+    names = [k for k, v in inspect.getmembers(main) if v is collector and k[:1].isalpha()] if main else []
     called = names[0] if names else "collector"
     stores = ", ".join(name for g in publisher.live_groups() for name in g.store_names)
     which = f"{type(collector).__name__} {called!r}" if names else f"a {type(collector).__name__}"
