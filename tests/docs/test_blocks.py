@@ -78,6 +78,7 @@ def test_a_block_runs_as_written(request, tmp_path, page, title, code):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the suite's
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=280, env=env)
     assert proc.returncode == 0, f"{page}, {title!r}: the block failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "was never shut down" not in proc.stderr, f"{page}, {title!r}: a collector left running:\n{proc.stderr}"
     shown = SHOWS.get((page, title))
     if shown:
         lines = proc.stdout.splitlines()
