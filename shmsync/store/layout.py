@@ -177,7 +177,42 @@ def _key_difference(want: set[tuple[str, ...]], leaves: list) -> str:
             names = sorted(key_str(k) for k in keys)
             shown = ", ".join(repr(k) for k in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
             parts.append(f"{shown} {says}")
-    return "; ".join(parts)
+    return "; ".join(parts) + _prefix_hint(want, got)
+
+
+def _prefix_hint(want: set[tuple[str, ...]], got: set[tuple[str, ...]]) -> str:
+    """What to pass instead, when every key differs from the store's by the same leading parts
+    alone: another module's weights than the one the store was made from (a policy's inner
+    network, ``net.`` where the store holds ``module.0.``), or a module wrapping it."""
+    if len(want) != len(got) or not want:
+        return ""
+    rests = [{k[cut:] for k in got} for cut in range(len(_common_start(got)) + 1)]
+    for cut_want in range(len(_common_start(want)) + 1):
+        rest = {k[cut_want:] for k in want}
+        cut_got = next((cut for cut, theirs in enumerate(rests) if (cut or cut_want) and theirs == rest), None)
+        if cut_got is not None:
+            ours, theirs = (".".join(next(iter(keys))[:cut]) for keys, cut in ((want, cut_want), (got, cut_got)))
+            if not theirs:
+                change = f"without its leading {ours + '.'!r}"
+            elif not ours:
+                change = f"under an extra {theirs + '.'!r}"
+            else:
+                change = f"with {theirs + '.'!r} in place of {ours + '.'!r}"
+            return (
+                f". Only a prefix differs: each key here is one of the store's {change}. The store expects the keys "
+                "of the object it was created from (a collector's: its policy), and these are another object's (a "
+                "module inside it, or one around it): publish that object, or its state_dict()"
+            )
+    return ""
+
+
+def _common_start(keys: set[tuple[str, ...]]) -> tuple[str, ...]:
+    """The leading parts every key of ``keys`` shares, short of any whole key."""
+    first = min(keys, key=len) if keys else ()
+    n = 0
+    while n < len(first) - 1 and all(k[n] == first[n] for k in keys):
+        n += 1
+    return first[:n]
 
 
 def _check_tensor(what: str, key: tuple[str, ...], t: torch.Tensor, e: Entry, allow_meta: bool) -> None:

@@ -44,7 +44,7 @@ from shmsync.errors import (
     WrittenWhileCopiedError,
 )
 from shmsync.store.reader_table import ReaderTable, merge
-from shmsync.torchrl import compat
+from shmsync.torchrl import at_exit, compat
 from shmsync.torchrl.settings import SchemeSettings
 from shmsync.torchrl.trainer_weights import models_of, models_without_collector, per_store
 from shmsync.watch.alarm import ReaderAlarm
@@ -310,6 +310,7 @@ class Publisher:
             for method in methods:
                 compat.wrap_on_instance(collector, method, functools.partial(_bind, getattr(self, _WRAPPERS[method])))
             _PUBLISHERS[collector] = self
+            at_exit.watch(self)  # left running at exit: named on stderr, then shut down
 
     @classmethod
     def of(cls, collector: Any) -> Publisher | None:

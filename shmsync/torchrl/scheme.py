@@ -227,9 +227,18 @@ class ShmWeightSyncScheme(WeightSyncScheme):
     @property
     def version(self) -> int:
         """Sender: the newest version sent to any store (a background copy may still be landing it).
-        Receiver: the version loaded in this worker. -1 before initialization."""
+        Receiver: the version loaded in this worker. Once the collector shut down, the last version
+        its stores held.
+
+        Raises:
+            NotAttachedError: the scheme has no stores, as for :meth:`readers` and :meth:`send`
+                (no collector set it up, or the scheme itself was shut down): a number would read
+                as a version that workers run.
+        """
         if self._receiver is not None:
             return self._receiver.version
+        if self.group is None and self._remote_kind is None:
+            raise NotAttachedError(self._why_unattached("it has no version"))
         return max((s.promised for s in self.stores), default=-1)
 
     @property

@@ -39,3 +39,21 @@ def test_written_pages_bench_quick():
     assert len(rows) == 3, out
     assert all(float(row.strip("|").split("|")[1]) > 0 for row in rows), out
     assert "the first write to a protected page:" in out
+
+
+@pytest.mark.timeout(60)
+def test_gpu_status_prints_the_readmes_gpu_line():
+    """What benchmarks/gpu_check.sh prints to paste is the line tests/docs/test_facts.py reads: for
+    the run the README names, the README's line as far as its tests."""
+    from tests.docs.test_facts import _text, gpu_line
+
+    readme = gpu_line(_text("README.md"))
+    values = {"gpu": readme["gpu"], "torch": readme["torch"], "commit": readme["commit"], "date": readme["date"]}
+    args = [f"--{k}={v}" for k, v in values.items()]
+    out = run_script("benchmarks/gpu_status.py", "--passed", readme["passed"], *args, timeout=50)
+    printed = " ".join(out.split("\n\n", 1)[1].split())
+    line = gpu_line(printed)
+    assert {k: line[k] for k in values} == values and line["passed"] == readme["passed"], printed
+    assert line["floor"] == readme["floor"] and line["since"] is None, printed
+    assert readme.group(0).startswith(printed), f"the README's line is not the one printed:\n{printed}"
+    assert "nothing to paste" in run_script("benchmarks/gpu_status.py", "--passed", "3", "--failed", *args, timeout=50)

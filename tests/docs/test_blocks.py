@@ -78,6 +78,7 @@ def test_a_block_runs_as_written(request, tmp_path, page, title, code):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the suite's
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=280, env=env)
     assert proc.returncode == 0, f"{page}, {title!r}: the block failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "was never shut down" not in proc.stderr, f"{page}, {title!r}: a collector left running:\n{proc.stderr}"
     shown = SHOWS.get((page, title))
     if shown:
         lines = proc.stdout.splitlines()
@@ -155,42 +156,46 @@ def test_the_reference_check_sees_a_renamed_module(tmp_path):
     assert _resolve("shmsync.store.memory.StoreMemory") and not _resolve("shmsync.store.memory.Memory")
 
 
-def _defaults() -> list[tuple[str, str, float]]:
-    """``(page, pattern, the code's value)``: each default figure a page cites, where it cites it
-    (the pattern's group is the figure)."""
-    import inspect
+def _loops_without_finally(code: str) -> list[int]:
+    """Lines of the loops over a collector in ``code`` that no ``try`` whose ``finally`` shuts that
+    collector down encloses."""
+    import ast
 
-    from shmsync import WeightStore
-    from shmsync.relay import RelaySender
-    from shmsync.store.copies import PARALLEL_MIN_BYTES
-    from shmsync.watch.alarm import STALE_AFTER
-    from shmsync.watch.remote_rows import SILENT_AFTER
+    def shuts_down(body: list[ast.stmt], name: str) -> bool:
+        return any(
+            isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "shutdown"
+            and isinstance(n.func.value, ast.Name) and n.func.value.id == name
+            for stmt in body for n in ast.walk(stmt)
+        )  # fmt: skip
 
-    def default(fn, arg):
-        return inspect.signature(fn).parameters[arg].default
+    bare = []
 
-    slots = default(WeightStore.create, "num_slots")
-    return [
-        ("docs/protocol.md", r"`num_slots` copies \(slots\) of the weights, (\d+) by default", slots),
-        ("docs/memory.md", r"`num_slots`\*\* \((\d+) by default\)", slots),
-        ("docs/gpus.md", r"\((\d+) M by default\)", slots),
-        ("docs/operations.md", r"`stale_after` seconds while it runs \((\d+) by default\)", STALE_AFTER),
-        ("README.md", r"stays at an old version for (\d+) s while it runs", STALE_AFTER),
-        ("docs/operations.md", r"`silent` after ([\d.]+) s without a report", SILENT_AFTER),
-        ("docs/hosts.md", r"`timeout` seconds \((\d+) by default\)", default(RelaySender, "timeout")),
-        ("docs/security.md", r"`handshake_timeout` \((\d+) s\)", default(RelaySender, "handshake_timeout")),
-        ("docs/operations.md", r"threads a copy of (\d+) MB or more is split across", PARALLEL_MIN_BYTES >> 20),
-        ("docs/torchrl.md", r"split across the cores that sit idle from (\d+) MB on", PARALLEL_MIN_BYTES >> 20),
+    def visit(node: ast.AST, guarded: set[str]) -> None:
+        if isinstance(node, ast.Try):
+            named = {n.id for s in node.finalbody for n in ast.walk(s) if isinstance(n, ast.Name)}
+            inner = guarded | {name for name in named if shuts_down(node.finalbody, name)}
+            for child in node.body:
+                visit(child, inner)
+            for child in [*node.handlers, *node.orelse, *node.finalbody]:
+                visit(child, guarded)
+            return
+        loop = isinstance(node, ast.For) and isinstance(node.iter, ast.Name) and "collector" in node.iter.id
+        if loop and node.iter.id not in guarded:
+            bare.append(node.lineno)
+        for child in ast.iter_child_nodes(node):
+            visit(child, guarded)
+
+    visit(ast.parse(code), set())
+    return bare
+
+
+def test_every_collector_loop_shuts_its_collector_down_in_a_finally():
+    """What getting-started says to always do: every loop over a collector in the README and the
+    docs sits in a ``try`` whose ``finally`` calls that collector's ``shutdown()``."""
+    loops = [
+        (page, title, code) for page, title, code in BLOCKS if re.search(r"^\s*for \w+ in \w*collector\w*:", code, re.M)
     ]
-
-
-def test_the_defaults_the_pages_cite_are_the_codes():
-    wrong = []
-    for page, pattern, value in _defaults():
-        text = " ".join((ROOT / page).read_text().split())  # a figure's sentence may break across lines
-        found = re.search(pattern, text)
-        if found is None:
-            wrong.append(f"{page}: no longer says {pattern!r}")
-        elif found.groups() and float(found.group(1)) != float(value):
-            wrong.append(f"{page}: says {found.group(1)}, the code {value} ({pattern!r})")
-    assert wrong == [], "\n".join(wrong)
+    assert len(loops) >= 4, loops  # the README's, getting-started's, torchrl's, hosts' (two)
+    bare = [f"{page}, {title!r}: line {line}" for page, title, code in loops for line in _loops_without_finally(code)]
+    assert bare == [], "collector loops without a try/finally that shuts the collector down:\n" + "\n".join(bare)
+    assert _loops_without_finally("for batch in collector:\n    pass\ncollector.shutdown()\n") == [1]

@@ -195,15 +195,19 @@ def test_the_store_leaves_the_host_once_every_worker_attached_and_shutdown_frees
         scheme.readers()
     with pytest.raises(ClosedError, match="the collector is shut down"):
         scheme.send()
+    assert scheme.version == 1  # the last version its stores held
+    scheme.shutdown()  # the scheme's own shutdown lets its stores go: no version to tell
+    with pytest.raises(NotAttachedError, match=r"\(or its collector\) was shut down, so it has no version"):
+        scheme.version  # noqa: B018  (the property is what is tested)
 
 
 @pytest.mark.torchrl
 def test_a_scheme_no_collector_set_up_says_so_rather_than_listing_no_worker():
     scheme = ShmWeightSyncScheme()
-    for call in (scheme.readers, scheme.send):
+    for call in (scheme.readers, scheme.send, lambda: scheme.version):
         with pytest.raises(NotAttachedError, match=r"not set up yet.*hand it to a collector"):
             call()
-    assert scheme.store is None and scheme.version == -1
+    assert scheme.store is None and scheme.stores == ()
 
 
 def test_two_keys_publish_atomically():

@@ -320,6 +320,25 @@ def test_publish_wrong_keys(store):
     assert_unchanged(store, before)
 
 
+def test_keys_that_differ_by_a_prefix_only_say_which_objects_keys_the_store_expects(store_factory):
+    """A user who trains ``net`` and publishes into the store of the policy built around it (or the
+    other way round) is told that only a prefix differs, and what to publish instead."""
+    net = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    policy = nn.ModuleDict({"module": nn.Sequential(net)})  # keys 'module.0.0.weight', ...
+    store = store_factory(policy)
+    expects = r"The store expects the keys of the object it was created from \(a collector's: its policy\)"
+    with pytest.raises(WeightMismatchError, match=r"each key here is one of the store's without its leading "
+                       r"'module\.0\.'\. " + expects):  # fmt: skip
+        store.publish(net.state_dict())
+    with pytest.raises(WeightMismatchError, match=r"one of the store's under an extra 'trainer\.'"):
+        store.publish(nn.ModuleDict({"trainer": policy}))
+    with pytest.raises(WeightMismatchError, match=r"one of the store's with 'net\.' in place of 'module\.0\.'"):
+        store.publish(nn.ModuleDict({"net": net}))
+    with pytest.raises(WeightMismatchError, match=r"'module\.0\.1\.bias', 'module\.0\.1\.weight' missing$"):
+        store.publish(nn.ModuleDict({"module": nn.Sequential(nn.Sequential(nn.Linear(4, 3)))}))  # no hint: not a prefix
+    assert store.version == 0
+
+
 def test_publish_wrong_type(store):
     before = store_state(store)
     with pytest.raises(TypeError, match="nn.Module, a TensorDict, or a mapping"):
