@@ -67,6 +67,10 @@ class Relay:
         handshake_timeout: seconds each handshake may take.
         encrypt: as the trainer's :class:`RelaySender` has it (both ends must agree).
 
+    Attributes:
+        transfer: what the versions received cost on the link (the last one's bytes, whether it
+            came as a delta; the counts), reported to the trainer with this host's readers.
+
     Example:
         >>> relay = Relay("10.0.0.1", 29600, store="policy")  # doctest: +SKIP
         >>> relay.run()  # until the trainer closes its sender; TrainerGoneError if it dies  # doctest: +SKIP

@@ -92,6 +92,7 @@ class Server:
         self._warned_overflow = False
         self.book = ReportBook()  # what the relays below report of their hosts' readers
         self.sealed = SealedShelf(secret, self.bucket_bytes) if encrypt else None  # sealed once, for every link
+        self.deltas = True  # send a relay holding the version before only what changed
         self._delta: tuple[int, WireDelta, bytearray] | None = None  # the newest delta's bytes, for every link
         self._delta_lock = threading.Lock()
         self.sock = socket.create_server((address, port), backlog=512)
@@ -311,7 +312,7 @@ class Server:
         gets the whole version: it holds another version than the one before ``version``, or this
         node's writer does not know what ``version`` changed (published from CUDA, in the
         background, from a whole version received, or by another process), or everything changed."""
-        if held < 0:
+        if held < 0 or not self.deltas:
             return None
         with self._delta_lock:
             kept = self._delta
