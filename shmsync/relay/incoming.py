@@ -50,7 +50,7 @@ class Received:
 def follow(relay: Any, link: wire.Link, max_versions: int | None) -> str:
     """Receive versions from ``link`` until the trainer closed its sender (``"stopped"``) or
     ``max_versions`` were published here (``"enough"``)."""
-    nbytes, sizes = relay.layout.payload_bytes, [e.nbytes for e in relay.layout.entries]
+    sizes = [e.nbytes for e in relay.layout.entries]
     head = VERSION.size if link.keys is None else HEADER.size  # both begin with the version and its size
     allowed: dict[bytes, int | tuple[int, int]] = {VERS: (head, head), PING: 0, STOP: 0, BYE: 0}
     allowed[DELT] = deltas.frame_bytes(head, len(sizes))
@@ -65,20 +65,7 @@ def follow(relay: Any, link: wire.Link, max_versions: int | None) -> str:
             raise Left(f"{link.peer} left the tree")
         began, before = time.monotonic(), link.bytes_received - wire.FRAME.size  # its frame's head came
         header = link.recv_payload(relay.timeout)
-        version, size = VERSION.unpack_from(header)
-        held = relay.store.version if relay.store is not None else -1
-        if not (held < version <= MAX_VERSION) or (held >= 0 and version - held > MAX_VERSION_LEAP):
-            raise ProtocolError(
-                f"{link.peer} sent version {version}; this host holds {held} (versions only go up, by at most "
-                f"{MAX_VERSION_LEAP} at a time, to at most {MAX_VERSION})"
-            )
-        delta = None
-        if kind == DELT:  # checked against the layout and the version held before a byte more comes
-            delta = deltas.parse(header[head:], sizes, held, version, size, link.peer)
-        elif size != nbytes:
-            raise ProtocolError(
-                f"{link.peer} announced {size} bytes for version {version}; the layout holds {nbytes} bytes"
-            )
+        version, size, delta = _checked_header(relay, link.peer, header, kind == DELT, head, sizes)
         sealed = None
         if link.keys is not None:  # whole: kept for the relays below (if any may come)
             base, leaves = (delta.base, delta.leaves) if delta is not None else (-1, ())
@@ -90,6 +77,27 @@ def follow(relay: Any, link: wire.Link, max_versions: int | None) -> str:
             took = link.bytes_received - before
             relay.note_received(Received(version, took, delta is not None, time.monotonic() - began))
     return "enough"
+
+
+def _checked_header(
+    relay: Any, peer: str, header: bytes, is_delta: bool, head: int, sizes: list[int]
+) -> tuple[int, int, WireDelta | None]:
+    """A version's header (``VERS``, or ``DELT`` for a delta) checked against the version this host
+    holds and the layout, before a byte more comes: the version, its payload bytes, its delta."""
+    version, size = VERSION.unpack_from(header)
+    held = relay.store.version if relay.store is not None else -1
+    if not (held < version <= MAX_VERSION) or (held >= 0 and version - held > MAX_VERSION_LEAP):
+        raise ProtocolError(
+            f"{peer} sent version {version}; this host holds {held} (versions only go up, by at most "
+            f"{MAX_VERSION_LEAP} at a time, to at most {MAX_VERSION})"
+        )
+    if is_delta:
+        return version, size, deltas.parse(header[head:], sizes, held, version, size, peer)
+    if size != relay.layout.payload_bytes:
+        raise ProtocolError(
+            f"{peer} announced {size} bytes for version {version}; the layout holds {relay.layout.payload_bytes} bytes"
+        )
+    return version, size, None
 
 
 def _receive(

@@ -277,20 +277,23 @@ def parse_list(raw: Any, keys: list[tuple[str, ...]]) -> tuple[int, int, list[in
         raise ShmSyncError(f"a push's leaf list names push {str(push)[:20]} from version {str(base)[:20]}")
     if doc["names"] != _names_digest(keys):
         raise ShmSyncError(f"push {push}'s leaf list is of other leaves than this node's {len(keys)} (another model)")
-    if leaves is None:
-        return push, base, None
-    if not isinstance(leaves, list) or len(leaves) > len(keys):
-        raise ShmSyncError(f"push {push}'s leaf list is not a list of at most {len(keys)} leaves")
+    return push, base, None if leaves is None else _checked_leaves(push, leaves, len(keys))
+
+
+def _checked_leaves(push: int, leaves: Any, count: int) -> list[int]:
+    """The leaf indices of push ``push``'s list, checked against a buffer of ``count`` leaves."""
+    if not isinstance(leaves, list) or len(leaves) > count:
+        raise ShmSyncError(f"push {push}'s leaf list is not a list of at most {count} leaves")
     last = -1
     for i in leaves:
-        if not (_is_int(i) and last < i < len(keys)):
-            why = "out of range" if _is_int(i) and not 0 <= i < len(keys) else "not in increasing order"
+        if not (_is_int(i) and last < i < count):
+            why = "out of range" if _is_int(i) and not 0 <= i < count else "not in increasing order"
             raise ShmSyncError(
                 f"push {push}'s leaf list names leaf {str(i)[:20]} after leaf {last}: {why} (this node's weights "
-                f"have {len(keys)} leaves)"
+                f"have {count} leaves)"
             )
         last = i
-    return push, base, list(leaves)
+    return list(leaves)
 
 
 def _is_int(x: Any) -> bool:
