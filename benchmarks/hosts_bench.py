@@ -7,6 +7,7 @@ cipher's own time on the same bytes, timed in the same run).
     python benchmarks/hosts_bench.py --quick    # fewer repetitions and hosts
     python benchmarks/hosts_bench.py --docs     # also write the tables into docs/results/
     python benchmarks/hosts_bench.py --fan-out  # the tree's shapes, plain and encrypted (~15 min)
+    python benchmarks/hosts_bench.py --frozen   # a frozen backbone: what changed against the whole version (~3 min)
 
 Hosts are simulated on this machine: each is a process with a store folder of its own, its
 relay linked over loopback. All of them share this machine's cores, so the last of H hosts
@@ -59,6 +60,14 @@ def _host(host_dir: str, port: int, index: int, seen, reps: int, encrypt: bool, 
 
     segment.SHM_DIR = host_dir
     relay = Relay("127.0.0.1", port, store="bench", secret=SECRET, timeout=60, encrypt=encrypt)
+    costs: dict[int, tuple[int, bool]] = {}  # version -> its bytes on this host's link, and whether a delta
+    count = relay.note_received
+
+    def note_received(got) -> None:  # what the relay counts of each version, kept per version
+        count(got)
+        costs[got.version] = (got.wire_bytes, got.delta)
+
+    relay.note_received = note_received  # type: ignore[method-assign]
     runner = threading.Thread(target=relay.run, daemon=True)
     runner.start()
     while relay.store is None:
@@ -71,6 +80,7 @@ def _host(host_dir: str, port: int, index: int, seen, reps: int, encrypt: bool, 
     relay.store.add_listener(visible)  # runs as the version commits: no polling
     conn.send(("ready", relay.parent, relay.serving))
     runner.join()
+    conn.send(("costs", costs))
     relay.close()
 
 
@@ -134,6 +144,131 @@ def bench_tree(nbytes: int, hosts: int, fanout: int, reps: int, encrypt: bool = 
         "bytes_per_publish": sent / timed,
         "publish": publish,
     }
+
+
+# -- a frozen backbone: what changed, against the whole version and raw sends of the changed bytes -----
+FROZEN_BYTES, TRAINED_BYTES = 64 << 20, 2 << 20
+
+
+def bench_frozen(hosts: int, reps: int, deltas: bool) -> dict:
+    """A 64 MB frozen backbone and a 2 MB head the trainer changes at every version, relayed to
+    ``hosts`` hosts (the default tree), each version sent as its delta (``deltas``) or whole:
+    publish() to visible on the last host, and the bytes each host's link took per version."""
+    from shmsync import WeightStore
+    from shmsync.relay import RelaySender
+
+    ctx = mp.get_context("spawn")
+    timed, reps = reps, reps + WARMUP
+    seen = ctx.Array("q", hosts * (reps + 1), lock=False)
+    source = TensorDict({"backbone": torch.randn(FROZEN_BYTES // 4), "head": torch.zeros(TRAINED_BYTES // 4)})
+    store = WeightStore.create(source, num_slots=4)
+    procs, dirs = [], [tempfile.mkdtemp(prefix="shmsync-host-") for _ in range(hosts)]
+    try:
+        with RelaySender(store, "127.0.0.1", 0, secret=SECRET, deltas=deltas) as sender:
+            for i, host_dir in enumerate(dirs):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_host, args=(host_dir, sender.port, i, seen, reps, True, child), daemon=True)
+                proc.start()
+                procs.append((proc, parent))
+                if not parent.poll(120):
+                    raise RuntimeError(f"host {i}'s relay did not start")
+                parent.recv()
+            time.sleep(0.2)
+            started, publish = {}, []
+            for v in range(1, reps + 1):
+                if v == WARMUP + 1:
+                    sent_before, started, publish = sum(sender.bytes_sent.values()), {}, []
+                source["head"].fill_(v)  # the head trains; the backbone stays
+                started[v] = time.monotonic_ns()
+                store.publish(source, version=v)
+                publish.append((time.monotonic_ns() - started[v]) / 1e9)
+                deadline = time.monotonic() + 60
+                while any(seen[h * (reps + 1) + v] == 0 for h in range(hosts)):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"version {v} did not reach every host")
+                    time.sleep(0.0002)
+                time.sleep(0.003)
+            sent = sum(sender.bytes_sent.values()) - sent_before
+            fanout = sender.fanout
+        costs = []
+        for _, parent in procs:
+            if not parent.poll(60):
+                raise RuntimeError("a host did not report what its versions cost")
+            _, host_costs = parent.recv()
+            costs += [host_costs[v] for v in started if v in host_costs]
+    finally:
+        for proc, _ in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        store.close()
+    last = [max((seen[h * (reps + 1) + v] - started[v]) / 1e9 for h in range(hosts)) for v in started]
+    return {
+        "hosts": hosts,
+        "deltas": deltas,
+        "fanout": fanout,
+        "last": last,
+        "publish": publish,
+        "egress_per_publish": sent / timed,
+        "host_bytes": [b for b, _ in costs],
+        "sent_as_delta": sum(d for _, d in costs) / max(len(costs), 1),
+    }
+
+
+def frozen_main(args: argparse.Namespace) -> int:
+    """The frozen backbone, deltas against whole versions and raw TCP sends of the changed bytes,
+    alternate rounds, one table."""
+    started = time.perf_counter()
+    machine = {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
+    reps, rounds = (6, 1) if args.quick else (12, 2)
+    p50 = statistics.median
+    rows, report = [], []
+    for hosts in [int(h) for h in args.frozen_hosts.split(",")]:
+        print(f"frozen backbone: {hosts} hosts ...", file=sys.stderr, flush=True)
+        runs: dict[str, list] = {"delta": [], "whole": [], "one send": [], "H sends": []}
+        for _ in range(rounds):
+            runs["delta"].append(bench_frozen(hosts, reps, True))
+            runs["whole"].append(bench_frozen(hosts, reps, False))
+            runs["one send"] += bench_raw("tcp", TRAINED_BYTES, 1, reps)
+            runs["H sends"] += bench_raw("tcp", TRAINED_BYTES, hosts, reps)
+        one, many = p50(runs["one send"]), p50(runs["H sends"])
+        for kind in ("delta", "whole"):
+            x = {k: [v for run in runs[kind] for v in run[k]] for k in ("last", "publish", "host_bytes")}
+            egress = statistics.mean(run["egress_per_publish"] for run in runs[kind])
+            as_delta = statistics.mean(run["sent_as_delta"] for run in runs[kind])
+            last, per_host = p50(x["last"]), p50(x["host_bytes"])
+            shape = "chain" if runs[kind][0]["fanout"] == 1 else f"fan-out {runs[kind][0]['fanout']}"
+            rows.append(
+                [str(hosts), shape, kind, f"{100 * as_delta:.0f}%", f"{per_host / 1e6:.2f} MB"]
+                + [f"{per_host / TRAINED_BYTES:.3f}x", f"{egress / 1e6:.2f} MB", ms(p50(x["publish"]))]
+                + [ms(last), ms(many), f"{last / many:.2f}x"]
+            )
+        report.append({"hosts": hosts, "runs": runs, "one_send": one})
+    text = f"# shmsync hosts benchmark, frozen backbone: {machine['cores']} cores, Python {machine['python']}, "
+    text += f"torch {machine['torch']}\n\n" + table(
+        "A 64 MB frozen backbone and a 2 MB head that changes at every version, relayed to H hosts (p50)",
+        ["H", "tree", "sent as", "deltas", "bytes / host / version", "/ changed bytes", "trainer egress"]
+        + ["publish()", "last host", "H raw sends", "last / H raw"],
+        rows,
+        "delta: what shmsync sends (a host holding the version before gets the leaves that changed); whole:\n"
+        "the same tree sending every version whole (RelaySender(deltas=False)). deltas: the timed versions\n"
+        "that reached the hosts as deltas. bytes / host / version: what one version took on a host's link,\n"
+        "frames and tags included, over the 2 MB that changed. last host: publish() to visible on the last\n"
+        "host. H raw sends: H raw TCP sends of the 2 MB that changed, between H pairs of processes, started\n"
+        "together, until the last completes (the floor: every host gets the changed bytes once). Encrypted\n"
+        "links; the hosts share this machine's cores. Runs alternate, samples pooled.",
+    )
+    print(text)
+    if args.docs:
+        from sync_bench import write_docs_page
+
+        page = Path(__file__).resolve().parents[1] / "docs/results/hosts_frozen.md"
+        write_docs_page(page, text, "hosts_bench.py --frozen")
+    out = Path(args.out).with_name("hosts_frozen.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine, "rows": report, "seconds": time.perf_counter() - started}))
+    print(f"\nJSON written to {out} ({time.perf_counter() - started:.0f}s)", file=sys.stderr)
+    return 0
 
 
 def pooled(runs: list[dict]) -> dict:
@@ -413,6 +548,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fan-out", action="store_true", help="only the tree's shape: plain and encrypted against raw TCP sends"
     )
+    parser.add_argument(
+        "--frozen", action="store_true", help="only a frozen backbone: deltas against whole versions and raw sends"
+    )
+    parser.add_argument("--frozen-hosts", default="2,4", help="host counts of --frozen")
     parser.add_argument("--rounds", type=int, default=2, help="alternate rounds of --fan-out")
     parser.add_argument("--sizes", default="1MB,16MB,128MB", help="payloads of --fan-out")
     parser.add_argument("--hosts", default="2,4,8", help="host counts of --fan-out")
@@ -420,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     if args.fan_out:
         return fan_out_main(args)
+    if args.frozen:
+        return frozen_main(args)
     reps = {"1MB": 12 if args.quick else 40, "16MB": 6 if args.quick else 20}
     host_counts = [2, 4] if args.quick else [2, 4, 8]
     started = time.perf_counter()

@@ -6,7 +6,9 @@ The relays form a tree rooted at the trainer: the trainer's :class:`RelaySender`
 sends each version ``fanout`` times however many hosts there are. A relay receives a version
 straight into a free slot of its host's store and forwards each piece to the relays below it
 as soon as it has arrived and passed its check (pipelined, not stored and forwarded); it
-commits the version under the trainer's number once the last byte is in. ``fanout=1`` makes a
+commits the version under the trainer's number once the last byte is in. A relay whose host
+holds the version before a new one is sent only the leaves that changed
+(:mod:`shmsync.relay.deltas`); one that holds any other gets the whole version. ``fanout=1`` makes a
 chain, the default once a version spans 8 pieces
 (:func:`~shmsync.relay.messages.choose_fanout`).
 

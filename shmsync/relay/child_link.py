@@ -1,6 +1,8 @@
 """The link to one relay below this node: a thread per admitted relay sends it the newest version whenever there is a
 newer one, straight from a leased slot of this node's store (or, on a relay's node, from the slot
-a version is still arriving in), and a keepalive while idle.
+a version is still arriving in), and a keepalive while idle. A relay that holds the version just
+before it gets only what changed (its delta, :mod:`shmsync.relay.deltas`, gathered and sealed once
+for every such relay); one that holds anything else gets the whole version.
 
 A lease on the slot sent from is held only while the relay takes bytes: one that takes none for
 :data:`~shmsync.relay.messages.STALL_SECONDS` has the rest of the frame kept on the link (at most
@@ -15,7 +17,8 @@ from typing import Any
 
 from shmsync.core.header import ROW_LINK
 from shmsync.errors import LinkClosedError, LinkTimeoutError, ShmSyncError
-from shmsync.relay.messages import CNCL, DATA, PING, VERS, VERSION, Child, Forwarding
+from shmsync.relay.deltas import WireDelta
+from shmsync.relay.messages import CNCL, DATA, DELT, PING, VERS, VERSION, Child, Forwarding
 from shmsync.relay.sealing import SealedVersion
 
 
@@ -86,9 +89,16 @@ class ChildLink:
             return server.newer(self.child.sent), server.store, server.forwarding
 
     def _forward(self, store: Any, fwd: Forwarding) -> None:
-        """A version still arriving (or not committed yet): forward what is there, then follow."""
+        """A version still arriving (or not committed yet): forward what is there, then follow. A
+        delta goes to a relay holding its base, from the buffer it arrives in; any other relay
+        waits for the commit and gets the whole version."""
         rows = store.rows
-        if rows.lease_written(self.row, fwd.write):
+        if fwd.delta is not None:
+            if fwd.payload is not None and self.child.sent == fwd.delta.base:
+                with memoryview(fwd.payload) as view:
+                    self._send(fwd.version, view, fwd, fwd.delta)
+                return
+        elif fwd.write is not None and rows.lease_written(self.row, fwd.write):
             try:
                 with store.memory.slot_buffer(fwd.write.slot) as view:
                     self._send(fwd.version, view, fwd)
@@ -101,18 +111,24 @@ class ChildLink:
                 server.changed.wait(0.05)
 
     def _send_latest(self, store: Any) -> bool:
-        """Send the store's latest version from its leased slot; False if no slot could be leased."""
+        """Send the store's latest version from its leased slot, or its delta (gathered from there,
+        then sent with the slot let go); False if no slot could be leased."""
         rows = store.rows
         lease = rows.lease_latest(self.row)
         try:
             if lease is None:
                 return False
-            if lease.version > self.child.sent:
-                with store.memory.slot_buffer(lease.slot) as view:
+            if lease.version <= self.child.sent:
+                return True
+            with store.memory.slot_buffer(lease.slot) as view:
+                delta = self.server.delta_of(store, lease.version, self.child.sent, view)
+                if delta is None:
                     return self._send(lease.version, view, None)
-            return True
         finally:
             rows.release_lease(self.row)
+        wire_delta, payload = delta
+        with memoryview(payload) as view:
+            return self._send(lease.version, view, None, wire_delta)
 
     def _sent(self, whole: bool) -> bool:
         """Note whether a frame went whole; if not, the relay stalls from now on."""
@@ -146,35 +162,49 @@ class ChildLink:
                 n = fwd.received if fwd.state != "cancelled" else -1
         return -1 if server.stopping.is_set() else n
 
-    def _send(self, version: int, view: memoryview, fwd: Forwarding | None) -> bool:
-        """Send one version from ``view`` (as far as ``fwd`` has received it, if given); with
-        encrypted links, its pieces as sealed once for every link (:mod:`shmsync.relay.sealing`):
-        as they came, or sealed here as they go. False if it could not begin now (other links
-        send two versions already: the newest goes once one is done)."""
+    def _send(self, version: int, view: memoryview, fwd: Forwarding | None, delta: WireDelta | None = None) -> bool:
+        """Send one version (or its ``delta``, whose bytes ``view`` then holds) from ``view`` (as
+        far as ``fwd`` has received it, if given); with encrypted links, its pieces as sealed once
+        for every link (:mod:`shmsync.relay.sealing`): as they came, or sealed here as they go.
+        False if it could not begin now (other links send two versions already: the newest goes
+        once one is done)."""
         shelf = self.server.sealed
         if shelf is None:
-            self._send_pieces(version, view, fwd, None)
+            self._send_pieces(version, view, fwd, None, delta)
             return True
-        sealed = shelf.take(version, len(view)) if fwd is None else shelf.hold(fwd.sealed)
+        if fwd is not None:
+            sealed = shelf.hold(fwd.sealed)
+        elif delta is not None:
+            sealed = shelf.take(version, len(view), delta.base, delta.leaves)
+        else:
+            sealed = shelf.take(version, len(view))
         if sealed is None:
             return fwd is not None  # arriving: cancelled upstream before this link began it
         try:
-            self._send_pieces(version, view, fwd, sealed)
+            self._send_pieces(version, view, fwd, sealed, delta)
         finally:
             shelf.let_go(sealed)
         return True
 
     def _send_pieces(
-        self, version: int, view: memoryview, fwd: Forwarding | None, sealed: SealedVersion | None
+        self,
+        version: int,
+        view: memoryview,
+        fwd: Forwarding | None,
+        sealed: SealedVersion | None,
+        delta: WireDelta | None = None,
     ) -> None:
-        """Send a version's header and pieces. Sets ``child.sent`` once it went whole; returns
-        early if it was cancelled upstream, the server closes, or the relay stalls (the rest of
-        the frame is then kept on the link)."""
+        """Send a version's header (its delta's, for a delta) and pieces. Sets ``child.sent`` once
+        it went whole; returns early if it was cancelled upstream, the server closes, or the relay
+        stalls (the rest of the frame is then kept on the link)."""
         child = self.child
         link, n = child.link, len(view)
         child.in_version = True
         header = VERSION.pack(version, n) if sealed is None else sealed.header()
-        if not self._sent(link.send_or_keep(VERS, header)):
+        kind = VERS if delta is None else DELT
+        if delta is not None:
+            header += delta.tail()
+        if not self._sent(link.send_or_keep(kind, header)):
             return
         offset, piece = 0, 0
         while offset < n:

@@ -2,9 +2,10 @@
 
 Relay -> server: JOIN, then HAVE or MISM; or PROB (a server checking this one's address: it
 answers NODE); then, about once a second, RPRT (its readers' table, :mod:`shmsync.relay.reports`).
-Server -> relay: REDI (go there instead), or LYOT and CONF; then per version VERS, DATA...,
-CNCL (that version will not complete), PING while idle, and at the end STOP (the trainer closed:
-end) or BYE (this server leaves: re-attach through the trainer).
+Server -> relay: REDI (go there instead), or LYOT and CONF; then per version VERS (the whole
+version) or DELT (its delta, to a relay holding the version before it: :mod:`shmsync.relay.deltas`),
+DATA..., CNCL (that version will not complete), PING while idle, and at the end STOP (the trainer
+closed: end) or BYE (this server leaves: re-attach through the trainer).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from shmsync.core.protocol import Write
 from shmsync.errors import ProtocolError
 from shmsync.relay import wire
+from shmsync.relay.deltas import WireDelta
 from shmsync.relay.sealing import SealedVersion
 from shmsync.store.layout import key_str
 
@@ -27,12 +29,12 @@ log = logging.getLogger("shmsync.relay")
 
 # Message kinds (see wire for the framing). Relay -> server: JOIN, then HAVE or MISM; or PROB
 # (a server checking this one's address: it answers NODE). Server -> relay: REDI (go there
-# instead), or LYOT and CONF; then per version VERS, DATA..., CNCL (that version will not
-# complete), PING while idle, and at the end STOP (the trainer closed: end) or BYE (this server
-# leaves: re-attach through the trainer).
+# instead), or LYOT and CONF; then per version VERS (or DELT: its delta), DATA..., CNCL (that
+# version will not complete), PING while idle, and at the end STOP (the trainer closed: end) or
+# BYE (this server leaves: re-attach through the trainer).
 JOIN, HAVE, MISM, PROB, NODE = b"JOIN", b"HAVE", b"MISM", b"PROB", b"NODE"
 REDI, LYOT, CONF = b"REDI", b"LYOT", b"CONF"
-VERS, DATA, CNCL, PING, STOP, BYE = b"VERS", b"DATA", b"CNCL", b"PING", b"STOP", b"BYE_"
+VERS, DELT, DATA, CNCL, PING, STOP, BYE = b"VERS", b"DELT", b"DATA", b"CNCL", b"PING", b"STOP", b"BYE_"
 VERSION = struct.Struct(">qQ")  # version, payload bytes
 
 FANOUT = 2  # below CHAIN_FROM_PIECES pieces
@@ -55,14 +57,18 @@ CLOSE_WITHIN = 2.0  # close() returns within this many seconds, whatever the pee
 
 @dataclass
 class Forwarding:
-    """A version a relay is receiving: its children send its bytes as they arrive."""
+    """A version a relay is receiving: its children send its bytes as they arrive. A whole
+    version arrives straight into a slot (``write``); a delta into ``payload``, which the
+    children holding its base are sent from."""
 
     version: int
     nbytes: int
-    write: Write
+    write: Write | None
     sealed: SealedVersion | None = None  # its pieces as sealed where it entered the tree
     received: int = 0
     state: str = "receiving"  # then "complete" or "cancelled"
+    delta: WireDelta | None = None
+    payload: bytearray | None = None  # a delta's bytes, as they arrive
 
 
 @dataclass

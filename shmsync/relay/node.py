@@ -20,7 +20,7 @@ from shmsync.errors import (
     WeightMismatchError,
 )
 from shmsync.relay import wire
-from shmsync.relay.incoming import Left, follow
+from shmsync.relay.incoming import Left, Received, follow
 from shmsync.relay.messages import (
     BUCKET_BYTES,
     BYE,
@@ -41,6 +41,7 @@ from shmsync.relay.messages import (
 from shmsync.relay.reports import Reporter
 from shmsync.relay.server import Server
 from shmsync.store.layout import Layout
+from shmsync.store.reader_table import Transfer
 from shmsync.watch.remote_rows import HostRows, ReportBook, own_rows
 from shmsync.writer.store import WeightStore
 
@@ -65,6 +66,10 @@ class Relay:
             (a parent sends keepalives while idle) before this relay re-attaches.
         handshake_timeout: seconds each handshake may take.
         encrypt: as the trainer's :class:`RelaySender` has it (both ends must agree).
+
+    Attributes:
+        transfer: what the versions received cost on the link (the last one's bytes, whether it
+            came as a delta; the counts), reported to the trainer with this host's readers.
 
     Example:
         >>> relay = Relay("10.0.0.1", 29600, store="policy")  # doctest: +SKIP
@@ -104,6 +109,7 @@ class Relay:
         self.description: bytes | None = None
         self.layout: Layout | None = None
         self.bucket = MAX_BUCKET_BYTES  # the most bytes the parent puts in one frame
+        self.transfer: Transfer | None = None  # what the versions received cost on the link (reported upstream)
 
     @property
     def serving(self) -> tuple[str, int] | None:
@@ -147,6 +153,18 @@ class Relay:
                 self.server.close(BYE)  # the relays below find another parent
             raise
 
+    def note_received(self, got: Received) -> None:
+        """A version was published here: count what it cost on the link (see :attr:`transfer`)."""
+        t = self.transfer or Transfer(-1, 0, False, 0, 0, 0)
+        self.transfer = Transfer(
+            got.version,
+            got.wire_bytes,
+            got.delta,
+            t.deltas + got.delta,
+            t.wholes + (not got.delta),
+            t.total_bytes + got.wire_bytes,
+        )
+
     def _own_rows(self) -> HostRows | None:
         """This host's readers, for the report to the parent (None before this host's store exists)."""
         store = self.store
@@ -156,7 +174,7 @@ class Relay:
             table = store.readers(processes=True, memory=False)
         except ShmSyncError:
             return None
-        return own_rows(self.name, self.node, [*table.rows, *table.gone])
+        return own_rows(self.name, self.node, [*table.rows, *table.gone], self.transfer)
 
     def _lost(self, link: wire.Link, lost: list[float], received: int, why: Any) -> None:
         """Note a lost parent; give up once links keep failing for ``timeout`` seconds without a

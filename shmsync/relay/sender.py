@@ -44,6 +44,8 @@ class RelaySender:
         handshake_timeout: seconds a connecting relay has to prove the secret and say hello.
         encrypt: encrypt and authenticate every frame (the default). False only for links
             inside a tunnel that does so (WireGuard, SSH): every relay must say the same.
+        deltas: send a relay that holds the version before each new one only the leaves that
+            changed (the default); False sends every version whole (what a delta saves, measured).
 
     Example:
         >>> import torch
@@ -70,6 +72,7 @@ class RelaySender:
         timeout: float = 60.0,
         handshake_timeout: float = 5.0,
         encrypt: bool = True,
+        deltas: bool = True,
     ) -> None:
         if fanout is None:
             fanout = choose_fanout(store.nbytes, bucket_bytes)
@@ -99,6 +102,7 @@ class RelaySender:
                 f"{wire.SECRET_FILE_ENV}",
                 file=sys.stderr,
             )
+        self._server.deltas = bool(deltas)
         self._server.book = ReportBook(store.name, write_file=True, latest=lambda: store.version)
         store.remote_rows.add(self._server.book)  # store.readers() lists the readers on every host
         self._server.set_store(store)

@@ -15,6 +15,7 @@ from shmsync.errors import AuthenticationError, InvalidArgumentError, LinkClosed
 from shmsync.relay import wire
 from shmsync.relay.acceptor import Acceptor
 from shmsync.relay.child_link import ChildLink
+from shmsync.relay.deltas import WireDelta
 from shmsync.relay.messages import (
     CLOSE_WITHIN,
     CONF,
@@ -91,6 +92,9 @@ class Server:
         self._warned_overflow = False
         self.book = ReportBook()  # what the relays below report of their hosts' readers
         self.sealed = SealedShelf(secret, self.bucket_bytes) if encrypt else None  # sealed once, for every link
+        self.deltas = True  # send a relay holding the version before only what changed
+        self._delta: tuple[int, WireDelta, bytearray] | None = None  # the newest delta's bytes, for every link
+        self._delta_lock = threading.Lock()
         self.sock = socket.create_server((address, port), backlog=512)
         self.address = self.sock.getsockname()[:2]
         self._accept: threading.Thread | None = None
@@ -299,9 +303,45 @@ class Server:
             while len(self.dropped) > MAX_DROPPED:
                 self.dropped.popitem(last=False)
 
+    # -- deltas ----------------------------------------------------------------------------------
+    def delta_of(
+        self, store: WeightStore, version: int, held: int, view: memoryview
+    ) -> tuple[WireDelta, bytearray] | None:
+        """The delta of ``version`` (whose whole bytes ``view`` holds: a leased slot) for a relay
+        holding ``held``, its leaves' bytes gathered once for every link; None where the relay
+        gets the whole version: it holds another version than the one before ``version``, or this
+        node's writer does not know what ``version`` changed (published from CUDA, in the
+        background, from a whole version received, or by another process), or everything changed."""
+        if held < 0 or not self.deltas:
+            return None
+        with self._delta_lock:
+            kept = self._delta
+            if kept is not None and kept[0] == version:
+                return (kept[1], kept[2]) if kept[1].base == held else None
+            record = store.writer.deltas.get(version)
+            entries = store.memory.layout.entries
+            if record is None or record.base != held or len(record.leaves) >= len(entries):
+                return None
+            spans = [(entries[i].offset, entries[i].nbytes) for i in record.leaves]
+            payload, at = bytearray(sum(n for _, n in spans)), 0
+            for offset, n in spans:
+                payload[at : at + n] = view[offset : offset + n]
+                at += n
+            delta = WireDelta(record.base, record.leaves, at)
+            self._delta = (version, delta, payload)
+            return delta, payload
+
     # -- forwarding (a relay's server) ----------------------------------------------------------
-    def begin(self, version: int, nbytes: int, write: Write, sealed: SealedVersion | None = None) -> Forwarding:
-        fwd = Forwarding(version, nbytes, write, sealed)
+    def begin(
+        self,
+        version: int,
+        nbytes: int,
+        write: Write | None,
+        sealed: SealedVersion | None = None,
+        delta: WireDelta | None = None,
+        payload: bytearray | None = None,
+    ) -> Forwarding:
+        fwd = Forwarding(version, nbytes, write, sealed, delta=delta, payload=payload)
         with self.changed:
             self.forwarding = fwd
             self.changed.notify_all()
@@ -313,6 +353,9 @@ class Server:
             self.changed.notify_all()
 
     def end(self, fwd: Forwarding, complete: bool) -> None:
+        if complete and fwd.delta is not None and fwd.payload is not None:
+            with self._delta_lock:  # for relays below that come for it later
+                self._delta = (fwd.version, fwd.delta, fwd.payload)
         with self.changed:
             fwd.state = "complete" if complete else "cancelled"
             self.changed.notify_all()

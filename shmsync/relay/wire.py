@@ -70,8 +70,9 @@ from shmsync.tools.secret_file import (  # noqa: F401 (re-exported: the relay's 
     resolve_secret,
 )
 
-PROTOCOL = 5
-MAGIC = b"SHMSYNC-RELAY/%d\n" % PROTOCOL
+PROTOCOL = 6
+MAGIC_PREFIX = b"SHMSYNC-RELAY/"
+MAGIC = MAGIC_PREFIX + b"%d\n" % PROTOCOL
 NONCE_BYTES = 32
 MAC_BYTES = 32
 TAG_BYTES = 16
@@ -137,6 +138,19 @@ def open_checked(aead: Any, nonce: bytes, sealed: memoryview, aad: bytes, into: 
         raise AuthenticationError(why) from None
 
 
+def speaks(hello: bytes) -> str:
+    """What a hello that is not this protocol's says of its sender, in words: another version of
+    the relay protocol (another shmsync release), or none at all."""
+    if hello.startswith(MAGIC_PREFIX):
+        number = hello[len(MAGIC_PREFIX) : len(MAGIC)].rstrip(b"\n")
+        if number.isdigit():
+            return (
+                f"speaks relay protocol {int(number)}, this side {PROTOCOL}: run the same shmsync release on the "
+                "trainer and on every relay"
+            )
+    return f"does not speak the shmsync relay protocol (version {PROTOCOL})"
+
+
 def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
 
@@ -170,7 +184,7 @@ class ServerSide:
                 tells it so, then hang up).
         """
         if len(client_hello) != CLIENT_HELLO or client_hello[: len(MAGIC)] != MAGIC:
-            raise AuthenticationError(f"the peer does not speak the shmsync relay protocol (version {PROTOCOL})")
+            raise AuthenticationError(f"the peer {speaks(client_hello)}")
         theirs = client_hello[len(MAGIC) : len(MAGIC) + NONCE_BYTES]
         mode, proof = client_hello[len(MAGIC) + NONCE_BYTES : -MAC_BYTES], client_hello[-MAC_BYTES:]
         transcript = MAGIC + self.nonce + theirs + mode
@@ -214,7 +228,7 @@ def client_handshake(sock: socket.socket, secret: bytes, timeout: float, *, encr
     deadline = time.monotonic() + timeout
     got = _recv_exactly(sock, SERVER_HELLO, deadline, "handshake")
     if got[: len(MAGIC)] != MAGIC:
-        raise AuthenticationError(f"the server does not speak the shmsync relay protocol (version {PROTOCOL})")
+        raise AuthenticationError(f"the server {speaks(got)}")
     theirs, ours, mode = got[len(MAGIC) :], secrets.token_bytes(NONCE_BYTES), bytes([encrypt])
     transcript = MAGIC + theirs + ours + mode
     sock.sendall(MAGIC + ours + mode + _mac(secret, b"client", transcript))
@@ -315,6 +329,7 @@ class Link:
         self.peer = peer
         self.keys = keys
         self.bytes_sent = 0
+        self.bytes_received = 0
         sock.settimeout(None)
         self._timeout: float | None = None  # the socket's receive timeout now (None: none)
         self._frame: tuple[bytes, int] | None = None  # a frame whose payload is still to be read
@@ -526,6 +541,7 @@ class Link:
             raise ProtocolError(f"{self.peer} sent nothing for over {timeout:.1f} s") from None
         if n == 0:
             raise LinkClosedError(f"{self.peer} closed the link")
+        self.bytes_received += n
         return n
 
     def close(self) -> None:

@@ -139,6 +139,30 @@ class ReaderRow:
 
 
 @dataclass(frozen=True)
+class Transfer:
+    """What the versions that reached one host cost on the network.
+
+    Attributes:
+        version: the last version it received.
+        last_bytes: the bytes that version took on its link (frames and tags included).
+        last_delta: whether it came as a delta (the leaves changed since the version before),
+            not whole.
+        deltas, wholes: how many versions it received each way.
+        total_bytes: the bytes all of them took.
+    """
+
+    version: int
+    last_bytes: int
+    last_delta: bool
+    deltas: int
+    wholes: int
+    total_bytes: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.version, self.last_bytes, self.last_delta, self.deltas, self.wholes, self.total_bytes]
+
+
+@dataclass(frozen=True)
 class HostReport:
     """What the trainer last heard from one other host.
 
@@ -149,6 +173,7 @@ class HostReport:
         age_s: seconds since its rows were read there.
         state: ``"reporting"``, ``"silent"`` (no report for a while) or ``"lost"`` (its link ended).
         readers: how many readers it reported.
+        transfer: what the versions it received cost on the network (None: not reported).
     """
 
     host: str
@@ -157,6 +182,7 @@ class HostReport:
     age_s: float
     state: str
     readers: int
+    transfer: Transfer | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -469,7 +495,25 @@ def format_rows(table: ReaderTable, limit: int | None = 50) -> str:
     text += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
     if len(shown) < len(rows):
         text.append(f"... and {len(rows) - len(shown)} more (no further behind than the last shown)")
+    text += _transfer_lines(table.hosts)
     return "\n".join(text)
+
+
+def _transfer_lines(hosts: Sequence[HostReport]) -> list[str]:
+    """Per other host that reported it, what its versions cost on the network (none: no lines)."""
+    reported = [h for h in hosts if h.transfer is not None]
+    if not reported:
+        return []
+    head = ["HOST", "VIA", "LAST VERSION", "SENT AS", "ITS BYTES", "DELTAS", "WHOLE", "ALL BYTES"]
+    lines = [head]
+    for h in reported:
+        t = h.transfer
+        assert t is not None
+        kind = "delta" if t.last_delta else "whole"
+        cells = [str(t.version), kind, human_bytes(t.last_bytes), str(t.deltas), str(t.wholes)]
+        lines.append([h.host, h.via, *cells, human_bytes(t.total_bytes)])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return ["", *("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)]
 
 
 def _cells(r: ReaderRow) -> list[str]:
@@ -503,4 +547,4 @@ def _age(s: float) -> str:
     return f"{s / 3600:.0f}h"
 
 
-__all__ = ["HostReport", "ReaderRow", "ReaderTable"]
+__all__ = ["HostReport", "ReaderRow", "ReaderTable", "Transfer"]

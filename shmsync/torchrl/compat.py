@@ -85,6 +85,10 @@ DIST_STORE = "DistributedWeightSyncScheme._store / ._store_info"
 DIST_PUSH = "DistributedWeightSyncScheme.send, wrapped on the trainer's instances"
 NODES_START = "Distributed(Sync)Collector._init_workers, wrapped on the instance"
 NODES = "Distributed(Sync)Collector.jobs"
+DIST_LEAVES = (
+    "DistributedTransport.send_weights_async / receive_weights (and their initial forms), wrapped on the instances"
+)
+DIST_NODE_TRANSPORT = "DistributedWeightSyncScheme.create_transport, set on the trainer's instance for the nodes"
 RAY_PUSH = "RayCollector.update_policy_weights_ reaches each actor after the calls submitted before it"
 
 CATALOGUE: dict[str, Internal] = {
@@ -244,6 +248,30 @@ CATALOGUE: dict[str, Internal] = {
             "a list of objects with `is_alive()` (or absent: the wait then ends at its deadline)",
             "the wait ends at its deadline (60 s) with a named error",
             "a public liveness check of the nodes",
+        ),
+        Internal(
+            DIST_LEAVES,
+            "0.14",
+            "TorchRL pushes the whole TensorDict to every node (`TensorDict.send`: a point-to-point message per "
+            "leaf, in sorted key order; the node's `recv` into a buffer of the same keys): each node is sent the "
+            "leaves that changed since the version it holds, as a TensorDict of those leaves on both ends, the "
+            "list written into the push's TCPStore first",
+            "the trainer's transports are `sender_transports` by worker index (rank = index + 1), each with the four "
+            "methods; a node's transport is made with `store=`, `rank=`, `weights_buffer=`; each receive's leaf list "
+            "is checked against the node's buffer and the version it holds",
+            "TorchRLChangedError before any node starts (the trainer) or when the node's transport is made; a push "
+            "that goes around the wrappers sends the whole weights, and the node, finding no list, receives them all",
+            "a `weights` subset argument on the transport's send and receive (or deltas in TorchRL's scheme)",
+        ),
+        Internal(
+            DIST_NODE_TRANSPORT,
+            "0.14",
+            "the node's receiving transport is made by the scheme object that travels to the node (pickled or "
+            "forked), through `create_transport(**kwargs)`: shmsync's, set on that instance, makes TorchRL's public "
+            "`DistributedTransport` and wraps its receive",
+            "the scheme has `create_transport` when the nodes are about to start; the kwargs it is called with",
+            "TorchRLChangedError in the node (answered to the trainer at the first push)",
+            "a public transport factory argument on the scheme",
         ),
         Internal(
             RAY_PUSH,
@@ -560,6 +588,40 @@ def node_processes(collector: Any) -> list[Any] | None:
         return None
     check(NODES, isinstance(jobs, (list, tuple)), f"{type(collector).__name__}.jobs is a {type(jobs).__name__}")
     return list(jobs)
+
+
+def sender_transports(scheme: Any) -> dict[int, Any]:
+    """The trainer's transports of a distributed push scheme, by rank (TorchRL's worker index + 1)."""
+    transports = getattr(scheme, "sender_transports", None)
+    check(DIST_LEAVES, isinstance(transports, Mapping), f"{type(scheme).__name__}.sender_transports is {transports!r}")
+    out = {}
+    for index, transport in cast(Mapping, transports).items():
+        check(DIST_LEAVES, isinstance(index, int), f"a transport is registered under {index!r}, not a worker index")
+        for method in ("send_weights_async", "send_initial_weights"):
+            check(DIST_LEAVES, callable(getattr(transport, method, None)), f"{type(transport).__name__}.{method}")
+        out[index + 1] = transport
+    return out
+
+
+def set_node_transports(scheme: Any, make: Callable[..., Any]) -> None:
+    """Have the nodes' copies of ``scheme`` make their receiving transport with ``make(**kwargs)``."""
+    check(DIST_NODE_TRANSPORT, callable(getattr(scheme, "create_transport", None)), "it has no create_transport")
+    scheme.create_transport = make
+
+
+def node_transport(kwargs: dict[str, Any]) -> tuple[Any, torch.distributed.Store, int, Any]:
+    """A node's receiving transport, made as TorchRL makes it (``DistributedTransport(**kwargs)``),
+    with the store, rank and receive buffer TorchRL gave it."""
+    from tensordict import TensorDictBase
+    from torchrl.weight_update import DistributedTransport
+
+    store, rank, buffer = kwargs.get("store"), kwargs.get("rank"), kwargs.get("weights_buffer")
+    ok = isinstance(store, torch.distributed.Store) and isinstance(rank, int) and isinstance(buffer, TensorDictBase)
+    check(DIST_NODE_TRANSPORT, ok, f"create_transport was called with {sorted(kwargs)}")
+    transport = DistributedTransport(**kwargs)
+    for method in ("receive_weights", "receive_initial_weights"):
+        check(DIST_LEAVES, callable(getattr(transport, method, None)), f"DistributedTransport.{method}")
+    return transport, cast(torch.distributed.Store, store), cast(int, rank), buffer
 
 
 # -- Ray --------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from torchrl.collectors import distributed as torchrl_distributed
 from shmsync.errors import ShmSyncError
 from shmsync.store.reader_table import HostReport, ReaderRow
 from shmsync.torchrl import compat
+from shmsync.torchrl.push_deltas import NodeTransports, TrainerLeaves
 from shmsync.torchrl.remote_nodes import (
     ERROR,
     PUBLISHED_KEY,
@@ -69,17 +70,19 @@ class _NumberedPushes:
     reached after it returns (TorchRL's push waits for the nodes' acknowledgements, which come
     after they applied it)."""
 
-    def __init__(self, collector: Any, *, wait_until_ready: bool) -> None:
+    def __init__(self, collector: Any, *, wait_until_ready: bool, leaves: dict[int, TrainerLeaves]) -> None:
         self.collector = collector
         self.count = 0
         self.failed = False  # shmsync raised: the nodes are to be stopped, not waited for
         self.waiting = wait_until_ready
         self.stores: list[torch.distributed.Store] = []
+        self.leaves = leaves  # by id of the scheme: what each push sends each node
         for scheme in compat.schemes_of(collector).values():
             store = compat.push_store(scheme)
             store.set(VERSION_KEY, "0")
             self.stores.append(store)
-            compat.wrap_push(scheme, functools.partial(_bound, self.push, store))
+            send = functools.partial(_bound, self.push, store, leaves.get(id(scheme)))
+            compat.wrap_push(scheme, send)
         self.ranks = list(range(1, collector.num_workers + 1))
         self.book = ReportBook(latest=lambda: self.count)
         self._seen: dict[int, int] = {}  # rank -> the number of its last report taken
@@ -111,14 +114,25 @@ class _NumberedPushes:
                     self.book.heard(entries[0].node if entries else f"rank{rank}", f"node {rank}", entries)
         return self.book.remote_rows(latest)
 
-    def push(self, store: torch.distributed.Store, send: Callable, weights: Any = None, worker_ids: Any = None) -> Any:
+    def push(
+        self,
+        store: torch.distributed.Store,
+        leaves: TrainerLeaves | None,
+        send: Callable,
+        weights: Any = None,
+        worker_ids: Any = None,
+    ) -> Any:
         self.wait_until_ready()
         self.count += 1
         store.set(VERSION_KEY, str(self.count))
+        if leaves is not None:
+            leaves.begin(self.count)
         result = send(weights=weights, worker_ids=worker_ids)
         problems = []
         for rank in self._ranks(worker_ids):
             answer = _read(store, PUBLISHED_KEY.format(rank=rank))
+            if leaves is not None:  # the node's buffer holds this push, or nothing known
+                leaves.confirmed(rank, self.count, answer == str(self.count))
             if answer != str(self.count):
                 problems.append(f"node {rank} answered {answer!r} for push {self.count}")
         self._confirmed(problems)
@@ -166,9 +180,9 @@ def _read(store: torch.distributed.Store, key: str) -> str | None:
     return store.get(key).decode() if store.check([key]) else None
 
 
-def _bound(method: Callable, store: Any, send: Callable) -> Callable:
+def _bound(method: Callable, store: Any, leaves: TrainerLeaves | None, send: Callable) -> Callable:
     def send_numbered(weights: Any = None, worker_ids: Any = None) -> Any:
-        return method(store, send, weights, worker_ids)
+        return method(store, leaves, send, weights, worker_ids)
 
     return send_numbered
 
@@ -193,24 +207,35 @@ class _Nodes:
         self.base = base
         self.sync = base is torchrl_distributed.DistributedSyncCollector
         self.pushes: _NumberedPushes | None = None
+        self.leaves: dict[int, TrainerLeaves] = {}  # by id of the trainer's push scheme
         self.failed = False
         collector._shmsync = self  # before TorchRL's constructor, which may shut the collector down
         remote_schemes = claim_remote_schemes(kwargs.get("collector_kwargs"), "distributed", base.__name__)
         if remote_schemes:
-            compat.before_nodes_start(collector, lambda: _tell(remote_schemes, collector))
+            compat.before_nodes_start(collector, lambda: self._before_nodes_start(remote_schemes, collector))
         base.__init__(collector, *args, **kwargs)
         if not remote_schemes:
             return
         try:
             keys = list(dict.fromkeys(s.settings.version_key for s in remote_schemes if s.settings.version_key))
             _add_version_keys(collector, keys)
-            self.pushes = _NumberedPushes(collector, wait_until_ready=self.sync)
+            self.pushes = _NumberedPushes(collector, wait_until_ready=self.sync, leaves=self.leaves)
             for scheme in remote_schemes:  # scheme.readers() lists every node's workers
                 scheme.remote_rows.add(self.pushes)
         except BaseException:
             self.failed = True
             collector.shutdown()
             raise
+
+    def _before_nodes_start(self, remote_schemes: list[Any], collector: Any) -> None:
+        """Right before the nodes start: the local schemes learn where the push store listens, and
+        each push scheme sends each node only the leaves that changed since its version."""
+        _tell(remote_schemes, collector)
+        for scheme in compat.schemes_of(collector).values():
+            leaves = TrainerLeaves(compat.push_store(scheme))
+            leaves.install(scheme)
+            compat.set_node_transports(scheme, NodeTransports())
+            self.leaves[id(scheme)] = leaves
 
     def iterator(self, collector: Any) -> Iterator[Any]:
         pushes = self.pushes

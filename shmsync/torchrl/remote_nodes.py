@@ -31,7 +31,7 @@ import torch
 
 from shmsync.errors import InvalidArgumentError, ShmSyncError
 from shmsync.store.reader_table import merge
-from shmsync.torchrl import compat
+from shmsync.torchrl import compat, push_deltas
 from shmsync.torchrl.publishing import Publisher
 from shmsync.watch.remote_rows import (
     MAX_REPORT_BYTES,
@@ -122,6 +122,9 @@ class NodePushes:
                 f"a push reached node {self.rank} that the trainer did not number (the store says {number}, this node "
                 f"already published {self.last}): TorchRL pushed around shmsync's numbering"
             )
+        refused = push_deltas.refusal(number)
+        if refused is not None:  # what arrived is not that push's weights whole: nothing of it is published
+            raise ShmSyncError(f"node {self.rank} refused the leaves it was sent: {refused}")
         return number
 
     def applied(self, version: int) -> None:
@@ -209,7 +212,7 @@ def collector_rows(collector: Any, node: str) -> HostRows | None:
     if not groups:
         return None
     table = merge([g.readers(processes=True, memory=False) for g in groups])
-    return own_rows(table.store, node, [*table.rows, *table.gone])
+    return own_rows(table.store, node, [*table.rows, *table.gone], push_deltas.node_transfer())
 
 
 def encode_report(seq: int, entries: list[HostRows]) -> bytes:

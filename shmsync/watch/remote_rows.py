@@ -25,7 +25,7 @@ from typing import Any
 
 from shmsync.core import segment
 from shmsync.errors import InvalidArgumentError, ShmSyncError
-from shmsync.store.reader_table import HOST, MAX_WORKER, MODES, HostReport, ReaderRow, rebase
+from shmsync.store.reader_table import HOST, MAX_WORKER, MODES, HostReport, ReaderRow, Transfer, rebase
 
 log = logging.getLogger("shmsync.table")
 
@@ -105,7 +105,26 @@ def row_from_wire(fields: Any, host: str, store: str, age_s: float) -> ReaderRow
     )
 
 
-# A report: the rows of readers on other hosts, each host's as last read there, ``age_s`` ago.
+def transfer_from_wire(fields: Any, what: str) -> Transfer | None:
+    """What a host's versions cost on the network, as a report or the report file carries it
+    (None: not reported), every field checked (ValueError names the first bad one)."""
+    if fields is None:
+        return None
+    if not isinstance(fields, list) or len(fields) != 6 or not isinstance(fields[2], bool):
+        raise InvalidArgumentError(f"{what} is {str(fields)[:60]}, not [version, bytes, delta, deltas, wholes, bytes]")
+    version, last, delta, deltas, wholes, total = fields
+    return Transfer(
+        _int(version, -1, 1 << 62, f"{what}'s version"),
+        _int(last, 0, 1 << 62, f"{what}'s last bytes"),
+        delta,
+        _int(deltas, 0, 1 << 62, f"{what}'s deltas"),
+        _int(wholes, 0, 1 << 62, f"{what}'s wholes"),
+        _int(total, 0, 1 << 62, f"{what}'s total bytes"),
+    )
+
+
+# A report: the rows of readers on other hosts, each host's as last read there, ``age_s`` ago,
+# and what the versions that reached it cost on the network (None: not reported).
 @dataclass(frozen=True)
 class HostRows:
     host: str
@@ -113,6 +132,7 @@ class HostRows:
     store: str
     age_s: float
     rows: tuple[ReaderRow, ...]
+    transfer: Transfer | None = None
 
     def aged(self, seconds: float) -> HostRows:
         return replace(self, age_s=self.age_s + seconds)
@@ -124,20 +144,28 @@ MAX_REPORT_ROWS = 1 << 16  # rows in one report, all hosts together
 
 def report_to_wire(entries: Iterable[HostRows]) -> dict[str, Any]:
     """``entries`` as a JSON document (a relay's report to its parent)."""
-    return {"hosts": [[e.host, e.node, e.store, round(e.age_s, 3), [row_to_wire(r) for r in e.rows]] for e in entries]}
+    return {"hosts": [_entry_to_wire(e) for e in entries]}
+
+
+def _entry_to_wire(e: HostRows) -> list[Any]:
+    entry = [e.host, e.node, e.store, round(e.age_s, 3), [row_to_wire(r) for r in e.rows]]
+    return entry if e.transfer is None else [*entry, e.transfer.to_wire()]
 
 
 def _host_entry(entry: Any) -> HostRows:
     """One host's entry of a report, every field checked."""
-    if not isinstance(entry, list) or len(entry) != 5 or not isinstance(entry[4], list):
-        raise InvalidArgumentError(f"a report's host entry is {str(entry)[:60]}, not [host, node, store, age_s, rows]")
+    if not isinstance(entry, list) or len(entry) not in (5, 6) or not isinstance(entry[4], list):
+        raise InvalidArgumentError(
+            f"a report's host entry is {str(entry)[:60]}, not [host, node, store, age_s, rows(, transfer)]"
+        )
     host = _text(entry[0], MAX_NAME, "a report's host")
     node = entry[1]
     if not (isinstance(node, str) and len(node) == 16 and all(c in "0123456789abcdef" for c in node)):
         raise InvalidArgumentError(f"a report's node is {ascii(node)[:40]}, not 16 hex digits")
     store = _text(entry[2], MAX_NAME, "a report's store")
     age = _seconds(entry[3], "a report's age_s") or 0.0
-    return HostRows(host, node, store, age, tuple(row_from_wire(f, host, store, age) for f in entry[4]))
+    transfer = transfer_from_wire(entry[5], "a report's transfer") if len(entry) == 6 else None
+    return HostRows(host, node, store, age, tuple(row_from_wire(f, host, store, age) for f in entry[4]), transfer)
 
 
 def report_from_wire(doc: Any) -> list[HostRows]:
@@ -147,7 +175,7 @@ def report_from_wire(doc: Any) -> list[HostRows]:
         raise InvalidArgumentError(f"a report is {str(doc)[:60]}, not {{'hosts': [at most {MAX_REPORT_HOSTS} hosts]}}")
     out, total = [], 0
     for entry in hosts:
-        if isinstance(entry, list) and len(entry) == 5 and isinstance(entry[4], list):
+        if isinstance(entry, list) and len(entry) in (5, 6) and isinstance(entry[4], list):
             total += len(entry[4])
         if total > MAX_REPORT_ROWS:
             raise InvalidArgumentError(f"a report holds more than {MAX_REPORT_ROWS} rows")
@@ -171,7 +199,10 @@ def write_report_file(store: str, hosts: Sequence[HostReport], rows: Sequence[Re
     doc = {
         "format": 1,
         "written_ns": time.time_ns(),
-        "hosts": [[h.host, h.via, h.store, round(h.age_s, 3), h.state, h.readers] for h in hosts],
+        "hosts": [
+            [h.host, h.via, h.store, round(h.age_s, 3), h.state, h.readers, h.transfer and h.transfer.to_wire()]
+            for h in hosts
+        ],
         "rows": [[r.host, r.store, round(r.report_age_s or 0.0, 3), row_to_wire(r)] for r in rows],
     }
     data = json.dumps(doc, separators=(",", ":")).encode()
@@ -214,7 +245,7 @@ def read_report_file(store: str, latest: int) -> tuple[list[HostReport], list[Re
         age = max(0.0, (time.time_ns() - _int(doc.get("written_ns"), 0, 1 << 63, "written_ns")) / 1e9)
         hosts = []
         for h in _list(doc.get("hosts"), MAX_REPORT_HOSTS, "hosts"):
-            if not isinstance(h, list) or len(h) != 6:
+            if not isinstance(h, list) or len(h) not in (6, 7):
                 raise InvalidArgumentError(f"a host entry is {str(h)[:60]}")
             hosts.append(
                 HostReport(
@@ -224,6 +255,7 @@ def read_report_file(store: str, latest: int) -> tuple[list[HostReport], list[Re
                     (_seconds(h[3], "a host's age_s") or 0.0) + age,
                     _text(h[4], MAX_STATE, "a host's state"),
                     _int(h[5], 0, MAX_REPORT_ROWS, "a host's readers"),
+                    transfer_from_wire(h[6], "a host's transfer") if len(h) == 7 else None,
                 )
             )
         rows = []
@@ -312,7 +344,7 @@ class ReportBook:
                 age = e.age_s + now - h.at
                 state = "lost" if h.lost_at is not None else "silent" if now - h.at > SILENT_AFTER else "reporting"
                 via = h.via if e.node == node else f"below {h.via}"
-                hosts.append(HostReport(e.host, via, e.store, age, state, len(e.rows)))
+                hosts.append(HostReport(e.host, via, e.store, age, state, len(e.rows), e.transfer))
                 extra = {"state": "lost"} if state == "lost" else {}
                 rows += rebase(e.rows, latest, now - h.at, **extra)
         return hosts, rows
@@ -341,9 +373,9 @@ class ReportBook:
             self._tracked = not segment.track_file(self.store + REPORT_SUFFIX, register=False)
 
 
-def own_rows(store_name: str, node: str, rows: list[ReaderRow]) -> HostRows:
-    """This host's entry of a report."""
-    return HostRows(HOST, node, store_name, 0.0, tuple(rows))
+def own_rows(store_name: str, node: str, rows: list[ReaderRow], transfer: Transfer | None = None) -> HostRows:
+    """This host's entry of a report (``transfer``: what the versions that reached it cost)."""
+    return HostRows(HOST, node, store_name, 0.0, tuple(rows), transfer)
 
 
 __all__ = ["HostRows", "ReportBook", "read_report_file", "report_from_wire", "report_to_wire"]

@@ -218,6 +218,28 @@ class SourceChanges:
         for leaf in self.leaves:
             leaf.dirty = True
 
+    def replaced(self, version: int) -> None:
+        """``version`` was published whole from bytes from elsewhere: every leaf counts as changed at
+        it (exact: a slot holding an older version lacks every leaf, one holding it lacks none), and
+        the source, whatever it holds, is compared at its next publish."""
+        self.changed_at = [version] * len(self.leaves)
+        for leaf in self.leaves:
+            leaf.dirty = True
+
+    def published_delta(self, version: int, base: int, changed: list[int]) -> None:
+        """``version`` was published from bytes from elsewhere that differ from ``base`` (the newest
+        version before it) only in the leaves ``changed``: those changed at ``version``; the others
+        hold ``base``'s bytes (known from now on where they were not); the source is compared at its
+        next publish."""
+        at = self.changed_at
+        for i in changed:
+            at[i] = version
+        for i, a in enumerate(at):
+            if a < 0:
+                at[i] = base
+        for leaf in self.leaves:
+            leaf.dirty = True
+
     def close(self) -> None:
         """Stop tracking."""
         for leaf in self.leaves:
@@ -267,6 +289,47 @@ class SourceChanges:
         if self._pages is not None and leaf.tracked is not None:
             self._pages.untrack([leaf.tracked])
         leaf.tracked = None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one version changed: the leaves whose bytes may differ from ``base``'s, the store's
+    newest version right before ``version`` (every other leaf holds ``base``'s bytes exactly)."""
+
+    version: int
+    base: int
+    leaves: tuple[int, ...]
+
+
+class VersionDeltas:
+    """The :class:`Delta` of each of the last few versions a writer committed, noted before the
+    commit (so that whoever sees a version sees its delta), and looked up by version: a version
+    published any other way (from CUDA, in the background, bytes from a relay) has none.
+
+    Examples:
+        >>> deltas = VersionDeltas()
+        >>> deltas.note(Delta(version=5, base=4, leaves=(2,)))
+        >>> deltas.get(5), deltas.get(6)
+        (Delta(version=5, base=4, leaves=(2,)), None)
+    """
+
+    KEPT = 8
+
+    def __init__(self) -> None:
+        self._by_version: dict[int, Delta] = {}
+
+    def note(self, delta: Delta) -> None:
+        kept = self._by_version
+        kept.pop(delta.version, None)
+        kept[delta.version] = delta
+        while len(kept) > self.KEPT:
+            del kept[next(iter(kept))]
+
+    def get(self, version: int) -> Delta | None:
+        return self._by_version.get(version)
+
+    def clear(self) -> None:
+        self._by_version = {}
 
 
 def _spans_equal(source: torch.Tensor, held: torch.Tensor, spans: list[tuple[int, int]]) -> bool:

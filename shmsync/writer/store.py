@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -55,10 +55,11 @@ from shmsync.store.layout import Layout
 from shmsync.store.memory import RECHECK_EMPTY_S, StoreMemory
 from shmsync.store.reader_table import ReaderTable, RemoteSources, assemble, local_rows
 from shmsync.store.sources import SourceMatcher, as_tensordict
-from shmsync.writer.changes import SourceChanges
+from shmsync.writer.changes import Delta, SourceChanges, VersionDeltas
 from shmsync.writer.steps import OptimizerSteps
 
 COPY_ATTEMPTS = 3  # copies publish_if_changed tries before it gives up on a source being written
+PROOF_DELTA = 3  # unchanged_proof of a version published from a delta: the sender proved them unchanged
 
 
 class Snapshot(NamedTuple):
@@ -92,6 +93,7 @@ class StoreWriter:
         self.steps = OptimizerSteps(memory.header)  # counting once this process takes the writer role
         self._matcher = SourceMatcher(memory.layout, memory.destinations)
         self.changes = SourceChanges(len(memory.layout.entries))  # what a publish need not copy
+        self.deltas = VersionDeltas()  # what each version committed here changed (a relay sends only that)
         self._nbytes = [e.nbytes for e in memory.layout.entries]
         self._what = f"weights published to store {memory.name!r}"
         self._empty: dict[int, float] = {}  # slots seen holding no pages, and when
@@ -112,9 +114,11 @@ class StoreWriter:
             if self.copier.pending:
                 self.flush()  # one write open at a time: the one in flight (and its give-backs) first
             if self.cuda is not None or any(t.is_cuda for t in tensors):
+                self.deltas.clear()
                 version = self._cuda(tensors).enqueue(tensors, version)
                 self._copied_all()
             elif self.unsafe_background if unsafe_background is None else unsafe_background:
+                self.deltas.clear()
                 version = self._in_background(tensors, version)
                 self._copied_all()
             else:
@@ -134,6 +138,7 @@ class StoreWriter:
                 return None
             if self.cuda is not None or any(t.is_cuda for t in tensors):
                 # Stream order makes it a snapshot: writes enqueued after it on the stream come after.
+                self.deltas.clear()
                 version: int | None = self._cuda(tensors).enqueue(tensors, None)
                 self._copied_all()
             else:
@@ -198,6 +203,8 @@ class StoreWriter:
                 )
             h[W_COPIED_BYTES] = copied = sum(nbytes[i] for i in lacks)
             h[W_SKIPPED_BYTES], h[W_PROOF] = memory.layout.payload_bytes - copied, PROOFS.index(changes.proof)
+            # Before the commit: whoever sees the version sees what it changed since the one before.
+            self.deltas.note(Delta(write.version, before, tuple(i for i, f in enumerate(found) if f)))
 
         before = h[memory.host.version]
         version = self._copy_and_commit(copy, version)
@@ -306,6 +313,7 @@ class StoreWriter:
             if not self.holding:
                 self.acquire()
             self.flush()
+            self.deltas.clear()
             write = self.slot_writer.begin_write(version, steps=-1)  # bytes from elsewhere: no training seen here
 
             def copy(write: Write) -> None:
@@ -314,6 +322,51 @@ class StoreWriter:
 
             version = self._copy_and_commit(copy, write=write)
             self._copied_all()
+            self.changes.replaced(version)  # every leaf changed at it: the next delta copies what a slot lacks
+            return version
+
+    def write_delta(self, data: Any, version: int, base: int, leaves: Sequence[int]) -> int:
+        """See :meth:`WeightStore.publish_delta`."""
+        with self.lock:
+            memory = self.memory
+            memory.check_open()
+            self.check_version(version)
+            changed = check_delta(memory.layout.entries, data, leaves, self.name)
+            if not self.holding:
+                self.acquire()
+            self.flush()
+            h, host = memory.header, memory.host
+            if base < 0 or base != h[host.version]:
+                raise InvalidArgumentError(
+                    f"store {self.name!r}: a delta from version {base}, but the newest version here is "
+                    f"{h[host.version]}; only a delta from the newest version can be published (else the whole version)"
+                )
+            newest, at, entries = h[host.latest], self.changes.changed_at, memory.layout.entries
+            incoming = _bytes_tensor(data)
+
+            def copy(write: Write) -> None:
+                dst, src = memory.slot_bytes(write.slot), memory.slot_bytes(newest)
+                held, wrote = write.held, set(changed)
+                lacks = [i for i in range(len(entries)) if i not in wrote and (held < 0 or not 0 <= at[i] <= held)]
+                targets, sources, offset = [], [], 0
+                for i in changed:  # the delta's bytes, one leaf after the other
+                    e = entries[i]
+                    targets.append(dst[e.offset : e.offset + e.nbytes])
+                    sources.append(incoming[offset : offset + e.nbytes])
+                    offset += e.nbytes
+                for i in lacks:  # what the slot lacks of the rest: the newest version's bytes
+                    e = entries[i]
+                    targets.append(dst[e.offset : e.offset + e.nbytes])
+                    sources.append(src[e.offset : e.offset + e.nbytes])
+                if targets:
+                    copy_all(targets, sources, True)
+                h[W_COPIED_BYTES] = copied = offset + sum(entries[i].nbytes for i in lacks)
+                h[W_SKIPPED_BYTES], h[W_PROOF] = memory.layout.payload_bytes - copied, PROOF_DELTA
+                self.deltas.note(Delta(version, base, changed))
+
+            write = self.slot_writer.begin_write(version, steps=-1)  # bytes from elsewhere: no training seen here
+            version = self._copy_and_commit(copy, write=write)
+            self.changes.published_delta(version, base, list(changed))
             return version
 
     def _cuda(self, tensors: list[torch.Tensor]) -> Any:
@@ -581,8 +634,9 @@ class WeightStore:
         ``device_bytes``), ``num_slots``, the device (-1: none), the optimizer ``steps`` counted
         (-1: none), and of the last publish: ``copied_bytes``, ``skipped_bytes`` (unchanged since
         the version its slot held) and ``unchanged_proof``, how unchanged leaves were proved so: 0
-        none (every leaf copied: from CUDA, in the background, bytes from a relay), 1 comparison,
-        2 the pages written (see :mod:`shmsync.writer.changes`).
+        none (every leaf copied: from CUDA, in the background, a whole version from a relay), 1
+        comparison, 2 the pages written (see :mod:`shmsync.writer.changes`), 3 the delta a relay
+        received (:meth:`publish_delta`: the trainer proved them unchanged).
 
         Examples:
             >>> import torch
@@ -730,6 +784,42 @@ class WeightStore:
         """
         return self.writer.write_bytes(fill, version)
 
+    def publish_delta(self, data: Any, *, version: int, base: int, leaves: Sequence[int]) -> int:
+        """Publish ``version``, which differs from ``base``, this store's newest version, only in the
+        leaves ``leaves`` (indices into the layout, in increasing order), whose bytes ``data`` holds
+        one after the other: how a relay publishes a version whose changes alone came over the
+        network. The slot it writes gets those bytes, and from the newest version's slot only what
+        it lacks (the leaves that changed since the version it held); later publishes know which
+        leaves changed at ``version``.
+
+        Args:
+            data: the bytes of the leaves named, in layout order, without the layout's gaps.
+            version: the version's number, higher than every version before.
+            base: the version the delta is from: the newest one here.
+            leaves: the leaves that changed since ``base`` (every other leaf holds its bytes).
+
+        Returns:
+            ``version``.
+
+        Raises:
+            InvalidArgumentError: ``version`` is not higher than the last one, ``base`` is not the
+                newest version, a leaf index is out of range or out of order, or ``data`` does not
+                hold exactly those leaves' bytes; nothing is written.
+            WriterBusyError: another live process holds the writer role.
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightStore
+            >>> weights = {"frozen": torch.zeros(1000), "head": torch.zeros(2)}
+            >>> with WeightStore.create(weights, num_slots=2) as store:  # version 0 in one slot
+            ...     for v in (1, 2):  # the other slot, then the first again: it lacks only the head
+            ...         head = torch.tensor([float(v), 2.0 * v])
+            ...         _ = store.publish_delta(head.numpy().tobytes(), version=v, base=v - 1, leaves=[1])
+            ...     store.snapshot().weights["head"].tolist(), store.info()["copied_bytes"]
+            ([2.0, 4.0], 8)
+        """
+        return self.writer.write_delta(data, version, base, leaves)
+
     def check(self, source: Any, version: int | None = None) -> None:
         """Raise what :meth:`publish` would raise for ``source`` (and ``version``), writing nothing:
         an update that reaches several stores checks each before it writes any.
@@ -858,6 +948,38 @@ class WeightStore:
         if self.owner:
             self.unlink()
         self.close()
+
+
+def check_delta(entries: Sequence[Any], data: Any, leaves: Any, store: str) -> tuple[int, ...]:
+    """The leaves of a delta, checked against the layout's ``entries``: indices in range, each
+    once, in order, and ``data`` exactly their bytes. Raises InvalidArgumentError naming the first
+    thing that is off (a delta comes from a peer: nothing is sized from it before this)."""
+    where = f"store {store!r}: a delta"
+    if not isinstance(leaves, (list, tuple)) or len(leaves) > len(entries):
+        raise InvalidArgumentError(f"{where}'s leaves must be a list of at most {len(entries)} indices")
+    last = -1
+    for i in leaves:
+        if isinstance(i, bool) or not isinstance(i, int) or not last < i < len(entries):
+            why = "out of range" if isinstance(i, int) and not 0 <= i < len(entries) else "not in increasing order"
+            raise InvalidArgumentError(
+                f"{where} names leaf {str(i)[:20]} after leaf {last}: {why} (the store has {len(entries)} leaves, "
+                "each named once, in order)"
+            )
+        last = i
+    want, got = sum(entries[i].nbytes for i in leaves), memoryview(data).nbytes
+    if got != want:
+        raise InvalidArgumentError(f"{where} of {got} bytes, where its {len(leaves)} leaves hold {want} bytes")
+    return tuple(leaves)
+
+
+def _bytes_tensor(data: Any) -> torch.Tensor:
+    """``data`` (bytes-like) as a flat uint8 tensor on its memory."""
+    view = memoryview(data).cast("B")
+    if not view.nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # read only here: torch warns of buffers it could write
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(view, dtype=torch.uint8)
 
 
 def check_version(version: Any, last: int, store: str = "") -> None:

@@ -118,3 +118,28 @@ def send_sealed(link, version, nbytes, size, salt, frames):
     link.send(b"VERS", sealing.HEADER.pack(version, nbytes, size, salt))
     for frame in frames:
         link.send_or_keep(b"DATA", frame, sealed=True)
+
+
+def send_delta(link, version, base, leaves, nbytes, payload, *, count=None, sealed_as=None):
+    """A delta as a trainer sends it: DELT (the version header, then the base, the number of leaves
+    and their indices), then ``payload`` in pieces (on an encrypted link sealed as
+    :mod:`shmsync.relay.sealing` seals a delta: ``sealed_as`` gives another base and leaves to seal
+    under). ``count`` overrides the number of leaves the header says."""
+    import struct
+
+    from shmsync.relay import deltas
+
+    tail = deltas.DELTA.pack(base, len(leaves) if count is None else count) + struct.pack(f">{len(leaves)}I", *leaves)
+    size = 1 << 20
+    if link.keys is None:
+        link.send(b"DELT", struct.pack(">qQ", version, nbytes) + tail)
+        for offset in range(0, len(payload), size):
+            link.send(b"DATA", payload[offset : offset + size])
+        return
+    salt = os.urandom(sealing.SALT_BYTES)
+    seal_base, seal_leaves = sealed_as if sealed_as is not None else (base, leaves)
+    aead = sealing._key(SECRET.encode(), salt, version, nbytes, size, seal_base, seal_leaves)
+    link.send(b"DELT", sealing.HEADER.pack(version, nbytes, size, salt) + tail)
+    for i, offset in enumerate(range(0, len(payload), size)):
+        frame = aead.encrypt(sealing._nonce(i), payload[offset : offset + size], sealing._aad(i))
+        link.send_or_keep(b"DATA", frame, sealed=True)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import time
 
+import torch
+
 from shmsync import WeightReader, WeightStore
 from shmsync.relay import wire
 from tests.processes import use_store_dir
@@ -345,3 +347,68 @@ def host_dirs(tmp_path, n):
         path.mkdir()
         paths.append(str(path))
     return paths
+
+
+def weights_digest(tensors) -> str:
+    """The bytes of ``tensors`` (name -> tensor), in name order, as one hex digest."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def delta_host(host_dir: str, port: int, name: str, sizes, encrypt: bool, conn) -> None:
+    """A host: its relay, and a reader of its store. Says ("ready", parent port, serving address)
+    once its store exists; then, asked ("hold", v), waits until its reader holds version ``v`` and
+    answers ("holds", version, digest of the reader's weights, what the last version cost the
+    relay's link as sent upstream); ("stop",) ends it. A relay error is answered ("error", ...)."""
+    import threading
+
+    use_store_dir(host_dir)
+    from shmsync.relay import Relay
+
+    relay = Relay("127.0.0.1", port, store=name, secret=SECRET, timeout=30, encrypt=encrypt)
+    failed: list[str] = []
+
+    def run():
+        try:
+            relay.run()
+        except Exception as e:
+            failed.append(f"{type(e).__name__}: {e}")
+
+    threading.Thread(target=run, daemon=True).start()
+    deadline = time.monotonic() + 60
+    while relay.store is None and not failed and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if relay.store is None:
+        conn.send(("error", failed[0] if failed else "no store in 60 s"))
+        return
+    store = WeightStore.attach(name)
+    module = Blob(sizes)
+    reader = WeightReader(store, module)
+    reader.poll()
+    conn.send(("ready", relay.parent[1], relay.serving))
+    try:
+        while True:
+            message = conn.recv()
+            if message[0] == "stop":
+                return
+            want, deadline = message[1], time.monotonic() + 60
+            while not failed and time.monotonic() < deadline:
+                counted = relay.transfer is not None and relay.transfer.version >= want  # noted after the commit
+                if reader.version >= want and counted:
+                    break
+                if not reader.poll():
+                    time.sleep(0.001)
+            if failed:
+                conn.send(("error", failed[0]))
+                return
+            transfer = relay.transfer.to_wire() if relay.transfer is not None else None
+            conn.send(("holds", reader.version, weights_digest(dict(module.named_buffers())), transfer))
+    finally:
+        reader.close()
+        store.close()
+        relay.close()

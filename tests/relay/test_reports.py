@@ -71,6 +71,8 @@ def test_the_trainers_table_lists_every_hosts_readers_and_marks_a_lost_host(stor
         json.dumps(
             {"hosts": [["h", "0123456789abcdef", "policy", 0.0, [[0, 0, 0, 0, 0, 0, False, "", None]]]]}
         ).encode(),
+        json.dumps({"hosts": [["h", "0123456789abcdef", "policy", 0.0, [], [3, -1, True, 1, 0, 9]]]}).encode(),
+        json.dumps({"hosts": [["h", "0123456789abcdef", "policy", 0.0, [], [3, 9, "delta", 1, 0, 9]]]}).encode(),
     ],
 )
 def test_a_relay_whose_report_fails_its_check_is_cut_and_listed_nowhere(store_factory, report):

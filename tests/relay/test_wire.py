@@ -235,6 +235,31 @@ def test_a_peer_that_does_not_speak_the_protocol_is_refused():
         done()
 
 
+OLD_MAGIC = b"SHMSYNC-RELAY/5\n"  # the protocol of shmsync 0.2.0
+
+
+def test_a_relay_of_protocol_5_is_refused_at_the_handshake_naming_both_versions():
+    """A relay of the release before (protocol 5: no deltas) joining a trainer of this one."""
+    assert wire.PROTOCOL == 6 and len(OLD_MAGIC) == len(wire.MAGIC)
+    server, client = _pair()
+    done = _run(server_handshake, server, SECRET, 5)
+    client.recv(wire.SERVER_HELLO)
+    client.sendall(OLD_MAGIC + os.urandom(wire.CLIENT_HELLO - len(OLD_MAGIC)))
+    with pytest.raises(
+        AuthenticationError, match="the peer speaks relay protocol 5, this side 6: run the same shmsync"
+    ):
+        done()
+
+
+def test_a_trainer_of_protocol_5_is_refused_by_the_relay_naming_both_versions():
+    server, client = _pair()
+    server.sendall(OLD_MAGIC + os.urandom(wire.NONCE_BYTES))
+    with pytest.raises(AuthenticationError, match="the server speaks relay protocol 5, this side 6"):
+        wire.client_handshake(client, SECRET, 5)
+    client.close()
+    assert server.recv(1024) == b"", "the relay sent its proof to a server of another protocol"
+
+
 def test_a_silent_peer_is_dropped_at_the_handshake_deadline():
     server, client = _pair()
     began = time.monotonic()

@@ -12,13 +12,15 @@ import torch
 
 from shmsync import WeightReader, WeightStore
 from shmsync.core import segment
-from shmsync.store.reader_table import HostReport, ReaderRow, ReaderTable
+from shmsync.store.reader_table import HostReport, ReaderRow, ReaderTable, Transfer
 from shmsync.testing import header_bytes
 from shmsync.watch.remote_rows import (
     MAX_REPORT_ROWS,
+    HostRows,
     read_report_file,
     report_from_wire,
     report_path,
+    report_to_wire,
     row_from_wire,
     row_to_wire,
     write_report_file,
@@ -189,6 +191,25 @@ def test_the_report_file_round_trips_and_ages(store_dir):
     (row,) = got_rows
     assert (row.host, row.pid, row.version, row.behind) == ("host-b", 99, 4, 2)
     assert row.report_age_s >= 0.5 and row.since_reload_s >= 0.25
+
+
+def test_what_each_hosts_versions_cost_round_trips_and_shows_in_the_table(store_dir):
+    """A relay reports what the versions that reached its host cost on its link; the trainer's
+    table and the report file `shmsync ls NAME` reads carry it, and the text table shows it."""
+    transfer = Transfer(version=12, last_bytes=66_000, last_delta=True, deltas=11, wholes=1, total_bytes=4_900_000)
+    entry = HostRows("host-b", "0123456789abcdef", "policy", 0.0, (), transfer)
+    (back,) = report_from_wire(json.loads(json.dumps(report_to_wire([entry]))))
+    assert back.transfer == transfer
+    hosts = [HostReport("host-b", "relay 1", "policy", 0.5, "reporting", 0, transfer)]
+    write_report_file("policy", hosts, [])
+    got_hosts, _ = read_report_file("policy", latest=12)
+    assert [h.transfer for h in got_hosts] == [transfer]
+    text = ReaderTable("policy", 12, [], hosts=got_hosts).format()
+    lines = text.splitlines()
+    assert lines[-2].startswith("HOST") and "LAST VERSION" in lines[-2] and "SENT AS" in lines[-2], text
+    assert lines[-1].split()[:5] == ["host-b", "relay", "1", "12", "delta"], text
+    unreported = HostReport("host-c", "relay 2", "policy", 0.5, "reporting", 0)  # a node that reports none
+    assert "SENT AS" not in ReaderTable("policy", 12, [], hosts=[unreported]).format()
 
 
 @pytest.mark.parametrize("how", ["garbage", "schema", "link", "huge"])

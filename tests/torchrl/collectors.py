@@ -88,6 +88,32 @@ def make_probe_policy(big: int = 512):
     return TensorDictModule(WeightProbe(big), in_keys=["observation"], out_keys=["action", "w_lo", "w_hi"])
 
 
+class FrozenProbe(torch.nn.Module):
+    """A Pendulum policy with a large frozen part (1 MiB) and a small trained head: it reports, per
+    frame, the min and max of its head (filled with a version's number, one complete version shows
+    one value) and the sum of its frozen part's bytes (any change to it shows)."""
+
+    def __init__(self, frozen: int = 512):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.frozen = torch.nn.Parameter(torch.randn(frozen, frozen, generator=generator), requires_grad=False)
+        self.head = torch.nn.Parameter(torch.zeros(1000))
+
+    def forward(self, observation):
+        with torch.no_grad():
+            lo, hi = self.head.min(), self.head.max()
+            check = self.frozen.view(torch.int32).to(torch.int64).sum().to(torch.float64)
+        batch = observation.shape[:-1]
+        return torch.zeros(*batch, 1), lo.expand(batch).clone(), hi.expand(batch).clone(), check.expand(batch).clone()
+
+
+def make_frozen_probe_policy():
+    """A :class:`FrozenProbe` as a TorchRL policy."""
+    from tensordict.nn import TensorDictModule
+
+    return TensorDictModule(FrozenProbe(), in_keys=["observation"], out_keys=["action", "w_lo", "w_hi", "frozen_sum"])
+
+
 def make_marked_env():
     """CartPole whose observations are shifted by +100, so a batch tells which worker made it."""
     from torchrl.envs import ObservationNorm, TransformedEnv

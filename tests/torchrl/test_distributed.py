@@ -10,7 +10,13 @@ import torch
 
 from shmsync import ShmWeightSyncScheme
 from shmsync.torchrl.compat import TORCHRL_VERSION
-from tests.torchrl.collectors import free_ports, make_marked_pendulum, make_pendulum, make_probe_policy
+from tests.torchrl.collectors import (
+    free_ports,
+    make_frozen_probe_policy,
+    make_marked_pendulum,
+    make_pendulum,
+    make_probe_policy,
+)
 from tests.waiting import wait_for
 from tests.weights import fill
 
@@ -118,6 +124,50 @@ def test_distributed_collector_carries_the_trainers_version_to_each_node_it_upda
             f"node {node} ran {versions}, released at {released[node]}, delivered at {trainer_version}"
         )
         released[node] = trainer_version + 1
+
+
+@needs_0_14
+def test_each_push_sends_each_node_the_leaves_changed_since_its_version_and_every_frame_runs_the_trainers_bytes():
+    """A frozen part (1 MiB) and a trained head (4 KB): each push sends a node the leaves that
+    changed since the version it holds (the head alone; the frozen part too at the push after it
+    changed through ``.data``: every leaf, so the whole weights), a node that missed a push the
+    leaves changed since the one it holds, and every frame runs exactly the weights of the version
+    it is tagged with."""
+    policy = make_frozen_probe_policy()
+    probe = policy.module
+    head_bytes, frozen_bytes = 1000 * 4, 512 * 512 * 4
+
+    def frozen_sum():
+        return float(probe.frozen.data.view(torch.int32).to(torch.int64).sum())
+
+    sums = {0: frozen_sum()}  # version -> the frozen part's sum it holds
+    collector = two_nodes_with_shmsync("DistributedCollector", policy, frames_per_batch=64, total_frames=512)
+    version, sent = 0, {}
+    try:
+        (leaves,) = collector._shmsync.leaves.values()
+        for batch in collector:
+            tags = assert_tagged_with_the_weights_that_acted(batch)
+            for tag in tags:  # the frozen part of every frame is its version's, byte for byte
+                frames = batch["frozen_sum"][batch["policy_version"] == tag]
+                assert set(frames.flatten().tolist()) == {sums[tag]}, f"version {tag}'s frames ran another frozen part"
+            version += 1
+            with torch.no_grad():
+                probe.head.fill_(version)
+                if version == 4:
+                    probe.frozen.data[0, 0] += 1.0  # the frozen part changes once, unseen by torch's counter
+            sums[version] = frozen_sum()
+            worker_ids = [0] if version == 2 else None  # push 2 reaches node 1 alone: node 2 misses it
+            collector.update_policy_weights_(worker_ids=worker_ids)
+            sent[version] = {rank: (t.version, t.last_bytes, t.last_delta) for rank, t in leaves.sent.items()}
+    finally:
+        collector.shutdown()
+    assert version >= 6, f"only {version} pushes"
+    assert sent[1] == {1: (1, head_bytes, True), 2: (1, head_bytes, True)}
+    assert sent[2][1] == (2, head_bytes, True) and sent[2][2][0] == 1, "push 2 reached node 2"
+    assert sent[3][2] == (3, head_bytes, True), "node 2, holding version 1, was not sent the head alone"
+    whole = (4, head_bytes + frozen_bytes, False)  # both leaves changed: the whole weights
+    assert sent[4] == {1: whole, 2: whole}
+    assert all(t == (v, head_bytes, True) for v in range(5, version + 1) for t in sent[v].values()), sent
 
 
 @pytest.mark.skipif(TORCHRL_VERSION >= (0, 14), reason="torchrl >= 0.14 takes shmsync as the local scheme")

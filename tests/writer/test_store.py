@@ -592,3 +592,73 @@ def test_a_reader_waiting_for_a_promise_that_never_lands_is_told_in_time(store_f
     with pytest.raises(ReloadTimeoutError, match=r"version 5, promised by the trainer's last publish, was not"):
         reader.poll_promised(timeout=0.5)
     assert time.monotonic() - started < 5
+
+
+# -- publish_delta: a version whose changes alone came from elsewhere (a relay) -----------------------
+def _delta_weights():
+    return {"frozen": torch.arange(50_000, dtype=torch.float32), "head": torch.zeros(8), "bias": torch.zeros(3)}
+
+
+def _head_bytes(value):
+    return torch.full((8,), float(value)).numpy().tobytes()
+
+
+def test_a_delta_writes_its_leaves_and_copies_only_what_each_slot_lacks(store_factory):
+    weights = _delta_weights()
+    store = store_factory(weights, num_slots=3)
+    head = store.memory.layout.index[("head",)]
+    copied = []
+    for v in range(1, 7):
+        store.publish_delta(_head_bytes(v), version=v, base=v - 1, leaves=[head])
+        copied.append(store.info()["copied_bytes"])
+        snap = store.snapshot().weights
+        assert torch.equal(snap["head"], torch.full((8,), float(v)))
+        assert torch.equal(snap["frozen"], weights["frozen"]) and torch.equal(snap["bias"], weights["bias"])
+    # A slot that held no version gets everything; one that held a version since which only the
+    # head changed, the head alone.
+    assert copied[0] > 200_000 and copied[-3:] == [32] * 3, copied
+    assert store.info()["unchanged_proof"] == 3 and store.writer.deltas.get(6).leaves == (head,)
+
+
+def test_after_deltas_a_local_publish_and_its_partial_copies_stay_exact(store_factory):
+    """changed_at kept right by deltas: a later publish of tensors, which copies into a slot only
+    what it lacks since the version it held, gives every reader the source's bytes."""
+    weights = _delta_weights()
+    store = store_factory(weights, num_slots=3)
+    head, bias = store.memory.layout.index[("head",)], store.memory.layout.index[("bias",)]
+    for v in range(1, 4):
+        store.publish_delta(_head_bytes(v), version=v, base=v - 1, leaves=[head])
+    bias_bytes = torch.full((3,), 9.0).numpy().tobytes()
+    assert bias < head  # the layout's order: the delta's bytes come in it
+    store.publish_delta(bias_bytes + _head_bytes(4), version=4, base=3, leaves=[bias, head])
+    # The source as the host holds it now, then a local change of the frozen part only.
+    local = {"frozen": weights["frozen"].clone(), "head": torch.full((8,), 4.0), "bias": torch.full((3,), 9.0)}
+    local["frozen"][123] = -1.0
+    for _ in range(4):  # through every slot
+        store.publish(local)
+        snap = store.snapshot().weights
+        for key, tensor in local.items():
+            assert torch.equal(snap[key], tensor), key
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(leaves=[7]), r"names leaf 7 after leaf -1: out of range \(the store has 3 leaves"),
+        (dict(leaves=[1, 1]), r"names leaf 1 after leaf 1: not in increasing order"),
+        (dict(leaves=[-1]), r"names leaf -1 after leaf -1: out of range"),
+        (dict(data=b"\0" * 31), r"a delta of 31 bytes, where its 1 leaves hold 32 bytes"),
+        (dict(base=0), r"a delta from version 0, but the newest version here is 1"),
+        (dict(version=1), r"version 1 is not higher than the last published version 1"),
+    ],
+)
+def test_a_delta_that_disagrees_with_the_layout_or_the_version_held_is_refused_and_nothing_published(
+    store_factory, bad, match
+):
+    store = store_factory(_delta_weights())
+    head = store.memory.layout.index[("head",)]
+    store.publish_delta(_head_bytes(1), version=1, base=0, leaves=[head])
+    args = {"data": _head_bytes(2), "version": 2, "base": 1, "leaves": [head], **bad}
+    with pytest.raises(ValueError, match=match):
+        store.publish_delta(args.pop("data"), **args)
+    assert store.version == 1 and torch.equal(store.snapshot().weights["head"], torch.full((8,), 1.0))
