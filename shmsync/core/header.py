@@ -59,7 +59,7 @@ W_STEPS = 31  # optimizer steps the writer's process has taken on the store's we
 W_COPIED_BYTES = 32  # bytes the last publish copied into its slot, and
 W_SKIPPED_BYTES = 33  # the bytes it did not: the slot held them already (unchanged since its version)
 W_PROOF = 34  # how the last publish proved leaves unchanged: PROOFS[word]
-PROOFS = ("none: every leaf copied", "comparison", "written pages")
+PROOFS = ("none: every leaf copied", "comparison", "written pages", "a delta: its sender proved the rest unchanged")
 
 # Banks: 64 words each, from W_BANKS.
 W_BANKS = 64

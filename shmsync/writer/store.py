@@ -59,7 +59,6 @@ from shmsync.writer.changes import Delta, SourceChanges, VersionDeltas
 from shmsync.writer.steps import OptimizerSteps
 
 COPY_ATTEMPTS = 3  # copies publish_if_changed tries before it gives up on a source being written
-PROOF_DELTA = 3  # unchanged_proof of a version published from a delta: the sender proved them unchanged
 
 
 class Snapshot(NamedTuple):
@@ -361,7 +360,8 @@ class StoreWriter:
                 if targets:
                     copy_all(targets, sources, True)
                 h[W_COPIED_BYTES] = copied = offset + sum(entries[i].nbytes for i in lacks)
-                h[W_SKIPPED_BYTES], h[W_PROOF] = memory.layout.payload_bytes - copied, PROOF_DELTA
+                h[W_SKIPPED_BYTES] = memory.layout.payload_bytes - copied
+                h[W_PROOF] = PROOFS.index("a delta: its sender proved the rest unchanged")
                 self.deltas.note(Delta(version, base, changed))
 
             write = self.slot_writer.begin_write(version, steps=-1)  # bytes from elsewhere: no training seen here
