@@ -318,7 +318,7 @@ class Server:
             kept = self._delta
             if kept is not None and kept[0] == version:
                 return (kept[1], kept[2]) if kept[1].base == held else None
-            record = store.writer.deltas.get(version)
+            record = store.delta_of(version)
             entries = store.memory.layout.entries
             if record is None or record.base != held or len(record.leaves) >= len(entries):
                 return None

@@ -301,37 +301,6 @@ class Delta:
     leaves: tuple[int, ...]
 
 
-class VersionDeltas:
-    """The :class:`Delta` of each of the last few versions a writer committed, noted before the
-    commit (so that whoever sees a version sees its delta), and looked up by version: a version
-    published any other way (from CUDA, in the background, bytes from a relay) has none.
-
-    Examples:
-        >>> deltas = VersionDeltas()
-        >>> deltas.note(Delta(version=5, base=4, leaves=(2,)))
-        >>> deltas.get(5), deltas.get(6)
-        (Delta(version=5, base=4, leaves=(2,)), None)
-    """
-
-    KEPT = 8
-
-    def __init__(self) -> None:
-        self._by_version: dict[int, Delta] = {}
-
-    def note(self, delta: Delta) -> None:
-        kept = self._by_version
-        kept.pop(delta.version, None)
-        kept[delta.version] = delta
-        while len(kept) > self.KEPT:
-            del kept[next(iter(kept))]
-
-    def get(self, version: int) -> Delta | None:
-        return self._by_version.get(version)
-
-    def clear(self) -> None:
-        self._by_version = {}
-
-
 def _spans_equal(source: torch.Tensor, held: torch.Tensor, spans: list[tuple[int, int]]) -> bool:
     """Whether the bytes of ``source`` on its written pages (``spans``: offsets into its memory)
     equal ``held``'s; past :data:`SPANS_COMPARED` bytes, or for a leaf not laid out plainly, it

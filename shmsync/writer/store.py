@@ -19,6 +19,7 @@ the caller's live tensors.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import warnings
@@ -55,9 +56,10 @@ from shmsync.store.layout import Layout
 from shmsync.store.memory import RECHECK_EMPTY_S, StoreMemory
 from shmsync.store.reader_table import ReaderTable, RemoteSources, assemble, local_rows
 from shmsync.store.sources import SourceMatcher, as_tensordict
-from shmsync.writer.changes import Delta, SourceChanges, VersionDeltas
+from shmsync.writer.changes import Delta, SourceChanges
 from shmsync.writer.steps import OptimizerSteps
 
+KEPT_DELTAS = 8  # versions whose delta a writer keeps: a relay sends the newest, the one it just took
 COPY_ATTEMPTS = 3  # copies publish_if_changed tries before it gives up on a source being written
 
 
@@ -92,7 +94,9 @@ class StoreWriter:
         self.steps = OptimizerSteps(memory.header)  # counting once this process takes the writer role
         self._matcher = SourceMatcher(memory.layout, memory.destinations)
         self.changes = SourceChanges(len(memory.layout.entries))  # what a publish need not copy
-        self.deltas = VersionDeltas()  # what each version committed here changed (a relay sends only that)
+        # What each of the last KEPT_DELTAS versions committed here changed (a relay sends only
+        # that), noted before the commit, so that whoever sees a version finds its delta.
+        self.deltas: collections.OrderedDict[int, Delta] = collections.OrderedDict()
         self._nbytes = [e.nbytes for e in memory.layout.entries]
         self._what = f"weights published to store {memory.name!r}"
         self._empty: dict[int, float] = {}  # slots seen holding no pages, and when
@@ -187,7 +191,7 @@ class StoreWriter:
         newest version, and those that changed since the version the slot held (all of them, into
         an empty slot); then commit it. ``checked``: commit only if, once copied, every leaf still
         holds what was copied (see :meth:`_copy_checked`)."""
-        memory, changes, nbytes = self.memory, self.changes, self._nbytes
+        memory, changes, nbytes, deltas = self.memory, self.changes, self._nbytes, self.deltas
         at, h = changes.changed_at, memory.header
 
         def copy(write: Write) -> None:
@@ -203,7 +207,9 @@ class StoreWriter:
             h[W_COPIED_BYTES] = copied = sum(nbytes[i] for i in lacks)
             h[W_SKIPPED_BYTES], h[W_PROOF] = memory.layout.payload_bytes - copied, PROOFS.index(changes.proof)
             # Before the commit: whoever sees the version sees what it changed since the one before.
-            self.deltas.note(Delta(write.version, before, tuple(i for i, f in enumerate(found) if f)))
+            deltas[write.version] = Delta(write.version, before, tuple(i for i, f in enumerate(found) if f))
+            if len(deltas) > KEPT_DELTAS:
+                deltas.popitem(last=False)
 
         before = h[memory.host.version]
         version = self._copy_and_commit(copy, version)
@@ -362,7 +368,9 @@ class StoreWriter:
                 h[W_COPIED_BYTES] = copied = offset + sum(entries[i].nbytes for i in lacks)
                 h[W_SKIPPED_BYTES] = memory.layout.payload_bytes - copied
                 h[W_PROOF] = PROOFS.index("a delta: its sender proved the rest unchanged")
-                self.deltas.note(Delta(version, base, changed))
+                self.deltas[version] = Delta(version, base, changed)
+                if len(self.deltas) > KEPT_DELTAS:
+                    self.deltas.popitem(last=False)
 
             write = self.slot_writer.begin_write(version, steps=-1)  # bytes from elsewhere: no training seen here
             version = self._copy_and_commit(copy, write=write)
@@ -729,6 +737,24 @@ class WeightStore:
             (None, 1, 1)
         """
         return self.writer.write_if_changed(source, only)
+
+    def delta_of(self, version: int) -> Delta | None:
+        """What ``version`` changed, where this process published it from its own weights: the
+        leaves whose bytes may differ from the version before it (a relay sends a host holding
+        that version only those); None for a version published any other way, or too long ago.
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightStore
+            >>> policy = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+            >>> with WeightStore.create(policy) as store:
+            ...     with torch.no_grad():
+            ...         _ = policy[1].bias.add_(1.0)
+            ...     v = store.publish(policy)
+            ...     store.delta_of(v).leaves  # 1.bias: the layout's third entry (0.bias, 0.weight, 1.bias, ...)
+            (2,)
+        """
+        return self.writer.deltas.get(version)
 
     def differs(self, source: Any, *, only: Collection[str] | None = None) -> bool:
         """Whether ``source`` differs in any byte from the newest version (publishes nothing; waits
