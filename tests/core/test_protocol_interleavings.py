@@ -122,7 +122,7 @@ CONFIGURATIONS = {
     "sc crashes, records: 2 slots, an optimistic reader, a new writer publishing twice": (
         "sc",
         2,
-        {"readers": "optimistic", "crashes": True, "records": True, "takeover_publishes": 2},
+        {"publishes": 2, "readers": "optimistic", "crashes": True, "records": True, "takeover_publishes": 2},
     ),
     "sc crashes, records: a reader either way, no new writer": (
         "sc",
@@ -132,13 +132,13 @@ CONFIGURATIONS = {
     "sc crashes, records: a reader either way, a new writer publishing twice": heavier(
         "sc",
         3,
-        {"readers": "plain", "crashes": True, "records": True, "takeover_publishes": 2},
+        {"publishes": 2, "readers": "plain", "crashes": True, "records": True, "takeover_publishes": 2},
     ),
     "tso records: a reader either way": ("tso", 3, {"readers": "plain", "records": True}),
-    "tso crashes, records: 2 slots, an optimistic reader, a new writer publishing twice": heavier(
+    "tso crashes, records: 2 slots, an optimistic reader, a new writer publishing twice": (
         "tso",
         2,
-        {"publishes": 2, "readers": "optimistic", "crashes": True, "records": True, "takeover_publishes": 2},
+        {"publishes": 1, "readers": "optimistic", "crashes": True, "records": True, "takeover_publishes": 2},
     ),
     "weak records: 2 slots, a reader either way, one publish": (
         "weak",
