@@ -22,10 +22,14 @@ one of two proofs says that its bytes equal the slot's:
   pages are compared with the slot's (a neighbour's write to a page the tensor shares costs a short
   comparison, not a copy). Tracking one tensor or many is one look, whatever writes them: the
   kernel sees every write through this process's page tables.
-* **Comparison**: every other tensor on the CPU (small, in memory shared with other processes or
+* **Comparison**: every other tensor on the CPU (in memory shared with other processes or
   page-locked, just moved, or where tracking is unavailable: ``SHMSYNC_WRITE_TRACKING=0``) is
   compared with the slot's, byte for byte (``memcmp``: it stops at the first byte that differs).
   A comparison proves what it reads, whatever happened before.
+
+Tensors smaller than :data:`TRACK_MIN_BYTES` (biases, norms) are copied at every reload, with no
+proof: copied together in one batch they cost less than a comparison each (a call per tensor,
+and the same bytes read), and they are a sliver of a model's bytes.
 
 A tensor that a reload copies is let go first (a copy into a protected page costs a fault), and
 one copied because it changed stays untracked, compared, until it was found unchanged
@@ -73,7 +77,7 @@ from shmsync.core.written_pages import TrackedRange, WrittenPages
 from shmsync.store.copies import copy_all
 from shmsync.store.memory import StoreMemory
 
-TRACK_MIN_BYTES = 64 << 10  # smaller tensors are compared: tracking them would save next to nothing
+TRACK_MIN_BYTES = 64 << 10  # smaller tensors are copied at every reload: a proof of them would cost more
 COOL_AFTER = 2  # reloads a tensor copied because it changed must be found unchanged before it is tracked again
 PROOFS = ("none: every tensor copied", "comparison", "written pages")
 
@@ -140,6 +144,7 @@ class HeldCopy:
         self.words = memory.host
         self.entries = len(memory.layout.entries)
         self.nbytes = [t.numel() * t.element_size() for t in targets]
+        self.small = [n < TRACK_MIN_BYTES for n in self.nbytes]  # copied at every reload
         self.version = -1
         self.copied_bytes = 0
         self.skipped_bytes = 0
@@ -213,17 +218,17 @@ class HeldCopy:
         h, words, records = self.words.h, self.words, self.records
         if held < 0 or records is None or held > h[words.slot_version[slot]]:
             return list(range(n))
-        base, views = slot * self.entries, self.slots[slot]
+        base, views, small = slot * self.entries, self.slots[slot], self.small
         record = records[base : base + self.entries]
         picked = []
-        for i, (t, index) in enumerate(zip(self.targets, self.indices)):
-            if not 0 <= record[index] <= held or i in touched:
-                picked.append(i)  # changed since the version held (or written by a failed attempt)
+        for i, index in enumerate(self.indices):
+            if small[i] or not 0 <= record[index] <= held or i in touched:
+                picked.append(i)  # small, changed since the version held, or written by a failed attempt
                 continue
             spans = looked.get(i)
             if spans is not None and not spans:
                 continue  # tracked, and no page of it written since it held that version
-            if not _same_bytes(t, views[index], spans):
+            if not _same_bytes(self.targets[i], views[index], spans):
                 picked.append(i)
         return picked
 
@@ -264,6 +269,8 @@ class HeldCopy:
         """After a reload that holds its version: which tensors are changing (copied because they
         changed), and tracking, until the next reload, the others that are not tracked yet."""
         for i, leaf in enumerate(self._leaves):
+            if self.small[i]:
+                continue
             if i in picked and not full:
                 leaf.changing, leaf.still = True, 0
             else:
@@ -275,6 +282,8 @@ class HeldCopy:
     def _track(self) -> None:
         wanted = []
         for i, (leaf, t) in enumerate(zip(self._leaves, self.targets)):
+            if self.small[i]:
+                continue
             if leaf.tracked is None and not leaf.changing and leaf.untrackable != t.data_ptr():
                 if _trackable(t):
                     wanted.append(i)
@@ -298,9 +307,9 @@ class HeldCopy:
 
 
 def _trackable(t: torch.Tensor) -> bool:
-    """Whether the pages under ``t`` may be tracked: private CPU memory of some size, laid out
+    """Whether the pages under ``t`` (not small) may be tracked: private CPU memory laid out
     plainly, with no device copying into it behind the page tables' back (page-locked memory)."""
-    if t.device.type != "cpu" or t.numel() * t.element_size() < TRACK_MIN_BYTES or t.is_shared():
+    if t.device.type != "cpu" or t.is_shared():
         return False
     return t.is_contiguous() and not t.is_pinned()
 

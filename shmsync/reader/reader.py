@@ -91,6 +91,14 @@ class WeightReader:
         device_slots: a GPU module loads from the store's device slots where it can (default);
             False: through the host slots, as a GPU without peer access to them does.
 
+    Attributes:
+        copied_bytes: bytes the last reload copied into the module. A private copy reloads what
+            changed since the version it holds (and what its own process wrote since: see
+            :mod:`shmsync.reader.held_copy`), all of it at its first load; in place, the buffers.
+        skipped_bytes: bytes of the module the last reload left as they were (proved unchanged,
+            or viewed in place).
+        reloads, fallbacks: reloads made, and those that could not lease a slot (a copy instead).
+
     Examples:
         >>> import torch
         >>> from shmsync import WeightStore, WeightReader

@@ -329,7 +329,9 @@ def test_each_party_of_the_model_makes_the_codes_steps(slots):
 
 
 # -- records: the model's writer and copying reader against a real store's ------------------------------
-SIZES = (1, 2)  # elements of leaf 0 and leaf 1: the bytes a reader copies tell which leaves it copied
+# Elements of leaf 0 and leaf 1: the bytes a reader copies tell which leaves it copied, and neither
+# is small (a reader copies those at every reload, whatever their records say).
+SIZES = (1 << 14, 1 << 15)
 
 
 def leaves(o: Options, version: int) -> TensorDict:

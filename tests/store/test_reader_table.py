@@ -144,13 +144,16 @@ def test_a_row_from_another_host_round_trips():
 
 
 def test_each_row_says_what_its_readers_last_reload_copied(store_factory):
-    """A copying reader copies everything at its first load, then what changed; one in place its
-    buffers (none here): in the rows, the text table and the JSON."""
-    policy = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
+    """A copying reader copies everything at its first load, then what changed (and the small
+    tensors); one in place its buffers (none here): in the rows, the text table and the JSON."""
+
+    def policy_of() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 2))  # 256 KiB, 2 KiB
+
+    policy = policy_of()
     store = store_factory(policy)
-    copying = WeightReader(store, torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2)), worker=0,
-                           zero_copy=False)  # fmt: skip
-    viewing = WeightReader(store, torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2)), worker=1)
+    copying = WeightReader(store, policy_of(), worker=0, zero_copy=False)
+    viewing = WeightReader(store, policy_of(), worker=1)
     copying.poll(), viewing.poll()
     everything = sum(t.numel() * t.element_size() for t in policy.state_dict().values())
     assert {r.worker: r.copied_bytes for r in store.readers(processes=False)} == {0: everything, 1: 0}
@@ -159,13 +162,12 @@ def test_each_row_says_what_its_readers_last_reload_copied(store_factory):
     store.publish(policy)
     copying.poll(), viewing.poll()
     table = store.readers(processes=False)
-    assert {r.worker: r.copied_bytes for r in table} == {0: 64 * 2 * 4, 1: 0}
+    small = (256 + 2 * 256 + 2) * 4  # all but the first layer's weights (small: copied, no proof)
+    assert {r.worker: r.copied_bytes for r in table} == {0: small, 1: 0}
     text = table.format()
-    assert "COPIED" in text.splitlines()[1] and "512 B" in text
-    assert {r["worker"]: r["copied_bytes"] for r in json.loads(json.dumps(table.as_dict()))["readers"]} == {
-        0: 512,
-        1: 0,
-    }
+    assert "COPIED" in text.splitlines()[1] and "3.0 KiB" in text
+    rows = json.loads(json.dumps(table.as_dict()))["readers"]
+    assert {r["worker"]: r["copied_bytes"] for r in rows} == {0: small, 1: 0}
 
 
 @pytest.mark.parametrize(
