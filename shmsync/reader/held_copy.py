@@ -71,10 +71,9 @@ from collections.abc import Sequence
 import torch
 
 from shmsync.core import written_pages
-from shmsync.core.pages import same_memory
 from shmsync.core.protocol import SlotReader
 from shmsync.core.written_pages import TrackedRange, WrittenPages
-from shmsync.store.copies import copy_all
+from shmsync.store.copies import copy_all, same_all
 from shmsync.store.memory import StoreMemory
 
 TRACK_MIN_BYTES = 64 << 10  # smaller tensors are copied at every reload: a proof of them would cost more
@@ -220,7 +219,7 @@ class HeldCopy:
             return list(range(n))
         base, views, small = slot * self.entries, self.slots[slot], self.small
         record = records[base : base + self.entries]
-        picked = []
+        picked, compared, ranges = [], [], []
         for i, index in enumerate(self.indices):
             if small[i] or not 0 <= record[index] <= held or i in touched:
                 picked.append(i)  # small, changed since the version held, or written by a failed attempt
@@ -228,8 +227,17 @@ class HeldCopy:
             spans = looked.get(i)
             if spans is not None and not spans:
                 continue  # tracked, and no page of it written since it held that version
-            if not _same_bytes(self.targets[i], views[index], spans):
-                picked.append(i)
+            t, view = self.targets[i], views[index]
+            if t.device.type != "cpu" or not t.is_contiguous() or not view.is_contiguous():
+                picked.append(i)  # not laid out plainly: copied
+                continue
+            a, b = t.data_ptr(), view.data_ptr()
+            for offset, n in spans if spans is not None else [(0, self.nbytes[i])]:
+                compared.append(i)
+                ranges.append((a + offset, b + offset, n))
+        if ranges:  # the bytes written since (or all of them, untracked), compared with the slot's
+            differs = {i for i, same in zip(compared, same_all(ranges)) if not same}
+            picked += sorted(differs)
         return picked
 
     def _look(self) -> dict[int, list[tuple[int, int]]]:
@@ -312,18 +320,6 @@ def _trackable(t: torch.Tensor) -> bool:
     if t.device.type != "cpu" or t.is_shared():
         return False
     return t.is_contiguous() and not t.is_pinned()
-
-
-def _same_bytes(t: torch.Tensor, held: torch.Tensor, spans: list[tuple[int, int]] | None) -> bool:
-    """Whether ``t`` holds ``held``'s bytes: all of them (``spans`` None), or those on its written
-    pages (``spans``: offsets and lengths; the rest is proved by the pages not written). A tensor
-    not laid out plainly on the CPU counts as different (it is copied)."""
-    if t.device.type != "cpu" or not t.is_contiguous() or not held.is_contiguous():
-        return False
-    a, b = t.data_ptr(), held.data_ptr()
-    if spans is None:
-        return same_memory(a, b, t.numel() * t.element_size())
-    return all(same_memory(a + offset, b + offset, n) for offset, n in spans)
 
 
 def _untrack_all(pages: list[WrittenPages], leaves: list[_Leaf]) -> None:
