@@ -219,25 +219,32 @@ class HeldCopy:
             return list(range(n))
         base, views, small = slot * self.entries, self.slots[slot], self.small
         record = records[base : base + self.entries]
-        picked, compared, ranges = [], [], []
+        picked, compare = [], []
         for i, index in enumerate(self.indices):
             if small[i] or not 0 <= record[index] <= held or i in touched:
                 picked.append(i)  # small, changed since the version held, or written by a failed attempt
                 continue
             spans = looked.get(i)
-            if spans is not None and not spans:
-                continue  # tracked, and no page of it written since it held that version
-            t, view = self.targets[i], views[index]
+            if spans is None or spans:  # not tracked (compared whole), or pages of it written since
+                compare.append((i, views[index], spans))
+        return picked + self._differing(compare)
+
+    def _differing(self, compare: list[tuple[int, torch.Tensor, list[tuple[int, int]] | None]]) -> list[int]:
+        """Of ``compare`` (tensor, the slot's view of it, and the spans of it to compare: None for
+        all), the tensors whose bytes differ from the slot's, or that are not laid out plainly on the
+        CPU; the comparisons run as one batch (split across threads when large)."""
+        picked, which, ranges = [], [], []
+        for i, view, spans in compare:
+            t = self.targets[i]
             if t.device.type != "cpu" or not t.is_contiguous() or not view.is_contiguous():
-                picked.append(i)  # not laid out plainly: copied
+                picked.append(i)
                 continue
             a, b = t.data_ptr(), view.data_ptr()
             for offset, n in spans if spans is not None else [(0, self.nbytes[i])]:
-                compared.append(i)
+                which.append(i)
                 ranges.append((a + offset, b + offset, n))
-        if ranges:  # the bytes written since (or all of them, untracked), compared with the slot's
-            differs = {i for i, same in zip(compared, same_all(ranges)) if not same}
-            picked += sorted(differs)
+        if ranges:
+            picked += sorted({i for i, same in zip(which, same_all(ranges)) if not same})
         return picked
 
     def _look(self) -> dict[int, list[tuple[int, int]]]:
