@@ -293,3 +293,31 @@ def poll_in_place(store: WeightStore, sizes, conn) -> None:
     while True:
         reader.poll()
         time.sleep(0.001)
+
+
+def follow_copying(store: WeightStore, sizes, want_version: int, write_after: int, tracking: bool, conn) -> None:
+    """Follow ``store`` with a private copy (``tracking``: proving the tensors it does not copy by
+    the pages written, else by comparison), telling each version loaded (``("loaded",)``), until
+    ``want_version``; after loading ``write_after``, write the module's ``backbone`` through ``.data``.
+    Report ``("seen", [(version, {name: value}, bytes copied), ...], proof)``; a tensor that holds
+    more than one value reports None."""
+    if not tracking:
+        os.environ["SHMSYNC_WRITE_TRACKING"] = "0"
+    module = ParamBlob(sizes)
+    reader = WeightReader(store, module, zero_copy=False)
+    seen = []
+    conn.send(("ready",))
+    while reader.version < want_version:
+        if not reader.poll():
+            time.sleep(0.0005)
+            continue
+        values = {}
+        for name, t in module.named_parameters():
+            low, high = torch.aminmax(t.detach())
+            values[name] = float(low) if float(low) == float(high) else None
+        seen.append((reader.version, values, reader.copied_bytes))
+        if reader.version == write_after:
+            module.backbone.data[123] = -1.0  # its own process: the next reload copies it back
+        conn.send(("loaded",))
+    conn.send(("seen", seen, reader.unchanged_proof))
+    store.close()

@@ -9,6 +9,10 @@ Layout of the words::
     [960, 1024)    the optimizer steps each of the last 64 versions had seen (a ring)
     [1024, ...)    the reader table: one row of 16 words per reader
 
+After the header come the layout (JSON), then, from the next page, the host slots' records
+(one word per slot and leaf: the version each leaf last changed at, :data:`W_RECORDS_OFFSET`),
+then, from the next page, the slots.
+
 A *bank* is one set of slots under the slot protocol (:mod:`shmsync.core.protocol`): the host
 bank's slots are pages of the store's file, the device bank's live in the trainer's GPU memory.
 A store published from CPU tensors has only the host bank; one published from CUDA versions its
@@ -60,6 +64,18 @@ W_COPIED_BYTES = 32  # bytes the last publish copied into its slot, and
 W_SKIPPED_BYTES = 33  # the bytes it did not: the slot held them already (unchanged since its version)
 W_PROOF = 34  # how the last publish proved leaves unchanged: PROOFS[word]
 PROOFS = ("none: every leaf copied", "comparison", "written pages", "a delta: its sender proved the rest unchanged")
+W_RECORDS_OFFSET = 35  # where the host slots' records start in the file: the first page after the layout
+W_RECORD_ENTRIES = 36  # entries of one record: one per leaf of the layout
+
+# The records: per host slot, per leaf of the layout (in its order), one int64 word: a version
+# at or after which the leaf last changed, as of the version the slot holds (never before it: a
+# record may overstate, which costs a reader a copy, never understate). A reader holding version r
+# of the leaf's bytes needs no copy of it from a slot of version v when record <= r <= v. They
+# lie in the file between the layout and the slots, so that no give-back of a slot's pages drops
+# them, and are written inside the write of their slot (see shmsync.writer.store): the slot's
+# sequence number covers them as it covers its bytes.
+RECORD_BYTES = 8
+MAX_LEAVES = 1 << 17  # tensors a store holds (the layout's entries): far more than any model has
 
 # Banks: 64 words each, from W_BANKS.
 W_BANKS = 64
@@ -114,6 +130,7 @@ R_FLAGS = 6  # ROW_* bits below
 R_START_NS = 7  # its process's start time: tells a reused pid, or one of another namespace, apart
 R_DEVICE_LEASE = 8  # leased device slot + 1, as R_LEASE
 R_DEVICE_BYTES = 9  # bytes of device memory the reader holds of its own (a private device copy)
+R_COPIED_BYTES = 10  # bytes its last reload copied into its module (what changed, for a copying reader)
 ROW_WAITING = 1  # between rollouts: waiting for work, not running stale weights
 ROW_ZERO_COPY = 2  # asked to view the store in place (zero_copy=True)
 ROW_DEVICE = 4  # loads into an accelerator's memory
@@ -223,9 +240,7 @@ def _check_sizes(h, n: int, file_size: int, bad: Callable) -> tuple[int, int]:
         raise bad("layout_offset", lo, f"the layout starts right after the header, at {HEADER_BYTES}")
     if not 1 <= ln <= MAX_LAYOUT_BYTES:
         raise bad("layout_bytes", ln, f"it must be between 1 and {MAX_LAYOUT_BYTES}")
-    data = h[W_DATA_OFFSET]
-    if data != _align(lo + ln, PAGE):
-        raise bad("data_offset", data, f"the slots start at the first page after the layout, {_align(lo + ln, PAGE)}")
+    data = _check_records(h, n, lo + ln, bad)
     stride, payload = h[W_SLOT_BYTES], h[W_PAYLOAD_BYTES]
     if not 1 <= payload <= file_size:
         raise bad("payload_bytes", payload, f"it must be between 1 and the file's {file_size} bytes")
@@ -238,6 +253,24 @@ def _check_sizes(h, n: int, file_size: int, bad: Callable) -> tuple[int, int]:
             f"{n} slots of it from offset {data} make {data + stride * n} bytes, the file has {file_size}",
         )
     return lo, ln
+
+
+def _check_records(h, n: int, layout_end: int, bad: Callable) -> int:
+    """The words that place the records (see :data:`RECORD_BYTES`): from the first page after the
+    layout, one entry per slot and leaf; returns where the slots start, the first page after them."""
+    records, entries = h[W_RECORDS_OFFSET], h[W_RECORD_ENTRIES]
+    if records != _align(layout_end, PAGE):
+        raise bad(
+            "records_offset",
+            records,
+            f"the records start at the first page after the layout, {_align(layout_end, PAGE)}",
+        )
+    if not 1 <= entries <= MAX_LEAVES:
+        raise bad("record_entries", entries, f"one per tensor of the layout, 1 to {MAX_LEAVES}")
+    data, want = h[W_DATA_OFFSET], _align(records + n * entries * RECORD_BYTES, PAGE)
+    if data != want:
+        raise bad("data_offset", data, f"the slots start at the first page after the records, {want}")
+    return data
 
 
 def _check_bank(h, bank: int, n: int, bad: Callable) -> None:

@@ -27,6 +27,8 @@ _PAGE = mmap.PAGESIZE
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_libc.memcmp.restype = ctypes.c_int
+_libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 
 
 def reserve(fd: int, offset: int, length: int, what: str) -> None:
@@ -77,6 +79,20 @@ def address_of(buffer: mmap.mmap) -> int:
         return ctypes.addressof(anchor)
     finally:
         del anchor  # the export would keep the mapping from closing
+
+
+def same_memory(a: int, b: int, length: int) -> bool:
+    """Whether the ``length`` bytes at address ``a`` equal those at ``b`` (``memcmp``: it stops at
+    the first byte that differs; the GIL is released meanwhile).
+
+    Examples:
+        >>> import ctypes
+        >>> x, y = ctypes.create_string_buffer(b"weights"), ctypes.create_string_buffer(b"weighty")
+        >>> a, b = ctypes.addressof(x), ctypes.addressof(y)
+        >>> same_memory(a, b, 6), same_memory(a, b, 7)
+        (True, False)
+    """
+    return _libc.memcmp(a, b, length) == 0
 
 
 def human_bytes(n: float) -> str:

@@ -195,6 +195,7 @@ from shmsync.core.header import (
     LEASE_COLUMNS,
     MAX_READERS,
     NUM_BANKS,
+    R_COPIED_BYTES,
     R_RELOAD_NS,
     R_RELOADS,
     R_VERSION,
@@ -430,6 +431,7 @@ class ReaderRows:
                 if self.locks.hold_row(row):
                     base = row_base(row)
                     h[base + R_VERSION], h[base + R_RELOADS], h[base + R_RELOAD_NS] = -1, 0, 0
+                    h[base + R_COPIED_BYTES] = h[base + header.R_DEVICE_BYTES] = 0
                     for column in LEASE_COLUMNS:
                         h[base + column] = 0
                     h[base + header.R_WORKER] = 0 if worker is None else worker + 1
@@ -440,12 +442,14 @@ class ReaderRows:
                     return row
             return -1
 
-    def update_row(self, row: int, version: int, reloads: int) -> None:
-        """Record what reader ``row`` loaded (for ``shmsync ls`` and ``store.readers()``)."""
+    def update_row(self, row: int, version: int, reloads: int, copied: int = 0) -> None:
+        """Record what reader ``row`` loaded, and the bytes that reload ``copied`` into its module
+        (for ``shmsync ls`` and ``store.readers()``)."""
         if row >= 0:
             base = W_READERS + row * READER_WORDS
             h = self.words.h
             h[base + R_VERSION], h[base + R_RELOADS], h[base + R_RELOAD_NS] = version, reloads, self.clock()
+            h[base + R_COPIED_BYTES] = copied
 
     def set_row_word(self, row: int, field: int, value: int) -> None:
         """Set word ``field`` (an ``R_*`` constant, not a lease) of reader ``row``'s row: its flags,

@@ -12,8 +12,8 @@ from torch import nn
 from shmsync.core.header import DEVICE, HOST, W_DEVICE
 from shmsync.core.protocol import ReaderRows, SlotReader, Words
 from shmsync.errors import ArgumentTypeError, InvalidArgumentError, WeightMismatchError
+from shmsync.reader.held_copy import HeldCopy
 from shmsync.reader.in_place import InPlace
-from shmsync.store.copies import copy_all
 from shmsync.store.memory import StoreMemory
 from shmsync.store.sources import is_destinations, module_weights, parts
 
@@ -42,6 +42,8 @@ class Binding:
         words, rows, slot_reader: the bank's words, its readers' rows, and the protocol's reader side
             copying from it.
         slots: per slot, a view of every entry in layout order, as this process reads it.
+        held: the module's private copy, when it copies: the version it holds, and reloads that
+            copy only what changed since (:class:`~shmsync.reader.held_copy.HeldCopy`).
         in_place: how the parameters point at a leased slot, when they run in place (else None).
     """
 
@@ -69,6 +71,7 @@ class Binding:
         self.slot_reader = SlotReader(self.words, memory.locks)
         self.device_seen = memory.header[W_DEVICE]  # the store's device word when bound
         self.slots = slots_for(memory, self.bank, self.cuda)
+        self.held = HeldCopy(memory, self.targets, self.indices, self.slots, records=self.bank == HOST)
         self.in_place: InPlace | None = None
         if here and zero_copy is not False:
             # On the host, a private mapping: a write of this process's never reaches the store.
@@ -87,11 +90,6 @@ class Binding:
         if self.cuda is None or self.in_place is not None:
             return 0
         return sum(t.numel() * t.element_size() for t in self.targets)
-
-    def copy(self, slot: int) -> None:
-        """Copy slot ``slot`` into the module's weights."""
-        views = self.slots[slot]
-        copy_all(self.targets, [views[i] for i in self.indices], self.cuda is None)
 
 
 def bank_for(memory: StoreMemory, cuda: torch.device | None) -> int:

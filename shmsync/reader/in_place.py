@@ -72,6 +72,9 @@ class InPlace:
         self.params = [targets[i] for i in params]
         self.names = [".".join(memory.layout.entries[indices[i]].key) for i in params]
         self.buffers = [targets[i] for i in order[len(params) :]]
+        # What a reload in place copies (the buffers) and does not (the parameters), in bytes.
+        self.buffer_bytes = sum(t.numel() * t.element_size() for t in self.buffers)
+        self.param_bytes = sum(t.numel() * t.element_size() for t in self.params)
         self.device = device
         self.on_cpu = device is None
         self._slots = memory.private_slots() if slots is None else slots

@@ -5,8 +5,9 @@ One load, on the worker's thread (:meth:`WeightReader.poll`)::
     version word of the reader's bank == loaded?  ->  nothing to do (one load of a shared word)
     in place: rows.lease_latest(row)              (shmsync.core.protocol: a slot the writer leaves alone)
               in_place.point(slot)                (the parameters view it; shmsync.reader.in_place)
-    or a copy: slot_reader.read(copy)             (a seqlock copy, or a pinned one)
-    rows.update_row(row, version)                 (what the readers' table shows)
+    or a copy: held.load(slot_reader)             (a seqlock copy, or a pinned one, of what the
+                                                  module lacks: shmsync.reader.held_copy)
+    rows.update_row(row, version, copied)         (what the readers' table shows)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from shmsync.core.header import (
     W_PROMISED,
     W_VERSION,
 )
+from shmsync.core.pages import human_bytes
 from shmsync.core.protocol import ReaderRows
 from shmsync.errors import (
     ArgumentTypeError,
@@ -89,6 +91,14 @@ class WeightReader:
         device_slots: a GPU module loads from the store's device slots where it can (default);
             False: through the host slots, as a GPU without peer access to them does.
 
+    Attributes:
+        copied_bytes: bytes the last reload copied into the module. A private copy reloads what
+            changed since the version it holds (and what its own process wrote since: see
+            :mod:`shmsync.reader.held_copy`), all of it at its first load; in place, the buffers.
+        skipped_bytes: bytes of the module the last reload left as they were (proved unchanged,
+            or viewed in place).
+        reloads, fallbacks: reloads made, and those that could not lease a slot (a copy instead).
+
     Examples:
         >>> import torch
         >>> from shmsync import WeightStore, WeightReader
@@ -135,6 +145,8 @@ class WeightReader:
         self.device_slots = device_slots
         self.private_on_write = False  # a write into the parameters: a private copy, not an error (TorchRL's)
         self.fallbacks = 0  # reloads that could not lease a slot (a copy instead)
+        self.copied_bytes = 0  # bytes the last reload copied into the module
+        self.skipped_bytes = 0  # bytes of the module the last reload did not copy: in place, or unchanged
         self.mode = Mode.PRIVATE if zero_copy is False else Mode.FALLEN_BACK  # on no slot until the first load
         self._asked = zero_copy  # the argument: True where the module cannot run in place raises
         self._version = -1
@@ -174,6 +186,28 @@ class WeightReader:
     def viewing(self) -> bool:
         """Whether the module's parameters now point at shared memory (``zero_copy``, on a leased slot)."""
         return self.mode is Mode.IN_PLACE
+
+    @property
+    def unchanged_proof(self) -> str:
+        """How the last copy into the module proved the tensors it did not copy unchanged:
+        ``"written pages"`` (this process's write tracking, and comparison for the tensors it does
+        not track), ``"comparison"`` (write tracking unavailable here), ``"none: every tensor
+        copied"`` (a module on a GPU, or copying from the device slots), or ``"in place"`` while the
+        module runs on the store's memory (nothing is copied but its buffers). See
+        :mod:`shmsync.reader.held_copy`.
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightReader, WeightStore
+            >>> with WeightStore.create(torch.nn.Linear(4, 2)) as store:
+            ...     reader = WeightReader(store, torch.nn.Linear(4, 2), zero_copy=False)
+            ...     _ = reader.poll()
+            ...     reader.unchanged_proof in ("written pages", "comparison")
+            True
+        """
+        if self.mode is Mode.IN_PLACE:
+            return "in place"
+        return self._binding.held.proof if self._binding is not None else "none: every tensor copied"
 
     def set_waiting(self, waiting: bool) -> None:
         """Say whether the process is between rollouts, waiting for work rather than running the
@@ -244,7 +278,7 @@ class WeightReader:
             self._first_loaded()
         self.reloads += 1
         if self._finalizer.alive:
-            self._rows.update_row(self._row, version, self.reloads)
+            self._rows.update_row(self._row, version, self.reloads, self.copied_bytes)
         return changed
 
     def _load(self, binding: Binding) -> int:
@@ -266,6 +300,7 @@ class WeightReader:
                 in_place.point(lease.slot)
                 if self.mode is not Mode.IN_PLACE:
                     self._set_mode(Mode.IN_PLACE)
+                self.copied_bytes, self.skipped_bytes = in_place.buffer_bytes, in_place.param_bytes  # buffers copied
                 return lease.version
         return self._copy_latest(binding)
 
@@ -288,6 +323,7 @@ class WeightReader:
         """The module wrote its weights, kept privately: it copies from now on."""
         binding.rows.release_lease(self._row)
         binding.drop_in_place()
+        binding.held.forget()  # what the module held in place is not what it last copied
         self._set_mode(Mode.PRIVATE)
         _warn_private_copy(self._memory.name, self.worker)
 
@@ -302,13 +338,19 @@ class WeightReader:
         return copied
 
     def _copy_latest(self, binding: Binding) -> int:
-        """A private copy of the newest complete version (a lease refused, or none wanted)."""
+        """A private copy of the newest complete version (a lease refused, or none wanted): of what
+        the module lacks, the tensors that changed since the version it holds (see
+        :mod:`shmsync.reader.held_copy`)."""
+        held = binding.held
         if self._viewing:  # back to private memory before copying into it
             # (the old slot may be rewritten meanwhile; the copy below overwrites it all)
             make_private(self._viewing)
             binding.rows.release_lease(self._row)
+            held.forget()
         # Optimistic copies, or the pin at once for a reader slower than the writer.
-        return binding.slot_reader.read(binding.copy, timeout=self.timeout)
+        version = held.load(binding.slot_reader, self.timeout)
+        self.copied_bytes, self.skipped_bytes = held.copied_bytes, held.skipped_bytes
+        return version
 
     def poll_promised(self, timeout: float = 60.0) -> bool:
         """Load the newest version, waiting for one a publish promised and has not landed yet (the
@@ -391,6 +433,8 @@ class WeightReader:
         """Leave the store's readers' table (the module keeps its weights, in private memory)."""
         self._finalizer()
         self.mode = Mode.PRIVATE
+        if self._binding is not None:
+            self._binding.held.close()
 
     def _bind(self) -> Binding:
         """Match the module against the store (materializing meta weights), choose the bank it
@@ -417,7 +461,8 @@ class WeightReader:
         return binding
 
     def __repr__(self) -> str:
-        return f"WeightReader(store={self._memory.name!r}, version={self._version}, reloads={self.reloads})"
+        last = f", copied={human_bytes(self.copied_bytes)} ({self.unchanged_proof})" if self.reloads else ""
+        return f"WeightReader(store={self._memory.name!r}, version={self._version}, reloads={self.reloads}{last})"
 
 
 def _await_host_slots(memory: StoreMemory, timeout: float) -> None:

@@ -1,9 +1,9 @@
 """Copying weights between tensors and a slot: batched, without autograd, and for large
 payloads split across threads (``copy_`` releases the GIL, so each thread copies on a core of
 its own while TorchRL keeps the trainer at one torch thread). The writer copies into a slot, a
-reader out of one. And the store's background thread (:class:`Copier`), which runs what a
-publish hands over to land after it returned: the give-backs of idle slots, a CUDA copy landing,
-the opt-in background copy.
+reader out of one, or compares its tensors with one (:func:`same_all`, split the same way). And
+the store's background thread (:class:`Copier`), which runs what a publish hands over to land
+after it returned: the give-backs of idle slots, a CUDA copy landing, the opt-in background copy.
 
 ``SHMSYNC_COPY_THREADS`` fixes the thread count (1: never split); the default is the cores
 this process may run on, at most 8. Payloads under ``PARALLEL_MIN_BYTES`` are copied by the
@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from shmsync.core.pages import same_memory
 from shmsync.errors import InvalidArgumentError, ShmSyncError, WaitTimeoutError
 
 PARALLEL_MIN_BYTES = 4 << 20
@@ -68,6 +69,47 @@ def copy_all(
             _copy_cuda(dst, src)
     finally:
         torch._C._set_grad_enabled(grad)
+
+
+def same_all(ranges: list[tuple[int, int, int]], threads: int | None = None) -> list[bool]:
+    """For each ``(a, b, length)`` of CPU memory: whether the ``length`` bytes at address ``a``
+    equal those at ``b``. A large total is cut into pieces of about equal bytes, compared on as
+    many threads (``memcmp`` releases the GIL; each stops at the first byte that differs).
+
+    Examples:
+        >>> import torch
+        >>> x, y = torch.zeros(4), torch.tensor([0.0, 0.0, 0.0, 1.0])
+        >>> same_all([(x.data_ptr(), y.data_ptr(), 12), (x.data_ptr(), y.data_ptr(), 16)])
+        [True, False]
+    """
+    total = sum(n for _, _, n in ranges)
+    n = copy_threads() if threads is None else threads
+    if n <= 1 or total < PARALLEL_MIN_BYTES:
+        return [same_memory(a, b, length) for a, b, length in ranges]
+    share = -(-total // n)
+    pieces: list[list[tuple[int, int, int, int]]] = [[]]  # (which range, a, b, length)
+    room = share
+    for k, (a, b, length) in enumerate(ranges):
+        at = 0
+        while at < length:
+            take = min(length - at, room) if len(pieces) < n else length - at
+            pieces[-1].append((k, a + at, b + at, take))
+            at, room = at + take, room - take
+            if room <= 0 and len(pieces) < n:
+                pieces.append([])
+                room = share
+    same = [True] * len(ranges)
+
+    def compare(piece: list[tuple[int, int, int, int]]) -> None:
+        for k, a, b, length in piece:
+            if same[k] and not same_memory(a, b, length):
+                same[k] = False
+
+    futures = [_executor().submit(compare, piece) for piece in pieces[1:] if piece]
+    compare(pieces[0])
+    for f in futures:
+        f.result()
+    return same
 
 
 def _copy_cuda(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

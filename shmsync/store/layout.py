@@ -2,7 +2,11 @@
 
 A segment is::
 
-    [ header: 48 KiB of int64 words ][ layout (JSON) ][ slot 0 ][ slot 1 ] ... [ slot N-1 ]
+    [ header: 136 KiB of int64 words ][ layout (JSON) ][ records ][ slot 0 ][ slot 1 ] ... [ slot N-1 ]
+
+The records (from the first page after the layout) hold, per slot and tensor, the version the
+tensor last changed at as of the version the slot holds (see :mod:`shmsync.core.header`); the
+slots start at the first page after them.
 
 Every slot holds one full copy of the weights: each tensor at a 64-byte aligned
 offset, in the order of :attr:`Layout.entries`. Keys are tuples (nested
@@ -21,14 +25,14 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch.nn.parameter import is_lazy
 
-from shmsync.core.header import ALIGN, HEADER_BYTES, MAX_LAYOUT_BYTES, PAGE
+from shmsync.core.header import ALIGN, HEADER_BYTES, MAX_LAYOUT_BYTES, MAX_LEAVES, PAGE, RECORD_BYTES
 from shmsync.errors import StoreCorruptError, WeightMismatchError
 
 # Every dtype torch has, by the name a layout stores: never getattr(torch, name) on a name read from a file.
 DTYPES = {
     str(d).removeprefix("torch."): d for d in (getattr(torch, n) for n in dir(torch)) if isinstance(d, torch.dtype)
 }
-MAX_ENTRIES = 1 << 17  # tensors a store holds: far more than any model has
+MAX_ENTRIES = MAX_LEAVES  # tensors a store holds: far more than any model has
 MAX_PAYLOAD_BYTES = 1 << 40  # a slot: 1 TiB
 MAX_RANK = 64
 MAX_KEY_DEPTH = 32
@@ -321,10 +325,12 @@ def _parse_entry(i: int, row: Any, dests: Any, previous: Entry | None, bad: Call
     return Entry(key, tuple(shape), dt, offset, nbytes)
 
 
-def segment_bytes(layout_json: bytes, slot_bytes: int, num_slots: int) -> tuple[int, int, int]:
-    """(layout offset, data offset, total size) for a new segment."""
-    data_offset = _align(HEADER_BYTES + len(layout_json), PAGE)
-    return HEADER_BYTES, data_offset, data_offset + slot_bytes * num_slots
+def segment_bytes(layout_json: bytes, slot_bytes: int, num_slots: int, entries: int) -> tuple[int, int, int, int]:
+    """(layout offset, records offset, data offset, total size) for a new segment of ``num_slots``
+    slots of ``slot_bytes``, whose layout has ``entries`` tensors."""
+    records_offset = _align(HEADER_BYTES + len(layout_json), PAGE)
+    data_offset = _align(records_offset + num_slots * entries * RECORD_BYTES, PAGE)
+    return HEADER_BYTES, records_offset, data_offset, data_offset + slot_bytes * num_slots
 
 
 __all__ = ["Entry", "Layout", "segment_bytes"]

@@ -14,6 +14,7 @@ slots the writer finds idle after a publish).
 
 from __future__ import annotations
 
+import array
 import os
 import time
 import weakref
@@ -30,6 +31,7 @@ from shmsync.core.header import (
     HOST,
     MAGIC,
     MAX_SLOTS,
+    RECORD_BYTES,
     STORE_PAGE_LOCKED,
     W_COPIED_BYTES,
     W_CREATE_NS,
@@ -51,6 +53,8 @@ from shmsync.core.header import (
     W_PROOF,
     W_PUBLISH_COUNT,
     W_PUBLISH_NS,
+    W_RECORD_ENTRIES,
+    W_RECORDS_OFFSET,
     W_SKIPPED_BYTES,
     W_SLOT_BYTES,
     W_STEPS,
@@ -102,7 +106,8 @@ def new_segment(
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or not 2 <= num_slots <= MAX_SLOTS:
         raise InvalidArgumentError(f"num_slots must be an int between 2 and {MAX_SLOTS}, got {num_slots!r}")
     doc = layout.to_json(destinations)
-    layout_offset, data_offset, size = segment_bytes(doc, layout.slot_bytes, num_slots)
+    entries = len(layout.entries)
+    layout_offset, records_offset, data_offset, size = segment_bytes(doc, layout.slot_bytes, num_slots, entries)
     segment = make_segment(name, size, data_offset, reserve_bytes=data_offset + layout.slot_bytes, track=track)
     h = header_view(segment.buf)
     try:
@@ -117,6 +122,8 @@ def new_segment(
             (W_CREATE_NS, time.time_ns()),
             (W_LAYOUT_OFFSET, layout_offset),
             (W_LAYOUT_BYTES, len(doc)),
+            (W_RECORDS_OFFSET, records_offset),
+            (W_RECORD_ENTRIES, entries),
             (W_DATA_OFFSET, data_offset),
             (W_SLOT_BYTES, layout.slot_bytes),
             (W_PAYLOAD_BYTES, layout.payload_bytes),
@@ -153,6 +160,11 @@ def read_layout(fd: int, st: os.stat_result, name: str) -> tuple[int, tuple[Layo
             f"store {name!r}: header field payload_bytes is {h[W_PAYLOAD_BYTES]}, its layout holds "
             f"{layout.payload_bytes} bytes; the store was not opened"
         )
+    if len(layout.entries) != h[W_RECORD_ENTRIES]:
+        raise StoreCorruptError(
+            f"store {name!r}: header field record_entries is {h[W_RECORD_ENTRIES]}, its layout holds "
+            f"{len(layout.entries)} tensors (one record entry each); the store was not opened"
+        )
     return h[W_DATA_OFFSET], (layout, destinations)
 
 
@@ -167,6 +179,10 @@ class StoreMemory:
         layout: where each tensor lives inside a slot; destinations: their names, or None.
         slots: per slot, a writable view of every tensor in layout order, on the store's own pages
             (what a writer copies into; mapped at first use, see :meth:`map_slots`).
+        records: the host slots' records, one int64 word per slot and tensor (slot ``s``'s entry
+            for tensor ``i`` at ``s * len(layout.entries) + i``): the version the tensor last
+            changed at, as of the version the slot holds (see :mod:`shmsync.core.header`).
+            Written by the writer inside a slot's write; read by a copying reader inside its copy.
     """
 
     def __init__(
@@ -177,6 +193,9 @@ class StoreMemory:
         self.name = segment.name
         self.layout, self.destinations = layout, destinations
         self.num_slots = h[W_NUM_SLOTS]
+        offset, entries = h[W_RECORDS_OFFSET], h[W_RECORD_ENTRIES]
+        with memoryview(segment.buf) as whole:  # the head's mapping: header, layout and records
+            self.records = whole[offset : offset + self.num_slots * entries * RECORD_BYTES].cast("q")
         self.locks = SegmentLocks(segment)
         self.host = Words(h, HOST, name=segment.name)
         self.device = Words(h, DEVICE, name=segment.name)
@@ -311,6 +330,13 @@ class StoreMemory:
             view = whole[offset : offset + self.header[W_PAYLOAD_BYTES]]
             return view if writable else view.toreadonly()
 
+    def record_all(self, slot: int, version: int) -> None:
+        """Record every tensor of host slot ``slot`` as changed at ``version`` (inside a write of
+        that version that filled the whole slot, with no history of what changed: bytes from a
+        relay, a fill from the device slots, a background copy). Readers copy all of it."""
+        n = len(self.layout.entries)
+        self.records[slot * n : (slot + 1) * n] = array.array("q", [version]) * n
+
     # -- pages ----------------------------------------------------------------------------------
     def reserve(self, slot: int) -> None:
         """Before the writer writes an empty slot: its pages, or an OSError if there is no room."""
@@ -394,6 +420,7 @@ class StoreMemory:
             self.header = memoryview(bytearray(mapped.tobytes())).cast("q")
             # The roles' words view the mapping still: released, any use of them raises ValueError.
             mapped.release()
+            self.records.release()
             self._finalizer()
 
 

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 from shmsync.core.header import (
+    R_COPIED_BYTES,
     R_DEVICE_BYTES,
     R_DEVICE_LEASE,
     R_FLAGS,
@@ -99,6 +100,9 @@ class ReaderRow:
         steps_behind: optimizer steps the trainer took on the weights since the version the
             reader loaded was published (None where not known: before its first load, a version
             more than 32 publishes old, a store a relay fills).
+        copied_bytes: bytes its last reload copied into its module: a copying reader copies what
+            changed since the version it held (all of it at its first load), one in place its
+            buffers (see :mod:`shmsync.reader.held_copy`).
     """
 
     store: str
@@ -116,6 +120,7 @@ class ReaderRow:
     report_age_s: float | None = None
     device_bytes: int = 0
     steps_behind: int | None = None
+    copied_bytes: int = 0
 
     @property
     def zero_copy(self) -> bool:
@@ -394,6 +399,7 @@ def _row(
         uss,
         device_bytes=max(w[R_DEVICE_BYTES], 0),
         steps_behind=steps_behind,
+        copied_bytes=max(w[R_COPIED_BYTES], 0),
     )
 
 
@@ -485,8 +491,8 @@ def _names(tables: Sequence[ReaderTable]) -> str:
 
 def format_rows(table: ReaderTable, limit: int | None = 50) -> str:
     """``table`` as text: a summary line, then a row per reader (worst first), gone ones last."""
-    head = ["HOST", "WORKER", "PID", "VERSION", "BEHIND", "STEPS BEHIND", "LAST RELOAD", "RELOADS", "MODE", "STATE"]
-    head += ["USS", "GPU"]
+    head = ["HOST", "WORKER", "PID", "VERSION", "BEHIND", "STEPS BEHIND", "LAST RELOAD", "RELOADS", "COPIED", "MODE"]
+    head += ["STATE", "USS", "GPU"]
     rows = [*table.rows, *table.gone]
     shown = rows if limit is None else rows[:limit]
     lines = [head, *(_cells(r) for r in shown)]
@@ -532,6 +538,7 @@ def _cells(r: ReaderRow) -> list[str]:
         "-" if r.steps_behind is None else str(r.steps_behind),
         "never" if r.since_reload_s is None else f"{_age(r.since_reload_s)} ago",
         str(r.reloads),
+        human_bytes(r.copied_bytes) if r.reloads else "-",
         r.mode,
         state,
         "-" if r.uss is None else human_bytes(r.uss),

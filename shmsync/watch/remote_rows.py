@@ -50,6 +50,7 @@ WIRE_FIELDS = (
     "state",
     "uss",
     "device_bytes",
+    "copied_bytes",
 )
 MAX_NAME = 255
 MAX_STATE = 32
@@ -57,7 +58,10 @@ MAX_STATE = 32
 
 def row_to_wire(r: ReaderRow) -> list[Any]:
     mode = MODES.index(r.mode)
-    return [r.worker, r.pid, r.version, r.since_reload_s, r.reloads, mode, r.waiting, r.state, r.uss, r.device_bytes]
+    return [
+        *(r.worker, r.pid, r.version, r.since_reload_s, r.reloads, mode, r.waiting, r.state, r.uss),
+        *(r.device_bytes, r.copied_bytes),
+    ]
 
 
 def _int(value: Any, lo: int, hi: int, what: str) -> int:
@@ -82,9 +86,11 @@ def _text(value: Any, most: int, what: str) -> str:
 
 def row_from_wire(fields: Any, host: str, store: str, age_s: float) -> ReaderRow:
     """A row another host reported, every field checked (ValueError names the first bad one)."""
-    if not isinstance(fields, list) or len(fields) not in (len(WIRE_FIELDS) - 1, len(WIRE_FIELDS)):
+    if not isinstance(fields, list) or not len(WIRE_FIELDS) - 2 <= len(fields) <= len(WIRE_FIELDS):
         raise InvalidArgumentError(f"a reader row is {str(fields)[:60]}, not a list of {len(WIRE_FIELDS)} fields")
-    worker, pid, version, since, reloads, mode, waiting, state, uss, *device = fields  # a 9-field row: no GPU
+    # Rows of older relays: 9 fields (no GPU bytes), 10 (no bytes copied).
+    worker, pid, version, since, reloads, mode, waiting, state, uss, *rest = fields
+    device, copied = (rest + [0, 0])[:2]
     if not isinstance(waiting, bool):
         raise InvalidArgumentError(f"a reader row's waiting flag is {str(waiting)[:20]}, not a bool")
     return ReaderRow(
@@ -101,7 +107,8 @@ def row_from_wire(fields: Any, host: str, store: str, age_s: float) -> ReaderRow
         state=_text(state, MAX_STATE, "a reader row's state"),
         uss=None if uss is None else _int(uss, 0, 1 << 62, "a reader row's uss"),
         report_age_s=age_s,
-        device_bytes=_int(device[0], 0, 1 << 62, "a reader row's device_bytes") if device else 0,
+        device_bytes=_int(device, 0, 1 << 62, "a reader row's device_bytes"),
+        copied_bytes=_int(copied, 0, 1 << 62, "a reader row's copied_bytes"),
     )
 
 

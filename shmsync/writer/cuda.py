@@ -122,6 +122,7 @@ class CudaWriter:
                 for start in range(0, src.numel(), CHUNK_BYTES):
                     dst[start : start + CHUNK_BYTES].copy_(src[start : start + CHUNK_BYTES], non_blocking=True)
             self.stream.synchronize()
+            memory.record_all(write.slot, version)  # the whole slot, with no history: readers copy all of it
         except BaseException:
             host.abort(write)
             raise

@@ -189,16 +189,26 @@ class StoreWriter:
     def _copy_changes(self, tensors: list[torch.Tensor], found: list[bool], version: int | None, checked=False) -> int:
         """Copy into a free slot what it lacks of ``tensors``: the leaves ``found`` changed since the
         newest version, and those that changed since the version the slot held (all of them, into
-        an empty slot); then commit it. ``checked``: commit only if, once copied, every leaf still
-        holds what was copied (see :meth:`_copy_checked`)."""
+        an empty slot), and the slot's record of each leaf copied (the version it last changed at);
+        then commit it. ``checked``: commit only if, once copied, every leaf still holds what was
+        copied (see :meth:`_copy_checked`).
+
+        The records, for the readers (see :mod:`shmsync.core.header`): a leaf found changed changed
+        at the version written; one not found changed holds the newest version's bytes, so changed
+        at ``changed_at`` (or, not known, at that newest version, which can only overstate it). A
+        leaf the slot did not lack keeps its record: it held the same bytes at the version the slot
+        held and at every version since, so the version its record names stays a bound."""
         memory, changes, nbytes, deltas = self.memory, self.changes, self._nbytes, self.deltas
-        at, h = changes.changed_at, memory.header
+        at, h, records = changes.changed_at, memory.header, memory.records
 
         def copy(write: Write) -> None:
             held, dst = write.held, memory.slots[write.slot]
             lacks = [i for i, f in enumerate(found) if f or held < 0 or not 0 <= at[i] <= held]
             if lacks:  # none where nothing changed since the version the slot holds
                 copy_all([dst[i] for i in lacks], [tensors[i] for i in lacks], True)
+            base, written = write.slot * len(found), write.version
+            for i in lacks:  # inside the write: its sequence number covers them as it covers the bytes
+                records[base + i] = written if found[i] else at[i] if at[i] >= 0 else before
             if checked and not changes.unchanged_since(tensors, dst):
                 raise WrittenWhileCopiedError(
                     f"store {self.name!r}: the weights were written while they were being copied, "
@@ -248,6 +258,7 @@ class StoreWriter:
 
         def copy(write: Write) -> None:
             copy_all(memory.slots[write.slot], tensors, True)
+            memory.record_all(write.slot, write.version)
             if [t._version for t in tensors] != seen:  # written while copied: the copy is no version at all
                 raise ShmSyncError(
                     f"store {self.name!r}: the weights were written while version {version} was being copied in the "
@@ -324,6 +335,7 @@ class StoreWriter:
             def copy(write: Write) -> None:
                 with self.memory.slot_buffer(write.slot, writable=True) as buffer:
                     fill(buffer, write)
+                self.memory.record_all(write.slot, write.version)  # what changed is not known here
 
             version = self._copy_and_commit(copy, write=write)
             self._copied_all()
@@ -347,7 +359,7 @@ class StoreWriter:
                     f"{h[host.version]}; only a delta from the newest version can be published (else the whole version)"
                 )
             newest, at, entries = h[host.latest], self.changes.changed_at, memory.layout.entries
-            incoming = _bytes_tensor(data)
+            incoming, records = _bytes_tensor(data), memory.records
 
             def copy(write: Write) -> None:
                 dst, src = memory.slot_bytes(write.slot), memory.slot_bytes(newest)
@@ -365,6 +377,13 @@ class StoreWriter:
                     sources.append(src[e.offset : e.offset + e.nbytes])
                 if targets:
                     copy_all(targets, sources, True)
+                # The records of what was written (see _copy_changes): the delta's leaves changed at
+                # this version; the rest hold the newest version's bytes, so changed when it says.
+                first = write.slot * len(entries)
+                for i in changed:
+                    records[first + i] = version
+                for i in lacks:
+                    records[first + i] = at[i] if at[i] >= 0 else base
                 h[W_COPIED_BYTES] = copied = offset + sum(entries[i].nbytes for i in lacks)
                 h[W_SKIPPED_BYTES] = memory.layout.payload_bytes - copied
                 h[W_PROOF] = PROOFS.index("a delta: its sender proved the rest unchanged")

@@ -91,12 +91,14 @@ class Mark:
 
 @dataclass(frozen=True)
 class Accept:
-    """Not a step: a reader accepts a copy of ``slot`` as version ``version`` with these cells."""
+    """Not a step: a reader accepts a copy of ``slot`` as version ``version`` with these cells,
+    which must be ``expected`` (default: each cell holds ``version``)."""
 
     version: int
     cells: tuple[int, ...]
     slot: int
     pinned: bool = False
+    expected: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -760,10 +762,11 @@ class Explorer:
                 if isinstance(m, Mark):
                     regions[i] = (m.region, m.slot) if m.slot >= 0 else ()
                 elif isinstance(m, Accept):
-                    if any(c != m.version for c in m.cells):
+                    want = m.expected if m.expected is not None else tuple(m.version for _ in m.cells)
+                    if tuple(m.cells) != want:
                         problem = problem or (
                             f"{self.parties[i].name} accepted slot {m.slot} as version {m.version}, "
-                            f"but its cells hold {list(m.cells)}"
+                            f"but its cells hold {list(m.cells)}, not {list(want)}"
                         )
                 elif isinstance(m, Fail):
                     problem = problem or f"{self.parties[i].name}: {m.why}"

@@ -20,6 +20,14 @@ that the parties still alive can always all get done. With ``promises`` the writ
 version before its copy (as a CUDA or background publish does), and the copy may fail; a waiting
 reader waits for a promised version as a synchronous collector's worker does: that it always gets
 done, whatever fails or dies, is what keeps no promise hanging.
+
+With ``records``, a slot holds two leaves, each with its record (the version it last changed at,
+as of the slot's version: ``shmsync/core/header.py``), and the trainer's weights change leaf by
+leaf (:func:`content`): the writer copies into a slot only the leaves it lacks and their records,
+inside the write (``StoreWriter._copy_changes``), and a reader that holds version 0 copies only
+the leaves whose record is newer, again after a failed attempt the leaves that attempt wrote
+(``shmsync/reader/held_copy.py``). Every copy a reader accepts must then hold, leaf by leaf,
+exactly the version it says.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from tests.core.interleavings import (
 
 # -- the protocol, party by party (follow ``shmsync/core/protocol.py``) ------------------------------
 CELLS = 1  # a slot's contents beside its version word: a copy that mixes two writes holds a cell of another version
+LEAVES = 2  # with records: a slot's leaves, each a cell with a record beside it
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,31 @@ class Options:
     copy_fails: int | None = None  # with promises: 1 every copy fails, 0 none does (None: both explored)
     no_withdraw: bool = False  # a failed copy leaves its promise standing
     wait_on_withdrawn: bool = False  # a waiting reader keeps waiting for a withdrawn promise
+    records: bool = False  # per-leaf records: the writer writes what a slot lacks, readers copy what changed
+    takeover_publishes: int = 1  # publishes of the new writer that takes over from a dead one
+    records_after_commit: bool = False  # the writer writes the records after the commit, outside the write
+    record_below_truth: bool = False  # a changed leaf's record keeps the version it changed at before
+    no_touched: bool = False  # a reader's retry leaves as it is a leaf its failed attempt wrote
+    records_before_seq: bool = False  # a reader reads the records before the slot's sequence number
+
+
+def cells(o: Options) -> int:
+    """The cells of a slot: one, or with records a cell per leaf."""
+    return LEAVES if o.records else CELLS
+
+
+def content(o: Options, version: int, leaf: int) -> int:
+    """What leaf ``leaf`` of ``version`` holds: the version itself; with records, the version the
+    leaf last changed at (leaf 0, a trained head, changes at version 2 only; leaf 1, a frozen
+    backbone, never), so that a reader holding version 0 lacks leaf 0 from version 2 on."""
+    if not o.records:
+        return version
+    return (2 if version >= 2 else 0) if leaf == 0 else 0
+
+
+def contents(o: Options, version: int) -> tuple[int, ...] | None:
+    """What a whole copy of ``version`` holds, leaf by leaf, for an ``Accept`` (None: each cell the version)."""
+    return tuple(content(o, version, leaf) for leaf in range(cells(o))) if o.records else None
 
 
 def writer(o: Options, publishes: int, begun: bool = False, takeover: bool = False) -> Generator:
@@ -81,6 +115,9 @@ def writer(o: Options, publishes: int, begun: bool = False, takeover: bool = Fal
     if takeover and o.promises:
         yield Lock("writer")
         yield from withdraw(o)
+    # With records: the version each leaf last changed at, as this writer knows it (SourceChanges'
+    # changed_at): the one that made the store published version 0; a new writer knows nothing.
+    at = (-1 if takeover else 0,) * cells(o)
     for k in range(publishes):
         if begun and k == 0:
             yield Mark("writing", 1)
@@ -112,14 +149,18 @@ def writer(o: Options, publishes: int, begun: bool = False, takeover: bool = Fal
             yield Fail("readers kept leasing every free slot: the writer would have to wait")
             return
         yield Mark("writing", target)
+        held = -1 if odd == seq + 2 else (yield Load(("ver", target))) if o.records else 0  # mark's Write.held
         version = yield Load("version")
         version = version + 1
         if o.promises:
             promised = yield Load("promised")
             if version > promised:
                 yield Store("promised", version)
-        for cell in range(CELLS):
-            yield Store(("data", target, cell), version)
+        if o.records:
+            at = yield from copy_changes(o, target, version, held, at)
+        else:
+            for cell in range(CELLS):
+                yield Store(("data", target, cell), version)
         if o.promises:
             fails = o.copy_fails if o.copy_fails is not None else (yield Choose(2, "the copy fails"))
             if fails:
@@ -128,8 +169,29 @@ def writer(o: Options, publishes: int, begun: bool = False, takeover: bool = Fal
                     yield from withdraw(o)
                 continue
         yield from commit(o, target, odd, version)
+        if o.records_after_commit:
+            for leaf in range(cells(o)):
+                yield Store(("rec", target, leaf), at[leaf])
         if o.reclaim:
             yield from reclaim(o, seen_latest)
+
+
+def copy_changes(o: Options, target: int, version: int, held: int, at: tuple) -> Generator:
+    """``StoreWriter._copy_changes``: the leaves found changed since the newest version (``version -
+    1``), and those that changed since the version the slot held (all of them into an empty slot,
+    or where not known), with their records; returns what the writer knows after the publish
+    (``SourceChanges.published``)."""
+    before = version - 1
+    found = tuple(content(o, version, leaf) != content(o, before, leaf) for leaf in range(cells(o)))
+    lacks = tuple(leaf for leaf in range(cells(o)) if found[leaf] or held < 0 or not 0 <= at[leaf] <= held)
+    for leaf in lacks:
+        yield Store(("data", target, leaf), content(o, version, leaf))
+    after = tuple(version if found[leaf] else at[leaf] if at[leaf] >= 0 else before for leaf in range(cells(o)))
+    if not o.records_after_commit:
+        for leaf in lacks:
+            changed = at[leaf] if o.record_below_truth and at[leaf] >= 0 else after[leaf]
+            yield Store(("rec", target, leaf), changed)
+    return after
 
 
 GIVEN_BACK = -2  # a cell of a slot whose memory was given back (it reads as zeros)
@@ -175,7 +237,7 @@ def reclaim(o: Options, replaced: int) -> Generator:
                 yield Store(("seq", s), odd + 1)
                 continue
         yield Mark("writing", s)
-        for cell in range(CELLS):
+        for cell in range(cells(o)):  # the records are not given back: they lie outside the slots
             yield Store(("data", s, cell), GIVEN_BACK)
         yield Store(("ver", s), -1)  # abort
         yield Fence()
@@ -295,9 +357,11 @@ def row_leased(o: Options, slot: int, confirmed: bool = False) -> Generator:
     return lease == slot + 1 or (not confirmed and lease == -(slot + 1))
 
 
-def try_read(o: Options) -> Generator:
-    """One optimistic copy of the latest slot; ``(version, cells, slot)`` or None."""
+def try_read(o: Options, have: list | None = None) -> Generator:
+    """One optimistic copy of the latest slot; ``(version, cells, slot)`` or None. ``have``: with
+    records, what the reader's module holds (see :func:`copy_slot`), copied into as it goes."""
     slot = yield Load("latest")
+    early = (yield from load_records(o, slot)) if have is not None and o.records_before_seq else None
     seq = yield Load(("seq", slot))
     if seq & 1:
         return None
@@ -306,14 +370,50 @@ def try_read(o: Options) -> Generator:
     version = yield Load(("ver", slot))
     if version < 0 and not o.accept_empty:
         return None  # given back since `latest` was read
-    cells = ()
-    for cell in range(CELLS):
-        value = yield Load(("data", slot, cell))
-        cells = (*cells, value)
+    got = yield from copy_slot(o, slot, version, have, early)
     if not o.no_read_fences:
         yield Fence()
     again = yield Load(("seq", slot))
-    return (version, cells, slot) if again == seq else None
+    return (version, got, slot) if again == seq else None
+
+
+def copy_slot(o: Options, slot: int, version: int, have: list | None, early: tuple | None = None) -> Generator:
+    """The copy of ``slot`` (between the loads of its sequence number): every cell; or with
+    ``have`` (``[held version, module's cells, cells written by attempts so far]``, ``HeldCopy``)
+    the cells whose record is newer than the version held, and those an earlier attempt wrote,
+    into the module. Returns the cells copied, or the module's."""
+    if have is None:
+        got = ()
+        for cell in range(cells(o)):
+            value = yield Load(("data", slot, cell))
+            got = (*got, value)
+        return got
+    held, module, touched = have
+    records = early if early is not None else (yield from load_records(o, slot))
+    for leaf in range(cells(o)):
+        if 0 <= records[leaf] <= held <= version and (leaf not in touched or o.no_touched):
+            continue  # unchanged since the version the module holds
+        module[leaf] = yield Load(("data", slot, leaf))
+        touched.add(leaf)
+    return tuple(module)
+
+
+def load_records(o: Options, slot: int) -> Generator:
+    records = ()
+    for leaf in range(cells(o)):
+        record = yield Load(("rec", slot, leaf))
+        records = (*records, record)
+    return records
+
+
+def holding(o: Options) -> list | None:
+    """With records, what a copying reader starts with: version 0, loaded before (its module holds
+    it whole; no attempt of the reload to come has written anything yet)."""
+    return [0, [content(o, 0, leaf) for leaf in range(cells(o))], set()] if o.records else None
+
+
+def accepted(o: Options, got: tuple) -> Accept:
+    return Accept(*got, expected=contents(o, got[0]))
 
 
 def reader(o: Options, attempts: int = 2, outpaced: bool | None = None) -> Generator:
@@ -321,17 +421,18 @@ def reader(o: Options, attempts: int = 2, outpaced: bool | None = None) -> Gener
     ``outpaced``: whether its copies outlast the writer's interval (None: both are explored)."""
     if outpaced is None:
         outpaced = yield Choose(2, "the reader's copies outlast the writer's interval")
+    have = holding(o)
     if not outpaced:
         for _ in range(attempts):
-            got = yield from try_read(o)
+            got = yield from try_read(o, have)
             if got is not None:
-                yield Accept(*got)
+                yield accepted(o, got)
                 return
     token = yield Lock("token", wait=False)
     while not token:
-        got = yield from try_read(o)
+        got = yield from try_read(o, have)
         if got is not None:
-            yield Accept(*got)
+            yield accepted(o, got)
             return
         holder = yield Load("token_pid")
         steal = (yield Choose(2, "the token's holder is seen stopped")) if holder == STOPPED_PID else 0
@@ -344,7 +445,7 @@ def reader(o: Options, attempts: int = 2, outpaced: bool | None = None) -> Gener
         request = yield Load("pin_request")
         ticket = request + 1
         yield Store("pin_request", ticket)
-        got = yield from await_pin(o, ticket)
+        got = yield from await_pin(o, ticket, have)
         yield Fence()
         yield Store("pin_release", ticket)
         if got is not None:
@@ -352,10 +453,10 @@ def reader(o: Options, attempts: int = 2, outpaced: bool | None = None) -> Gener
     if token:
         yield Store("token_pid", 0)
         yield Unlock("token")
-    yield Accept(*got)
+    yield accepted(o, got)
 
 
-def await_pin(o: Options, ticket: int) -> Generator:
+def await_pin(o: Options, ticket: int, have: list | None = None) -> Generator:
     published = yield Load("publish_count")
     while True:
         grant = yield Load("pin_grant")
@@ -372,10 +473,7 @@ def await_pin(o: Options, ticket: int) -> Generator:
             if version < 0:  # never: a pin is on the latest or a leased slot (copy_validated's check)
                 yield Mark("pinned")
                 return None
-            cells = ()
-            for cell in range(CELLS):
-                value = yield Load(("data", slot, cell))
-                cells = (*cells, value)
+            got = yield from copy_slot(o, slot, version, have)
             yield Fence()
             again = yield Load(("seq", slot))
             yield Mark("pinned")
@@ -384,12 +482,12 @@ def await_pin(o: Options, ticket: int) -> Generator:
                     yield Fail(f"a pinned copy of slot {slot} failed validation")
                     return None
                 return None  # 2 slots only
-            return (version, cells, slot, True)
+            return (version, got, slot, True)
         count = yield Load("publish_count")
         if count != published:
             published = count
         elif (yield Choose(2, "the writer stayed quiet past the patience")):
-            got = yield from try_read(o)
+            got = yield from try_read(o, have)
             if got is not None:
                 return got
 
@@ -403,18 +501,15 @@ def zero_copy_reader(o: Options) -> Generator:
         if leased is not None:
             slot, version = leased
             yield Mark("leased", slot)
-            cells = ()
-            for cell in range(CELLS):
-                value = yield Load(("data", slot, cell))
-                cells = (*cells, value)
-            yield Accept(version, cells, slot)
+            got = yield from copy_slot(o, slot, version, None)  # what the module reads in place
+            yield accepted(o, (version, got, slot))
             yield Mark("leased")  # the module stays on the slot, but is not read until the next reload
             continue
         yield from release_lease(o)
         for _ in range(3):  # as a plain reader (its pinned fallback is the reader's, checked there)
-            got = yield from try_read(o)
+            got = yield from try_read(o)  # back from in place: a copy of every leaf (HeldCopy.forget)
             if got is not None:
-                yield Accept(*got)
+                yield accepted(o, got)
                 break
     yield from release_lease(o)
 
@@ -506,17 +601,21 @@ def stopping_reader(o: Options) -> Generator:
 READER_PID, STOPPED_PID = 7, 9
 
 
-def initial_memory(slots: int, begun: bool = False) -> dict:
+def initial_memory(slots: int, begun: bool = False, records: bool = False) -> dict:
     """A fresh store holding version 0 in slot 0 (as ``create`` leaves it); ``begun``: and the
-    writer's first publish has marked slot 1 and copied version 1 into it, not committed yet."""
+    writer's first publish has marked slot 1 and copied version 1 into it, not committed yet.
+    ``records``: each slot's leaves with their records (those of the empty slots zeros, as in a
+    new file; slot 0's, version 0's)."""
     mem = {"version": 0, "latest": 0, "publish_count": 1, "token_pid": 0, "promised": 0}
     mem |= {"pin_request": 0, "pin_grant": 0, "pin_slot": 0, "pin_release": 0, ("row", 0): 0}
     for s in range(slots):
         mem[("seq", s)] = 2 if s == 0 else 0
         mem[("ver", s)] = 0 if s == 0 else -1
         mem[("leases", s)] = 0
-        for cell in range(CELLS):
+        for cell in range(LEAVES if records else CELLS):
             mem[("data", s, cell)] = 0 if s == 0 else -1
+            if records:
+                mem[("rec", s, cell)] = 0
     if begun:
         mem[("seq", 1)] = 1
         for cell in range(CELLS):
@@ -528,7 +627,7 @@ def initial_memory(slots: int, begun: bool = False) -> dict:
 def observe(x: Explorer, state: tuple) -> tuple:
     """What :func:`check` looks at in ``state``."""
     slots = x.slots
-    writing = x.regions(state, "writing") | {w[1] for w in x.buffered(state, "data")}
+    writing = x.regions(state, "writing") | {w[1] for w in x.buffered(state, "data") | x.buffered(state, "rec")}
     row = x.word(state, ("row", 0))
     return (
         slots,
@@ -559,7 +658,7 @@ def check(facts: tuple) -> str | None:
 
 # -- configurations ------------------------------------------------------------------------------------
 WRITER_STORES = frozenset(
-    {"seq", "data", "ver", "latest", "version", "publish_count", "pin_slot", "pin_grant", "promised"}
+    {"seq", "data", "rec", "ver", "latest", "version", "publish_count", "pin_slot", "pin_grant", "promised"}
 )
 READER_STORES = frozenset({"token_pid", "pin_request", "pin_release"})
 
@@ -615,13 +714,15 @@ def explorer(
         else:
             raise ValueError(f"reader {kind!r}: plain, pinned, zero-copy, stopped or waiting")
     replacement = (
-        Party("new writer", lambda: writer(o, 1, takeover=True), stores=WRITER_STORES, writer=True)
+        Party("new writer", lambda: writer(o, o.takeover_publishes, takeover=True), stores=WRITER_STORES, writer=True)
         if crashes and new_writer
         else None
     )
+    if o.records and begun:
+        raise ValueError("records start from a store holding version 0 alone: not begun")
     x = Explorer(
         parties,
-        initial_memory(o.slots, begun),
+        initial_memory(o.slots, begun, o.records),
         mode,
         observe=observe,
         check=check,

@@ -31,6 +31,8 @@ from shmsync.core.header import (
     W_MAGIC,
     W_NUM_SLOTS,
     W_PAYLOAD_BYTES,
+    W_RECORD_ENTRIES,
+    W_RECORDS_OFFSET,
     W_SLOT_BYTES,
     W_VERSION,
     bank_word,
@@ -105,6 +107,33 @@ def _refused(path, error, match):
 )
 def test_a_header_word_out_of_range_is_refused_naming_it(store_file, word, value, match):
     _set_word(store_file, word, value)
+    _refused(store_file, StoreCorruptError, match)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda w: {W_RECORDS_OFFSET: 0}, r"records_offset is 0: the records start at the first page after the layout"),
+        (lambda w: {W_RECORDS_OFFSET: w[W_RECORDS_OFFSET] + 4096}, r"records_offset is \d+"),
+        (lambda w: {W_RECORD_ENTRIES: 0}, r"record_entries is 0: one per tensor of the layout, 1 to 131072"),
+        (lambda w: {W_RECORD_ENTRIES: 1 << 40}, r"record_entries is 1099511627776"),
+        (lambda w: {W_RECORD_ENTRIES: -2}, r"record_entries is -2"),
+        # Records for 3 tensors where the layout holds 2, slots placed to match: the layout tells.
+        (lambda w: {W_RECORD_ENTRIES: 3}, r"record_entries is 3, its layout holds 2 tensors"),
+        # The records of 4 slots of 2 tensors end within their page: the slots may not start later.
+        (
+            lambda w: {W_DATA_OFFSET: w[W_DATA_OFFSET] + 4096},
+            r"data_offset is \d+: the slots start at the first page after the records",
+        ),
+    ],
+)
+def test_a_malformed_record_region_is_refused_naming_the_field(store_file, change, match):
+    """The host slots' records lie between the layout and the slots: where they start, how many
+    entries each holds, and where the slots start after them are checked before anything is mapped."""
+    words = {w: _word(store_file, w) for w in (W_RECORDS_OFFSET, W_RECORD_ENTRIES, W_DATA_OFFSET)}
+    assert words[W_RECORD_ENTRIES] == 2 and words[W_DATA_OFFSET] == words[W_RECORDS_OFFSET] + 4096
+    for word, value in change(words).items():
+        _set_word(store_file, word, value)
     _refused(store_file, StoreCorruptError, match)
 
 

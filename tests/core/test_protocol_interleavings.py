@@ -8,6 +8,8 @@ Each configuration is the writer publishing a few times beside two readers, with
 two); the explored state counts are printed at the end of the run. What each mode does not
 cover is said in docs/protocol.md."""
 
+import dataclasses
+
 import pytest
 from _pytest.mark import ParameterSet
 
@@ -109,15 +111,54 @@ CONFIGURATIONS = {
         3,
         {"publishes": 1, "readers": "waiting", "crashes": True, "promises": True},
     ),
+    # Records: the writer writes only what a slot lacks, with its records; a reader that holds
+    # version 0 copies only the leaves whose record is newer (Options.records), in every mode.
+    "sc records: 2 slots, a reader either way": ("sc", 2, {"readers": "plain", "records": True}),
+    "sc records, give-backs: an optimistic and a zero-copy reader": (
+        "sc",
+        3,
+        {"publishes": 2, "readers": "optimistic,zero-copy", "reclaim": True, "records": True},
+    ),
+    "sc crashes, records: 2 slots, an optimistic reader, a new writer publishing twice": (
+        "sc",
+        2,
+        {"publishes": 2, "readers": "optimistic", "crashes": True, "records": True, "takeover_publishes": 2},
+    ),
+    "sc crashes, records: a reader either way, no new writer": (
+        "sc",
+        3,
+        {"readers": "plain", "crashes": True, "new_writer": False, "records": True},
+    ),
+    "sc crashes, records: a reader either way, a new writer publishing twice": heavier(
+        "sc",
+        3,
+        {"publishes": 2, "readers": "plain", "crashes": True, "records": True, "takeover_publishes": 2},
+    ),
+    "tso records: a reader either way": ("tso", 3, {"readers": "plain", "records": True}),
+    "tso crashes, records: 2 slots, an optimistic reader, a new writer publishing twice": (
+        "tso",
+        2,
+        {"publishes": 1, "readers": "optimistic", "crashes": True, "records": True, "takeover_publishes": 2},
+    ),
+    "weak records: 2 slots, a reader either way, one publish": (
+        "weak",
+        2,
+        {"publishes": 1, "readers": "plain", "records": True},
+    ),
+    "weak records: 2 slots, an optimistic reader": heavier(
+        "weak", 2, {"publishes": 2, "readers": "optimistic", "records": True}
+    ),
 }
 
 
+OPTIONS = {f.name for f in dataclasses.fields(Options)}
+
+
 def _explore(mode: str, slots: int, arguments: dict, **mutation):
-    arguments = dict(arguments)
-    reloads, reclaim = arguments.pop("reloads", 1), arguments.pop("reclaim", False)
-    promises = arguments.pop("promises", False)
-    options = Options(slots=slots, reloads=reloads, reclaim=reclaim, promises=promises, **mutation)
-    return explore(mode, options, **arguments)
+    """``arguments``: the explorer's, and the model's options (``reloads``, ``reclaim``, ...)."""
+    chosen = {k: v for k, v in arguments.items() if k in OPTIONS}
+    options = Options(slots=slots, **{"reloads": 1, **chosen}, **mutation)
+    return explore(mode, options, **{k: v for k, v in arguments.items() if k not in OPTIONS})
 
 
 @pytest.mark.slow
@@ -173,6 +214,11 @@ MUTATIONS = {
     # A promise left hanging: a worker waiting for it, with its writer alive, never gets done.
     "no_withdraw": ("sc", 3, {"publishes": 1, "readers": "waiting", "promises": True}, "can never all get done"),
     "wait_on_withdrawn": ("sc", 3, {"publishes": 1, "readers": "waiting", "promises": True}, "can never all get done"),
+    # Records: a reader accepting a version whose leaves are not all that version's.
+    "records_after_commit": ("sc", 2, {"publishes": 2, "readers": "optimistic", "records": True}, "accepted slot"),
+    "record_below_truth": ("sc", 2, {"publishes": 2, "readers": "optimistic", "records": True}, "accepted slot"),
+    "no_touched": ("tso", 2, {"publishes": 2, "readers": "optimistic", "records": True}, "accepted slot"),
+    "records_before_seq": ("weak", 2, {"publishes": 2, "readers": "optimistic", "records": True}, "accepted slot"),
 }
 # Their counterexamples lie deep (20 s, 10 s): slow; the deepest in `make test-full` only.
 DEEP = {"no_reader_full_fence": [pytest.mark.slow, pytest.mark.full], "reclaim_pinned": [pytest.mark.slow]}

@@ -1,14 +1,20 @@
 """The model the interleaving checker explores (tests/core/protocol_model.py) follows the code
 (shmsync/core/protocol.py): run one operation at a time from the same header, each party of the model
 makes the same stores, fences and lock operations, and the same loads of words another party
-writes, in the same order, with the same values, and leaves the same words behind."""
+writes, in the same order, with the same values, and leaves the same words behind. With records,
+the model's writer leaves in each slot the leaves and records a real store's publishes leave
+(shmsync/writer/store.py), and its reader copies the leaves a real copying reader copies
+(shmsync/reader/held_copy.py)."""
 
 import dataclasses
 import itertools
 from contextlib import contextmanager
 
 import pytest
+import torch
+from tensordict import TensorDict
 
+from shmsync import WeightReader
 from shmsync.core import header as H
 from shmsync.core.protocol import LocalLocks, initialize
 from tests.core.interleavings import Accept, Choose, Fail, Fence, Load, Lock, Mark, Store, Unlock
@@ -20,6 +26,8 @@ from tests.core.protocol_model import (
     READER_STORES,
     WRITER_STORES,
     Options,
+    content,
+    holding,
     initial_memory,
     lease_latest,
     promise_stands,
@@ -28,6 +36,7 @@ from tests.core.protocol_model import (
     try_read,
     writer,
 )
+from tests.weights import Blob
 
 
 def lease_word(row: int) -> int:
@@ -317,3 +326,44 @@ def test_each_party_of_the_model_makes_the_codes_steps(slots):
             pair.same_words()
             checked += 1
     assert checked > 500
+
+
+# -- records: the model's writer and copying reader against a real store's ------------------------------
+# Elements of leaf 0 and leaf 1: the bytes a reader copies tell which leaves it copied, and neither
+# is small (a reader copies those at every reload, whatever their records say).
+SIZES = (1 << 14, 1 << 15)
+
+
+def leaves(o: Options, version: int) -> TensorDict:
+    """Version ``version`` of the model's weights as tensors: leaf ``i`` filled with its content."""
+    return TensorDict({f"leaf{i}": torch.full((n,), float(content(o, version, i))) for i, n in enumerate(SIZES)})
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+@pytest.mark.parametrize("publishes", [1, 2, 3])
+def test_the_model_writes_and_copies_what_the_code_does(store_factory, slots, publishes):
+    """After ``publishes`` publishes of a store (give-backs included) every slot's version, leaves
+    and records are the model writer's; then a copying reader that held version 0 copies the leaves
+    the model's reader copies (and holds what it says)."""
+    o = Options(slots=slots, reclaim=True, records=True)
+    store = store_factory(leaves(o, 0), num_slots=slots)
+    reader = WeightReader(store, Blob({f"leaf{i}": n for i, n in enumerate(SIZES)}), zero_copy=False)
+    reader.poll()  # version 0, whole
+    for version in range(1, publishes + 1):
+        store.publish(leaves(o, version))
+    store.flush()  # the give-backs after the last publish
+    memory = initial_memory(slots, records=True)
+    run_model(writer(o, publishes), memory)
+    h, records, slot_views = store.memory.header, store.memory.records, store.memory.map_slots()
+    for s in range(slots):
+        version = h[bank(H.B_SLOT_VERSION) + s]
+        assert version == memory[("ver", s)], f"slot {s}"
+        if version >= 0:
+            assert [records[s * 2 + i] for i in range(2)] == [memory[("rec", s, i)] for i in range(2)], f"slot {s}"
+            assert [float(v[0]) for v in slot_views[s]] == [memory[("data", s, i)] for i in range(2)], f"slot {s}"
+    have = holding(o)
+    run_model(try_read(o, have), memory)
+    assert reader.poll() and reader.version == publishes
+    copied = {i for i, n in enumerate(SIZES) if reader.copied_bytes & (4 * n)}
+    assert copied == have[2], f"the code copied leaves {copied}, the model {have[2]}"
+    assert [float(t[0]) for t in reader.module.state_dict().values()] == [content(o, publishes, i) for i in range(2)]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from shmsync.store.copies import PARALLEL_MIN_BYTES, copy_all, copy_threads
+from shmsync.store.copies import PARALLEL_MIN_BYTES, copy_all, copy_threads, same_all
 
 
 @pytest.mark.parametrize("threads", [2, 3, 7])
@@ -86,3 +86,17 @@ def test_an_optimizer_step_waits_for_the_copy_running():
     finally:
         release.set()
         copier.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_memory_compared_in_pieces_tells_each_range_apart(threads):
+    """Ranges compared across threads, cut where a piece is full: a byte that differs anywhere in a
+    range, in any piece, makes that range differ and no other."""
+    a = torch.zeros(3 << 20)  # 12 MiB: past PARALLEL_MIN_BYTES, split
+    b = a.clone()
+    b[(3 << 20) - 1] = 1.0  # the last element, in the last piece
+    b[5] = -0.0  # equal values, another byte
+    quarter = (3 << 20) // 4 * 4  # bytes in a quarter of the elements
+    ranges = [(a.data_ptr() + k * quarter, b.data_ptr() + k * quarter, quarter) for k in range(4)]
+    ranges.append((a.data_ptr(), b.data_ptr(), 0))
+    assert same_all(ranges, threads=threads) == [False, True, True, False, True]

@@ -132,11 +132,44 @@ def _row(**changes):
 
 
 def test_a_row_from_another_host_round_trips():
-    row = row_from_wire(_row(), "host-b", "policy", 1.5)
+    row = row_from_wire(_row(), "host-b", "policy", 1.5)  # a row of an older relay: 9 fields
     assert (row.host, row.worker, row.pid, row.version, row.mode, row.report_age_s) == (
         "host-b", 3, 1234, 7, "zero-copy", 1.5,
     )  # fmt: skip
+    assert (row.device_bytes, row.copied_bytes) == (0, 0)
     assert row_from_wire(row_to_wire(row), "host-b", "policy", 1.5) == row
+    copying = row_from_wire([*_row(), 4096, 1 << 20], "host-b", "policy", 1.5)
+    assert (copying.device_bytes, copying.copied_bytes) == (4096, 1 << 20)
+    assert row_from_wire(row_to_wire(copying), "host-b", "policy", 1.5) == copying
+    with pytest.raises(ValueError, match="copied_bytes"):
+        row_from_wire([*_row(), 0, -1], "host-b", "policy", 1.5)
+
+
+def test_each_row_says_what_its_readers_last_reload_copied(store_factory):
+    """A copying reader copies everything at its first load, then what changed (and the small
+    tensors); one in place its buffers (none here): in the rows, the text table and the JSON."""
+
+    def policy_of() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 2))  # 256 KiB, 2 KiB
+
+    policy = policy_of()
+    store = store_factory(policy)
+    copying = WeightReader(store, policy_of(), worker=0, zero_copy=False)
+    viewing = WeightReader(store, policy_of(), worker=1)
+    copying.poll(), viewing.poll()
+    everything = sum(t.numel() * t.element_size() for t in policy.state_dict().values())
+    assert {r.worker: r.copied_bytes for r in store.readers(processes=False)} == {0: everything, 1: 0}
+    with torch.no_grad():
+        policy[1].weight.add_(1.0)
+    store.publish(policy)
+    copying.poll(), viewing.poll()
+    table = store.readers(processes=False)
+    small = (256 + 2 * 256 + 2) * 4  # all but the first layer's weights (small: copied, no proof)
+    assert {r.worker: r.copied_bytes for r in table} == {0: small, 1: 0}
+    text = table.format()
+    assert "COPIED" in text.splitlines()[1] and "3.0 KiB" in text
+    rows = json.loads(json.dumps(table.as_dict()))["readers"]
+    assert {r["worker"]: r["copied_bytes"] for r in rows} == {0: small, 1: 0}
 
 
 @pytest.mark.parametrize(

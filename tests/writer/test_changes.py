@@ -2,10 +2,8 @@
 newest version's, by the pages written or by comparison, whatever wrote it; a publish copies what
 changed, and a copy checked after it was made holds one moment of a source another thread writes."""
 
-import io
 import threading
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,6 +11,7 @@ from shmsync import WeightReader
 from shmsync.core import header
 from shmsync.errors import WrittenWhileCopiedError
 from shmsync.writer.changes import SourceChanges, same_bytes
+from tests.routes import ROUTES, Policy, write
 from tests.weights import ParamBlob, fill, mixed_values
 
 PROOFS = ["written pages", "comparison"]
@@ -51,70 +50,6 @@ def test_leaves_with_the_same_bytes_are_unchanged_whatever_their_strides():
     assert same_bytes(torch.tensor([1 + 2j]), torch.tensor([1 + 2j]))
 
 
-class Policy(torch.nn.Module):
-    """A frozen backbone (2 MB) with a trained head, a buffer written in forward, and a small bias."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.backbone = torch.nn.Linear(512, 1024)
-        self.head = torch.nn.Linear(1024, 64)
-        self.norm = torch.nn.BatchNorm1d(64)
-        self.backbone.requires_grad_(False)
-
-    def forward(self, x):
-        return self.norm(self.head(self.backbone(x)))
-
-
-def _write(policy: Policy, how: str, k: float) -> None:
-    """Change the frozen backbone's weights the way ``how`` says (to values that hold ``k``)."""
-    w = policy.backbone.weight
-    if how == "in place":
-        with torch.no_grad():
-            w[3, 5] = k
-    elif how == ".data":
-        w.data[7, 1] = k
-    elif how == "numpy":
-        w.detach().numpy()[11, 2] = k
-    elif how == "load_state_dict":
-        state = {n: t.clone() for n, t in policy.backbone.state_dict().items()}
-        state["weight"][0, 0] = k
-        policy.backbone.load_state_dict(state)
-    elif how == "swapped":
-        policy.backbone.weight.data = torch.full_like(w, k)  # new memory: what was tracked moved
-    elif how == "unfrozen and stepped":
-        w.requires_grad_(True)
-        optimizer = torch.optim.Adam([w], lr=0.5)
-        policy.backbone(torch.ones(2, 512)).sum().backward()
-        optimizer.step()
-    elif how == "fused adam":
-        w.requires_grad_(True)
-        optimizer = torch.optim.Adam([w], lr=0.5, fused=True)
-        w.grad = torch.ones_like(w)
-        optimizer.step()
-    elif how == "another thread":
-        thread = threading.Thread(target=lambda: w.data.add_(k))
-        thread.start()
-        thread.join()
-    elif how == "readinto":
-        io.BytesIO(np.full(256, k, dtype=np.float32).tobytes()).readinto(w.detach().numpy().reshape(-1)[:256].data)
-    elif how == "copy_ from a state dict tensor":
-        policy.backbone.state_dict()["weight"][5].copy_(torch.full((512,), k))
-    elif how == "vector_to_parameters":
-        vector = torch.nn.utils.parameters_to_vector(policy.backbone.parameters()) + k
-        torch.nn.utils.vector_to_parameters(vector, policy.backbone.parameters())
-    elif how == "buffer in forward":  # BatchNorm's running statistics (small: compared, not tracked)
-        policy.train()
-        policy(torch.randn(8, 512) * k)
-    else:
-        raise ValueError(how)
-
-
-ROUTES = [
-    "in place", ".data", "numpy", "load_state_dict", "swapped", "unfrozen and stepped", "fused adam",
-    "another thread", "readinto", "copy_ from a state dict tensor", "vector_to_parameters", "buffer in forward",
-]  # fmt: skip
-
-
 @pytest.mark.parametrize("how", ROUTES)
 def test_every_way_of_writing_reaches_every_reader_byte_for_byte(store_factory, proof, how):
     """The head changes at every publish, the backbone only through ``how``: after each publish a
@@ -126,7 +61,7 @@ def test_every_way_of_writing_reaches_every_reader_byte_for_byte(store_factory, 
     reader = WeightReader(store, Policy(), zero_copy=False)
     backbone = sum(t.numel() * t.element_size() for t in policy.backbone.parameters())
     for k in range(1, 4):
-        _write(policy, how, float(k))
+        write(policy, how, float(k))
         for n in range(3):
             with torch.no_grad():
                 policy.head.weight.add_(1.0)  # the trained part

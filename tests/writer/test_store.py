@@ -662,3 +662,58 @@ def test_a_delta_that_disagrees_with_the_layout_or_the_version_held_is_refused_a
     with pytest.raises(ValueError, match=match):
         store.publish_delta(args.pop("data"), **args)
     assert store.version == 1 and torch.equal(store.snapshot().weights["head"], torch.full((8,), 1.0))
+
+
+def _records(store) -> dict[int, list[int]]:
+    """Per host slot holding a version: its records, one per tensor in layout order."""
+    memory, n = store.memory, len(store.memory.layout.entries)
+    h, words = memory.header, memory.host
+    return {
+        s: [memory.records[s * n + i] for i in range(n)]
+        for s in range(memory.num_slots)
+        if h[words.slot_version[s]] >= 0
+    }
+
+
+def test_each_slot_records_the_version_each_tensor_last_changed_at(store_factory):
+    """``a`` changes at every publish, ``b`` at version 3 only, ``c`` never: every slot holding a
+    version records, per tensor, the version it last changed at, whatever the slot held before
+    (a slot rewritten holds what it lacked copied, and the records of the others kept)."""
+    weights = blob_weights(SMALL, 0.0)
+    store = store_factory(weights, num_slots=3)
+    changed = {"a": 0, "b": 0, "c": 0}
+    for version in range(1, 8):
+        weights["a"].fill_(float(version))
+        if version == 3:
+            weights["b"].fill_(3.0)
+            changed["b"] = 3
+        changed["a"] = version
+        assert store.publish(weights) == version
+        store.flush()
+        records = _records(store)
+        latest = store.memory.header[store.memory.host.latest]
+        assert records[latest] == [changed["a"], changed["b"], changed["c"]], version
+        for slot, record in records.items():  # older slots: what was true at their version
+            held = store.memory.header[store.memory.host.slot_version[slot]]
+            assert record == [held, 3 if held >= 3 else 0, 0], (version, slot)
+
+
+def test_a_slot_filled_without_knowing_what_changed_records_every_tensor_as_changed(store_factory):
+    """Bytes from elsewhere (a relay's ``publish_bytes``) and the background copy: every tensor of
+    the slot recorded as changed at the version written, so a copying reader copies all of it."""
+    weights = blob_weights(SMALL, 1.0)
+    store = store_factory(weights)
+    reader = WeightReader(store, ParamBlob(SMALL), zero_copy=False)
+    reader.poll()
+    everything = sum(n for n in SMALL.values()) * 4
+
+    def ones(buffer, write):
+        buffer.cast("B")[:] = bytes(store.nbytes)  # zeros, every byte
+
+    store.publish_bytes(ones, version=5)
+    assert _records(store)[store.memory.header[store.memory.host.latest]] == [5, 5, 5]
+    assert reader.poll() and reader.copied_bytes == everything and mixed_values(reader.module) == {0.0}
+    background = store_factory(weights, unsafe_background_copy=True)
+    background.publish(weights)
+    background.flush()
+    assert _records(background)[background.memory.header[background.memory.host.latest]] == [1, 1, 1]
