@@ -361,7 +361,7 @@ def weights_digest(tensors) -> str:
 
 
 def delta_host(host_dir: str, port: int, name: str, sizes, encrypt: bool, conn) -> None:
-    """A host: its relay, and a reader of its store. Says ("ready", parent port, serving address)
+    """A host: its relay, and a copying reader of its store. Says ("ready", parent port, serving address)
     once its store exists; then, asked ("hold", v), waits until its reader holds version ``v`` and
     answers ("holds", version, digest of the reader's weights, what the last version cost the
     relay's link as sent upstream); ("stop",) ends it. A relay error is answered ("error", ...)."""
@@ -388,7 +388,7 @@ def delta_host(host_dir: str, port: int, name: str, sizes, encrypt: bool, conn) 
         return
     store = WeightStore.attach(name)
     module = Blob(sizes)
-    reader = WeightReader(store, module)
+    reader = WeightReader(store, module, zero_copy=False)  # a copying reader: only what the records say changed
     reader.poll()
     conn.send(("ready", relay.parent[1], relay.serving))
     try:
