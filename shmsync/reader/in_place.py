@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from shmsync.core.written_pages import private_copies
 from shmsync.errors import SharedMemoryError, SharedWeightsWrittenError, ShmSyncError
 from shmsync.store.copies import copy_all
 from shmsync.store.memory import StoreMemory
@@ -203,6 +204,9 @@ def private_pages(address: int, length: int) -> int | None:
     """How many pages of ``[address, address + length)`` (a private file mapping of this
     process) are this process's own copies, written since mapped; None if ``/proc/self/pagemap``
     cannot be read here."""
+    counted = private_copies(address, length)  # one system call where the kernel can (Linux 6.7+)
+    if counted is not None:
+        return counted
     global _pagemap, _pagemap_pid
     if _pagemap is None or _pagemap_pid != os.getpid():
         try:

@@ -747,3 +747,27 @@ def test_no_fault_waits_on_the_userfaultfd(pages, memory):
     uffd = next(fd for fd in _tracking_fds() if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[userfaultfd]")
     readable, _, _ = select.select([uffd], [], [], 0)
     assert readable == [] and pages.look([r]) == [[(0, m.size)]]
+
+
+def test_private_copies_counts_the_pages_this_process_wrote_in_a_private_file_mapping(tmp_path):
+    """What a reader in place asks before its parameters leave a slot: the pages of its private
+    mapping of the store that are its own copies, in one scan; the same count as reading
+    /proc/self/pagemap entry by entry."""
+    from shmsync.core.written_pages import private_copies
+    from shmsync.reader.in_place import _OWN_COPY
+
+    pages = 300
+    path = tmp_path / "slot"
+    path.write_bytes(bytes(pages * mmap.PAGESIZE))
+    with open(path, "r+b") as f:
+        block = mmap.mmap(f.fileno(), pages * mmap.PAGESIZE, flags=mmap.MAP_PRIVATE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(block))
+    assert private_copies(address, pages * mmap.PAGESIZE) == 0
+    for page in (0, 7, 8, 9, 299):
+        block[page * mmap.PAGESIZE + 11] = 1
+    _ = block[50 * mmap.PAGESIZE]  # read: the file's page, mapped, not a copy
+    found = private_copies(address + 100, pages * mmap.PAGESIZE - 200)
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(address // mmap.PAGESIZE * 8)
+        entries = pagemap.read(pages * 8)
+    assert found == entries[7::8].translate(_OWN_COPY).count(1) == 5
