@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: the CUDA tests, the GPU benchmark, then the collectors side by side with
 # TorchRL's SharedMemWeightSyncScheme (benchmarks/gpu_collectors.py). Under 8 minutes whatever
-# happens (each step has a deadline: 200 + 80 + 160 s); then it prints the README's GPU line to
+# happens (each step has a deadline: 240 + 80 + 130 s); then it prints the README's GPU line to
 # paste (benchmarks/gpu_status.py), or says that there is nothing to paste when a step failed.
 #
 # Needs a Python (PYTHON, default python3) whose torch has CUDA, with tensordict, torchrl, psutil,
@@ -37,12 +37,12 @@ print(f"gpu: {torch.cuda.get_device_name(0)}; python {platform.python_version()}
 EOF
 
 status=0
-timeout 200 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rA tests/writer/test_cuda.py tests/torchrl/test_scheme.py \
-    tests/torchrl/test_snapshots.py \
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rA tests/writer/test_cuda.py tests/torchrl/test_scheme.py \
+    tests/torchrl/test_snapshots.py tests/torchrl/test_freshness.py tests/reader/test_held_copy.py \
     2>&1 | tee "$out/gpu_tests.log" || status=1
 timeout 80 "$PY" benchmarks/gpu_bench.py --reps 10 --out "$out/gpu_bench.json" \
     2>&1 | tee "$out/gpu_bench.txt" || status=1
-timeout 160 "$PY" benchmarks/gpu_collectors.py --sizes 64MB 512MB --workers 2 4 --batches 15 \
+timeout 130 "$PY" benchmarks/gpu_collectors.py --sizes 64MB 512MB --workers 2 4 --batches 15 \
     --async-size 256MB --seconds 12 --big "${BIG_GB:-14}" --out "$out/gpu_collectors.json" \
     2>&1 | tee "$out/gpu_collectors.txt" || status=1
 

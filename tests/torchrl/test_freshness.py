@@ -30,16 +30,17 @@ def _step(policy) -> None:
         policy.module.bias.add_(STEP)
 
 
-def _loop(order: str, shmsync: bool, cls=MultiSyncCollector):
+def _loop(order: str, shmsync: bool, cls=MultiSyncCollector, device: str = "cpu"):
     """Run ``BATCHES`` batches in ``order``; per batch, the actions it ran, its tags, and (shmsync)
     the newest version's bias when the batch arrived."""
-    policy = make_linear_policy(0.0)
+    policy = make_linear_policy(0.0).to(device)
     scheme = ShmWeightSyncScheme() if shmsync else None
     collector = cls(
         [make_pendulum] * 2,
         policy,
         frames_per_batch=20,
         total_frames=-1,
+        device=device if device != "cpu" else None,
         weight_sync_schemes={"policy": scheme} if shmsync else None,
     )
     out = []
@@ -63,12 +64,20 @@ def _loop(order: str, shmsync: bool, cls=MultiSyncCollector):
     return out
 
 
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("order", ["update, then train", "train, then update"])
-def test_each_batch_runs_the_weights_torchrls_default_runs_and_exactly_its_tag(order):
-    default = _loop(order, shmsync=False)
+def test_each_batch_runs_the_weights_torchrls_default_runs_and_exactly_its_tag(order, device):
+    """On a GPU the hand-out compares the weights on the device and enqueues its copy on the
+    trainer's stream (the workers wait for that promised version at their rollout's start)."""
+    default = _loop(order, shmsync=False, device=device)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FreshnessWarning)  # MultiSync: nothing older than the default
-        shm = _loop(order, shmsync=True)
+        shm = _loop(order, shmsync=True, device=device)
     assert [a for a, _, _ in default] == [[k * STEP] for k in range(BATCHES)]  # the default, as measured
     tags = []
     for k, ((ran, tag, (version, bias)), (default_ran, _, _)) in enumerate(zip(shm, default)):
