@@ -122,7 +122,7 @@ import platform
 import sys
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from shmsync.errors import ArgumentTypeError, InvalidArgumentError, WriteTrackingError
 
@@ -817,14 +817,28 @@ _INSTANCES: weakref.WeakSet[WrittenPages] = weakref.WeakSet()
 _shared: WrittenPages | None = None
 _shared_lock = threading.Lock()
 _probed: tuple[int, str | None] | None = None  # (pid, the probe's answer)
-_copies: tuple[int, int, PmScanArg, ctypes.Array] | None = None  # (pid, pagemap, argument, output)
+# pagemap entries: bit 63 "present", bit 61 "file page or shared anonymous". A present page of a
+# private file mapping without bit 61 is this process's own copy. In each entry's top byte
+# (little-endian: its 8th), those are 0x80 and 0x20.
+OWN_COPY = bytes(1 if b & 0xA0 == 0x80 else 0 for b in range(256))
+# This process's pagemap, and how it scans it: (pid, pagemap, ioctl or None where the kernel has
+# no PAGEMAP_SCAN, argument, output). Made once per process: a reader asks at every load.
+_copies: tuple[int, int, Callable[..., int] | None, PmScanArg, ctypes.Array] | None = None
 
 
 def private_copies(address: int, length: int) -> int | None:
     """How many pages of ``[address, address + length)``, a private mapping of a file, are this
-    process's own copies (present, and no longer the file's: written since mapped), in one
-    ``PAGEMAP_SCAN``; None where the kernel has none (before Linux 6.7) or it fails: the caller
-    reads ``/proc/self/pagemap`` instead, eight bytes a page.
+    process's own copies (present, and no longer the file's: written since mapped).
+
+    One ``PAGEMAP_SCAN`` counts them where the kernel has it (Linux 6.7 and later); elsewhere
+    ``/proc/self/pagemap`` is read, eight bytes a page.
+
+    Args:
+        address: the first byte of the span.
+        length: its size in bytes.
+
+    Returns:
+        The count of pages, or None where ``/proc/self/pagemap`` cannot be read.
 
     Examples:
         >>> import mmap, tempfile
@@ -833,8 +847,8 @@ def private_copies(address: int, length: int) -> int | None:
         ...     block = mmap.mmap(f.fileno(), 4 * mmap.PAGESIZE, flags=mmap.MAP_PRIVATE)
         ...     address = ctypes.addressof(ctypes.c_char.from_buffer(block))
         ...     block[5] = 1  # this process's own copy of the first page now
-        ...     private_copies(address, 4 * mmap.PAGESIZE) in (1, None)  # None before Linux 6.7
-        True
+        ...     private_copies(address, 4 * mmap.PAGESIZE)
+        1
     """
     global _copies
     pid = os.getpid()
@@ -852,18 +866,25 @@ def private_copies(address: int, length: int) -> int | None:
             return_mask=PAGE_IS_PRESENT | PAGE_IS_FILE,
             category_inverted=PAGE_IS_FILE,  # present, and not the file's
         )
-        _copies = (pid, fd, arg, vec)
-    _, fd, arg, vec = _copies
-    start, end, pages = address - address % PAGE, address + length, 0
-    arg.end = end
-    while start < end:
-        arg.start, arg.walk_end = start, 0
-        n = int(_libc().ioctl(fd, PAGEMAP_SCAN, ctypes.addressof(arg)))
-        if n < 0 or arg.walk_end <= start:
-            return None
-        pages += sum(vec[i].end - vec[i].start for i in range(n)) // PAGE
-        start = arg.walk_end
-    return pages
+        _copies = (pid, fd, _libc().ioctl, arg, vec)
+    _, fd, ioctl, arg, vec = _copies
+    first, end = address - address % PAGE, address + length
+    if ioctl is not None:
+        start, pages = first, 0
+        arg.end = end
+        while start < end:
+            arg.start, arg.walk_end = start, 0
+            n = int(ioctl(fd, PAGEMAP_SCAN, ctypes.addressof(arg)))
+            if n < 0 or arg.walk_end <= start:
+                if n < 0 and ctypes.get_errno() in (errno.ENOTTY, errno.EINVAL):  # no PAGEMAP_SCAN here
+                    _copies = (pid, fd, None, arg, vec)
+                break
+            pages += sum(vec[i].end - vec[i].start for i in range(n)) // PAGE
+            start = arg.walk_end
+        else:
+            return pages
+    entries = os.pread(fd, ((end - 1) // PAGE - first // PAGE + 1) * 8, first // PAGE * 8)
+    return entries[7::8].translate(OWN_COPY).count(1)
 
 
 def unavailable_reason() -> str | None:

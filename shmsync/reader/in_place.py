@@ -33,14 +33,8 @@ from shmsync.store.memory import StoreMemory
 
 MADV_DONTNEED = 4
 _PAGE = mmap.PAGESIZE
-# pagemap entries: bit 63 "present", bit 61 "file page or shared anonymous". A present page
-# of a private file mapping without bit 61 is this process's own copy. In each entry's top
-# byte (little-endian: its 8th), those are 0x80 and 0x20.
-_OWN_COPY = bytes(1 if b & 0xA0 == 0x80 else 0 for b in range(256))
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_pagemap: int | None = None
-_pagemap_pid = 0
 
 
 class InPlace:
@@ -127,7 +121,7 @@ class InPlace:
         """
         written = [n for p, n, v in zip(self.params, self.names, self.versions) if p._version != v]
         address, length = self.ranges[self.slot] if self.ranges is not None else (0, 0)
-        own = private_pages(address, length) if self.ranges is not None else 0
+        own = private_copies(address, length) if self.ranges is not None else 0
         if not written and not own:
             return False
         if keep:
@@ -198,24 +192,6 @@ def _refuse_viewing(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                     "(a zero_copy reader): an optimizer step would write to it. Train a module of its own "
                     "(the trainer's), or read this store with zero_copy=False"
                 )
-
-
-def private_pages(address: int, length: int) -> int | None:
-    """How many pages of ``[address, address + length)`` (a private file mapping of this
-    process) are this process's own copies, written since mapped; None if ``/proc/self/pagemap``
-    cannot be read here."""
-    counted = private_copies(address, length)  # one system call where the kernel can (Linux 6.7+)
-    if counted is not None:
-        return counted
-    global _pagemap, _pagemap_pid
-    if _pagemap is None or _pagemap_pid != os.getpid():
-        try:
-            _pagemap, _pagemap_pid = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC), os.getpid()
-        except OSError:
-            return None
-    first, last = address // _PAGE, (address + length - 1) // _PAGE
-    entries = os.pread(_pagemap, (last - first + 1) * 8, first * 8)
-    return entries[7::8].translate(_OWN_COPY).count(1)
 
 
 def discard_private(address: int, length: int) -> None:

@@ -287,7 +287,7 @@ class StoreMemory:
     def private_slots(self) -> list[list[torch.Tensor]]:
         """Per slot, a view of every tensor in layout order, on a private mapping of the store's
         pages: what a reader copies from, or points its parameters at. A write through them
-        copies the page for this process alone (see :func:`shmsync.reader.in_place.private_pages`)."""
+        copies the page for this process alone (see :func:`shmsync.core.written_pages.private_copies`)."""
         if not self._private:
             self._private += self._slot_views(shared=False)
         return self._private

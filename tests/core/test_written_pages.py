@@ -753,8 +753,7 @@ def test_private_copies_counts_the_pages_this_process_wrote_in_a_private_file_ma
     """What a reader in place asks before its parameters leave a slot: the pages of its private
     mapping of the store that are its own copies, in one scan; the same count as reading
     /proc/self/pagemap entry by entry."""
-    from shmsync.core.written_pages import private_copies
-    from shmsync.reader.in_place import _OWN_COPY
+    from shmsync.core.written_pages import OWN_COPY, private_copies
 
     pages = 300
     path = tmp_path / "slot"
@@ -770,4 +769,4 @@ def test_private_copies_counts_the_pages_this_process_wrote_in_a_private_file_ma
     with open("/proc/self/pagemap", "rb") as pagemap:
         pagemap.seek(address // mmap.PAGESIZE * 8)
         entries = pagemap.read(pages * 8)
-    assert found == entries[7::8].translate(_OWN_COPY).count(1) == 5
+    assert found == entries[7::8].translate(OWN_COPY).count(1) == 5
