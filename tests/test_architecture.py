@@ -9,6 +9,7 @@ says were written, and a comparison), and 11 in 5 files (the worker's: the fifth
 count of the pages this process wrote, kept beside the writer's), no two of one name.
 """
 
+import mmap
 import os
 import re
 import sys
@@ -136,9 +137,11 @@ def test_one_update_takes_the_documented_path():
     net = MLP(in_features=3, out_features=1, num_cells=[256, 256])
     # The weights in one block of memory of their own (past the C library's heap: mapped alone),
     # so that no other object of the process writes their pages: the steady state the path is of.
+    # The parameters start 64 bytes into a page, wherever the allocator put the block: the frozen
+    # 256x256 layer then ends inside a page that the stepped head shares, as the page draws it.
     block = torch.zeros(9 << 20)
     with torch.no_grad():
-        start = 0
+        start = (64 - block.data_ptr()) % mmap.PAGESIZE // block.element_size()
         for p in net.parameters():
             p.data = block[start : start + p.numel()].view_as(p).copy_(p)
             start += p.numel()
