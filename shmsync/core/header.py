@@ -159,15 +159,16 @@ def header_view(buf) -> memoryview:
     return memoryview(buf)[:HEADER_BYTES].cast("q")
 
 
-def row_base(row: int) -> int:
-    """The first header word of reader-table row ``row``."""
-    return W_READERS + row * READER_WORDS
+def row_word(row: int, field: int) -> int:
+    """The header index of word ``field`` (an ``R_*`` constant) of reader-table row ``row``: the one
+    place a row's word is addressed (a reader's own row, a bank's lease column, the tools' reads)."""
+    return W_READERS + row * READER_WORDS + field
 
 
 def reader_column(h, field: int) -> list[int]:
     """Word ``field`` (an ``R_*`` constant) of every row of the reader table, in one strided read
     of header words ``h`` (a memoryview, a list or an int64 array)."""
-    column = h[W_READERS + field : W_READERS + MAX_READERS * READER_WORDS : READER_WORDS]
+    column = h[row_word(0, field) : row_word(MAX_READERS, 0) : READER_WORDS]
     return column.tolist() if hasattr(column, "tolist") else [int(w) for w in column]
 
 

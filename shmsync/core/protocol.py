@@ -2,12 +2,16 @@
 
 Three roles work on the shared words of one bank (:class:`Words`): the :class:`SlotWriter` (the
 one process that publishes), a :class:`SlotReader` (each process that copies a version out) and
-the :class:`ReaderRows` (each reader's row in the header, and its lease on a slot). Each holds the
-words; the slot writer also holds the rows, to ask about leases. Nothing here moves bytes: a
-caller copies between its own calls (the writer between :meth:`SlotWriter.begin_write` and
-:meth:`SlotWriter.commit`, a reader inside the ``copy(slot)`` it hands to :meth:`SlotReader.read`),
-so every interleaving below can be driven step by step in tests, on a plain list of ints, without
-processes or torch.
+the bank's :class:`Leases` (which slot each reader in place holds). Each holds the words; the slot
+writer also holds the leases, to ask whether a slot is leased. The readers' rows in the header
+(:class:`ReaderRows`: a reader's pid, version, reloads) are the store's, not a bank's: they
+outlive the banks, and each row holds one lease word per bank (its address, as every row word's:
+:func:`~shmsync.core.header.row_word`).
+
+Nothing here moves bytes: a caller copies between its own calls (the writer between
+:meth:`SlotWriter.begin_write` and :meth:`SlotWriter.commit`, a reader inside the ``copy(slot)``
+it hands to :meth:`SlotReader.read`), so every interleaving below can be driven step by step in
+tests, on a plain list of ints, without processes or torch.
 
 Slots and words
 ---------------
@@ -73,8 +77,8 @@ reader's copy, if it ever resumes, fails validation and is retried. A holder tha
 however slowly, keeps its pin: two slow readers taking the pin off each other would never
 finish.
 
-Leases (zero-copy readers, :meth:`ReaderRows.lease_latest`)
-------------------------------------------------------------
+Leases (zero-copy readers, :meth:`Leases.lease_latest`)
+--------------------------------------------------------
 A zero-copy reader points its module's parameters at the read-only memory of one slot and
 holds a *lease* on it; the writer never writes a leased slot. Leases are recorded in the
 reader table (each row's lease word of the bank: ``slot + 1``, or ``-(slot + 1)`` while the
@@ -207,7 +211,6 @@ from shmsync.core.header import (
     W_PROMISED,
     W_PUBLISH_COUNT,
     W_PUBLISH_NS,
-    W_READERS,
     W_ROWS,
     W_STEP_RING,
     W_STEPS,
@@ -215,7 +218,7 @@ from shmsync.core.header import (
     W_WRITER_PID,
     bank_base,
     reader_column,
-    row_base,
+    row_word,
     slot_index,
 )
 from shmsync.core.processes import own_start_ns, pid_stopped
@@ -332,7 +335,7 @@ def steps_of(h: HeaderWords, version: int, latest: int) -> int | None:
         >>> h = [0] * 20480
         >>> initialize(h, 3)
         >>> words = Words(h)
-        >>> writer = SlotWriter(words, ReaderRows(words, LocalLocks()))
+        >>> writer = SlotWriter(words, Leases(words, LocalLocks()))
         >>> h[W_STEPS] = 1234  # the optimizer steps counted so far
         >>> version = writer.commit(writer.begin_write(70))
         >>> steps_of(h, 70, latest=75), steps_of(h, 6, latest=75), steps_of(h, 70, latest=200)
@@ -380,45 +383,61 @@ class Words:
         self.seq = tuple(base + B_SEQ + i for i in range(n))
         self.slot_version = tuple(base + B_SLOT_VERSION + i for i in range(n))
         self.leases = tuple(base + B_LEASES + i for i in range(n))
-        self.lease = LEASE_COLUMNS[bank]  # a row's lease word of this bank
-
-    def lease_word(self, row: int) -> int:
-        """The header index of row ``row``'s lease word of this bank."""
-        return W_READERS + row * READER_WORDS + self.lease
+        self.lease = LEASE_COLUMNS[bank]  # a row's lease word of this bank: row_word(row, lease)
 
 
 class ReaderRows:
-    """The readers' rows in the header: each reader's row (its pid, version, reloads, flags), and
-    the leases of readers in place on one bank. The readers' table that operators read
-    (:class:`~shmsync.store.reader_table.ReaderTable`) is made from these rows.
+    """The readers' rows in the header: each reader's row (its pid, the version it loaded, its
+    reloads, its flags), claimed when it starts and given back when it leaves. A store has one, and
+    so has each reader, whatever bank it loads from: the rows outlive the banks (a reader that moves
+    to the device slots keeps its row). The readers' table that operators read
+    (:class:`~shmsync.store.reader_table.ReaderTable`) is made from these rows. A row's lease words
+    are each bank's :class:`Leases`'.
 
     Args:
-        words: the bank's words (rows are shared by the banks; leases are the bank's).
+        h: the header words.
         locks: the table's and the rows' locks.
-        pid: this process's id as written into a row; start_ns: its start time, beside it.
+        pid: this process's id as written into a row. Default: this process's; a test passes its
+            own, and the row then shows no start time.
         clock: wall-clock time in ns (the time of a reload, shown in the readers' table).
+
+    Examples:
+        >>> h = [0] * 20480
+        >>> initialize(h, 3)
+        >>> rows = ReaderRows(h, LocalLocks(), pid=1234)
+        >>> row = rows.claim_row(worker=0)
+        >>> rows.update_row(row, version=5, reloads=1)
+        >>> row, h[row_word(row, header.R_PID)], h[row_word(row, R_VERSION)]
+        (0, 1234, 5)
     """
 
     def __init__(
         self,
-        words: Words,
+        h: HeaderWords,
         locks: Locks,
         *,
         pid: int | None = None,
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
-        self.words = words
+        self.h = h
         self.locks = locks
         self.pid = os.getpid() if pid is None else pid
         self.start_ns = own_start_ns() if pid is None else 0
         self.clock = clock
 
     def claim_row(self, patience: float | None = 5.0, *, worker: int | None = None, flags: int = 0) -> int:
-        """A free row of the reader table for this process, or -1 if the table is full or its
-        lock stayed busy for ``patience`` seconds (the reader then copies, unlisted). ``worker``
-        (the index a collector gave the reader) and ``flags`` (``ROW_*`` bits) are shown in the
-        readers' table."""
-        h = self.words.h
+        """Claim a free row of the reader table for this process.
+
+        Args:
+            patience: seconds to wait for the table's lock (None: as long as it takes).
+            worker: the index a collector gave the reader, shown in the readers' table.
+            flags: the row's ``ROW_*`` bits, shown in the readers' table.
+
+        Returns:
+            The row, or -1 if the table is full or its lock stayed busy: the reader then copies,
+            unlisted.
+        """
+        h = self.h
         with self.locks.table(patience) as locked:
             if not locked:
                 return -1
@@ -429,51 +448,95 @@ class ReaderRows:
             candidates += [row for row, pid in enumerate(pids) if pid != 0]
             for row in candidates:
                 if self.locks.hold_row(row):
-                    base = row_base(row)
-                    h[base + R_VERSION], h[base + R_RELOADS], h[base + R_RELOAD_NS] = -1, 0, 0
-                    h[base + R_COPIED_BYTES] = h[base + header.R_DEVICE_BYTES] = 0
-                    for column in LEASE_COLUMNS:
-                        h[base + column] = 0
-                    h[base + header.R_WORKER] = 0 if worker is None else worker + 1
-                    h[base + header.R_FLAGS], h[base + header.R_START_NS] = flags, self.start_ns
-                    h[base + header.R_PID] = self.pid
+                    h[row_word(row, R_VERSION)] = -1
+                    for field in (R_RELOADS, R_RELOAD_NS, R_COPIED_BYTES, header.R_DEVICE_BYTES, *LEASE_COLUMNS):
+                        h[row_word(row, field)] = 0
+                    h[row_word(row, header.R_WORKER)] = 0 if worker is None else worker + 1
+                    h[row_word(row, header.R_FLAGS)] = flags
+                    h[row_word(row, header.R_START_NS)] = self.start_ns
+                    h[row_word(row, header.R_PID)] = self.pid  # last: the row is listed from now on
                     if h[W_ROWS] <= row:
                         h[W_ROWS] = row + 1  # how far the readers' table is read
                     return row
             return -1
 
     def update_row(self, row: int, version: int, reloads: int, copied: int = 0) -> None:
-        """Record what reader ``row`` loaded, and the bytes that reload ``copied`` into its module
-        (for ``shmsync ls`` and ``store.readers()``)."""
+        """Record what reader ``row`` loaded (for ``shmsync ls`` and ``store.readers()``).
+
+        Args:
+            row: the reader's row (-1: none, and nothing is recorded).
+            version: the version it loaded.
+            reloads: how many times it loaded one.
+            copied: the bytes that reload copied into its module.
+        """
         if row >= 0:
-            base = W_READERS + row * READER_WORDS
-            h = self.words.h
-            h[base + R_VERSION], h[base + R_RELOADS], h[base + R_RELOAD_NS] = version, reloads, self.clock()
-            h[base + R_COPIED_BYTES] = copied
+            h = self.h
+            h[row_word(row, R_VERSION)], h[row_word(row, R_RELOADS)] = version, reloads
+            h[row_word(row, R_RELOAD_NS)], h[row_word(row, R_COPIED_BYTES)] = self.clock(), copied
 
     def set_row_word(self, row: int, field: int, value: int) -> None:
-        """Set word ``field`` (an ``R_*`` constant, not a lease) of reader ``row``'s row: its flags,
-        its device bytes (shown in the readers' table; no part of the protocol)."""
+        """Set word ``field`` (an ``R_*`` constant, not a lease) of reader ``row``'s row: its flags or
+        its device bytes, which the readers' table shows and the protocol never reads. Nothing is
+        set for row -1 (no row)."""
         if row >= 0:
-            self.words.h[row_base(row) + field] = value
+            self.h[row_word(row, field)] = value
 
     def release_row(self, row: int) -> None:
+        """Give row ``row`` back (its pid cleared, its lock released); release its leases first,
+        with each bank's :meth:`Leases.release_lease`. Nothing is done for row -1 (no row)."""
         if row >= 0:
-            self.words.h[row_base(row)] = 0
+            self.h[row_word(row, header.R_PID)] = 0
             self.locks.release_row(row)
 
-    # -- leases ---------------------------------------------------------------------------------
+
+class Leases:
+    """The leases of one bank: which slot each reader in place holds (its row's lease word of the
+    bank) and how many readers hold each slot (the bank's ``leases[i]`` counts). A reader holds one
+    per bank it loads from, made with the bank; the writer of a bank holds one to ask whether a slot
+    is leased. The rows they live in are :class:`ReaderRows`'; the rules are in the module's *Leases* above.
+
+    Args:
+        words: the bank's words.
+        locks: the table's and the rows' locks (a lease changes under the table's lock).
+
+    Examples:
+        >>> h = [0] * 20480
+        >>> initialize(h, 3)
+        >>> words, locks = Words(h), LocalLocks()
+        >>> writer, leases = SlotWriter(words, Leases(words, locks)), Leases(words, locks)
+        >>> _ = writer.commit(writer.begin_write())
+        >>> row = ReaderRows(h, locks, pid=1234).claim_row()
+        >>> lease = leases.lease_latest(row)
+        >>> lease, leases.row_leased(lease.slot)
+        (Lease(slot=0, version=0), True)
+        >>> leases.release_lease(row)
+        >>> leases.row_leased(0)
+        False
+    """
+
+    def __init__(self, words: Words, locks: Locks) -> None:
+        self.words = words
+        self.locks = locks
+
     def row_leased(self, slot: int, confirmed: bool = False) -> bool:
-        """Whether any row of the reader table leases ``slot`` (dead readers' rows included);
-        ``confirmed``: only leases past their handshake count, not those still being decided."""
+        """Say whether any row of the reader table leases ``slot`` (dead readers' rows included).
+
+        Args:
+            slot: the slot of this bank asked about.
+            confirmed: count only leases past their handshake, not those still being decided.
+        """
         h = self.words.h
-        start = W_READERS + self.words.lease
+        start = row_word(0, self.words.lease)
         column = h[start : start + min(max(h[W_ROWS], 0), MAX_READERS) * READER_WORDS : READER_WORDS]
         return slot + 1 in column or (not confirmed and -(slot + 1) in column)
 
     def recount(self) -> set[int]:
-        """Recompute the per-slot lease counts from the rows of live readers; the leased slots.
-        Call with the table lock held."""
+        """Recompute the per-slot lease counts from the rows of live readers, and clear the lease
+        words of dead ones. Call it with the table's lock held.
+
+        Returns:
+            The slots leased by live readers.
+        """
         w = self.words
         h, n = w.h, w.num_slots
         counts = [0] * n
@@ -484,17 +547,27 @@ class ReaderRows:
             if self.locks.row_alive(row):
                 counts[slot] += 1
             else:
-                h[w.lease_word(row)] = 0  # a dead reader's lease
+                h[row_word(row, w.lease)] = 0  # a dead reader's lease
         for slot, c in enumerate(counts):
             h[w.leases[slot]] = c
         return {slot for slot, c in enumerate(counts) if c}
 
     def lease_latest(self, row: int) -> Lease | None:
-        """Move ``row``'s lease to the latest slot. Returns the :class:`Lease`, or None if the
-        lease is refused (always without a row). After a refusal the previous slot may be
-        rewritten at any moment: stop using it, and :meth:`release_lease` what is left."""
+        """Move ``row``'s lease to the latest slot (the two steps of the module's *Leases* above). After a refusal
+        the previous slot may be rewritten at any moment: stop using it, and :meth:`release_lease`
+        what is left.
+
+        Args:
+            row: the reader's row (-1: none, and the lease is refused: it would live in the row).
+
+        Returns:
+            The :class:`Lease`, or None if the lease is refused.
+
+        Raises:
+            StoreCorruptError: the latest slot's word, or the row's lease word, is no slot.
+        """
         if row < 0:
-            return None  # the lease would live in the row: no row, no lease
+            return None
         w = self.words
         h = w.h
         with self.locks.table(0.01) as locked:
@@ -513,10 +586,14 @@ class ReaderRows:
         return Lease(slot, version) if self._lease_holds(row, slot, (seq,)) else None
 
     def lease_written(self, row: int, write: Write) -> bool:
-        """Move ``row``'s lease to the slot of ``write``, a write this process has open or has
-        just committed (a relay forwards the bytes of a version while it still receives them).
-        Refused (False; as for :meth:`lease_latest`, the previous slot is no longer safe) if the
-        rule above would break, or if the slot has moved on to another write meanwhile."""
+        """Move ``row``'s lease to the slot of ``write``, a write this process has open or has just
+        committed (a relay forwards the bytes of a version while it still receives them). As for
+        :meth:`lease_latest`, after a refusal the previous slot is no longer safe.
+
+        Returns:
+            Whether the lease holds: False if the rules above would break, or if the slot has moved
+            on to another write meanwhile.
+        """
         if row < 0:
             return False
         with self.locks.table(0.01) as locked:
@@ -530,7 +607,7 @@ class ReaderRows:
         leased or pinned, or a pin is being granted; refused, the row leases nothing."""
         w = self.words
         h, n = w.h, w.num_slots
-        word = W_READERS + row * READER_WORDS + w.lease
+        word = row_word(row, w.lease)
         previous = abs(h[word])
         h[word] = -(slot + 1)  # being decided: counted, pinned by a writer that sees it, not yet used
         counts = [h[w.leases[s]] for s in range(n)]
@@ -561,7 +638,7 @@ class ReaderRows:
         confirmed lease; one that started before, or went through the lease while it was being
         decided, has already moved its sequence, and the lease is given up."""
         w = self.words
-        w.h[W_READERS + row * READER_WORDS + w.lease] = slot + 1
+        w.h[row_word(row, w.lease)] = slot + 1
         w.full_fence()  # the confirmed lease before the sequence load below
         if w.h[w.seq[slot]] in seqs:
             return True
@@ -569,13 +646,18 @@ class ReaderRows:
         return False
 
     def release_lease(self, row: int) -> None:
-        """Give up ``row``'s lease. If the table stays busy, the counts are left for the next
-        lease change to recompute: the writer avoids that slot a little longer, which is safe."""
+        """Give up ``row``'s lease on this bank, if it holds one (nothing for row -1). If the table's
+        lock stays busy, the counts are left for the next lease change to recompute: the writer
+        avoids that slot a little longer, which is safe.
+
+        Raises:
+            StoreCorruptError: the row's lease word is no slot.
+        """
         if row < 0:
             return
         w = self.words
         h = w.h
-        word = w.lease_word(row)
+        word = row_word(row, w.lease)
         if not h[word]:
             return
         w.fence()  # the module's last loads from the slot before the release
@@ -591,7 +673,7 @@ class SlotWriter:
 
     Args:
         words: the bank's words.
-        rows: the readers' rows, asked whether a slot is leased.
+        leases: the bank's leases, asked whether a slot is leased.
         pid: this process's id as written into the header.
         clock: wall-clock time in ns (publish times, shared with other processes).
 
@@ -599,17 +681,17 @@ class SlotWriter:
         >>> h = [0] * 20480
         >>> initialize(h, 3)
         >>> words = Words(h)
-        >>> writer = SlotWriter(words, ReaderRows(words, LocalLocks()))
+        >>> writer = SlotWriter(words, Leases(words, LocalLocks()))
         >>> write = writer.begin_write()
         >>> writer.commit(write), h[words.version]
         (0, 0)
     """
 
     def __init__(
-        self, words: Words, rows: ReaderRows, *, pid: int | None = None, clock: Callable[[], int] = time.time_ns
+        self, words: Words, leases: Leases, *, pid: int | None = None, clock: Callable[[], int] = time.time_ns
     ) -> None:
         self.words = words
-        self.rows = rows
+        self.leases = leases
         self.pid = os.getpid() if pid is None else pid
         self.clock = clock
         self.writing: Write | None = None  # the write this writer has open
@@ -661,7 +743,7 @@ class SlotWriter:
         odd = seq + 2 if seq & 1 else seq + 1  # odd already: a writer died mid-copy
         h[w.seq[target]] = odd
         w.full_fence()  # the store above before the lease loads below
-        if not h[w.leases[target]] or not self.rows.row_leased(target, confirmed=True):
+        if not h[w.leases[target]] or not self.leases.row_leased(target, confirmed=True):
             held = -1 if seq & 1 else h[w.slot_version[target]]  # a write that never ended left no version whole
             return Write(target, odd, held, version, h[W_STEPS])
         h[w.seq[target]] = odd + 1
@@ -742,10 +824,10 @@ class SlotWriter:
         the ones the writer may write, asking the rows if every count says leased (a count may be too
         high), or failing those, a lease still being decided."""
         if not free:
-            free = [s for s in others if not self.rows.row_leased(s)]
+            free = [s for s in others if not self.leases.row_leased(s)]
         candidates = [s for s in free if s != pinned]
         if not candidates:  # a lease still being decided gives way (see Handshakes)
-            undecided = [s for s in others if not self.rows.row_leased(s, confirmed=True)]
+            undecided = [s for s in others if not self.leases.row_leased(s, confirmed=True)]
             # With 2 slots, so does a pin: the pinned reader retries.
             candidates = [s for s in undecided if s != pinned] or free or undecided
         return candidates
@@ -767,7 +849,7 @@ class SlotWriter:
         idle, held = [], []
         for s in range(w.num_slots):
             if s != latest:
-                if h[w.leases[s]] and self.rows.row_leased(s):
+                if h[w.leases[s]] and self.leases.row_leased(s):
                     held.append(s)
                 elif s != pinned:
                     idle.append(s)
@@ -804,7 +886,7 @@ class SlotWriter:
         h = w.h
         latest = h[w.latest]
         for s in range(w.num_slots):
-            if s != latest and h[w.leases[s]] and not h[w.seq[s]] & 1 and self.rows.row_leased(s):
+            if s != latest and h[w.leases[s]] and not h[w.seq[s]] & 1 and self.leases.row_leased(s):
                 return s
         return latest
 
@@ -825,7 +907,7 @@ class SlotReader:
         >>> h = [0] * 20480
         >>> initialize(h, 3)
         >>> words = Words(h)
-        >>> writer = SlotWriter(words, ReaderRows(words, LocalLocks()))
+        >>> writer = SlotWriter(words, Leases(words, LocalLocks()))
         >>> slots = [None] * 3
         >>> write = writer.begin_write()
         >>> slots[write.slot] = "weights v0"

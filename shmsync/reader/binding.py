@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from shmsync.core.header import DEVICE, HOST, W_DEVICE
-from shmsync.core.protocol import ReaderRows, SlotReader, Words
+from shmsync.core.protocol import Leases, SlotReader, Words
 from shmsync.errors import ArgumentTypeError, InvalidArgumentError, WeightMismatchError
 from shmsync.reader.held_copy import HeldCopy
 from shmsync.reader.in_place import InPlace
@@ -39,7 +39,7 @@ class Binding:
         targets: the module's tensors, matched; indices: their entries in the layout.
         cuda: the module's GPU, or None on the CPU.
         bank: :data:`~shmsync.core.header.HOST` or :data:`~shmsync.core.header.DEVICE`.
-        words, rows, slot_reader: the bank's words, its readers' rows, and the protocol's reader side
+        words, leases, slot_reader: the bank's words, its leases, and the protocol's reader side
             copying from it.
         slots: per slot, a view of every entry in layout order, as this process reads it.
         held: the module's private copy, when it copies: the version it holds, and reloads that
@@ -67,7 +67,7 @@ class Binding:
                 f"got weights on {self.cuda}: it copies"
             )
         self.words: Words = memory.host if self.bank == HOST else memory.device
-        self.rows = ReaderRows(self.words, memory.locks)
+        self.leases = Leases(self.words, memory.locks)
         self.slot_reader = SlotReader(self.words, memory.locks)
         self.device_seen = memory.header[W_DEVICE]  # the store's device word when bound
         self.slots = slots_for(memory, self.bank, self.cuda)

@@ -3,7 +3,7 @@
 One load, on the worker's thread (:meth:`WeightReader.poll`)::
 
     version word of the reader's bank == loaded?  ->  nothing to do (one load of a shared word)
-    in place: rows.lease_latest(row)              (shmsync.core.protocol: a slot the writer leaves alone)
+    in place: leases.lease_latest(row)            (shmsync.core.protocol: a slot the writer leaves alone)
               in_place.point(slot)                (the parameters view it; shmsync.reader.in_place)
     or a copy: held.load(slot_reader)             (a seqlock copy, or a pinned one, of what the
                                                   module lacks: shmsync.reader.held_copy)
@@ -37,7 +37,7 @@ from shmsync.core.header import (
     W_VERSION,
 )
 from shmsync.core.pages import human_bytes
-from shmsync.core.protocol import ReaderRows
+from shmsync.core.protocol import Leases, ReaderRows
 from shmsync.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
@@ -155,7 +155,7 @@ class WeightReader:
         self._viewing: list[torch.Tensor] = []  # the parameters while they point at a leased slot
         self._binding: Binding | None = None
         # The host bank until bound (its version word is what poll() loads); rows are the host bank's.
-        self._words, self._rows = memory.host, ReaderRows(memory.host, memory.locks)
+        self._words, self._rows = memory.host, ReaderRows(memory.header, memory.locks)
         self._flags = ROW_ZERO_COPY if self.mode is not Mode.PRIVATE else 0
         # A row in the readers' table (`shmsync ls`, store.readers()); -1: the table is full, unlisted.
         self._row = self._rows.claim_row(worker=worker, flags=self._flags)
@@ -294,7 +294,7 @@ class WeightReader:
             else:
                 if self.mode is Mode.IN_PLACE and binding.cuda is not None:
                     in_place.leave()  # the device's work on the old slot ends before its lease moves
-                lease = binding.rows.lease_latest(self._row)
+                lease = binding.leases.lease_latest(self._row)
                 if lease is None:
                     return self._fall_back(binding)
                 in_place.point(lease.slot)
@@ -321,7 +321,7 @@ class WeightReader:
 
     def _go_private(self, binding: Binding) -> None:
         """The module wrote its weights, kept privately: it copies from now on."""
-        binding.rows.release_lease(self._row)
+        binding.leases.release_lease(self._row)
         binding.drop_in_place()
         binding.held.forget()  # what the module held in place is not what it last copied
         self._set_mode(Mode.PRIVATE)
@@ -345,7 +345,7 @@ class WeightReader:
         if self._viewing:  # back to private memory before copying into it
             # (the old slot may be rewritten meanwhile; the copy below overwrites it all)
             make_private(self._viewing)
-            binding.rows.release_lease(self._row)
+            binding.leases.release_lease(self._row)
             held.forget()
         # Optimistic copies, or the pin at once for a reader slower than the writer.
         version = held.load(binding.slot_reader, self.timeout)
@@ -449,7 +449,7 @@ class WeightReader:
             viewing=self._viewing,
         )
         if old is not None and old.bank != binding.bank:
-            old.rows.release_lease(self._row)
+            old.leases.release_lease(self._row)
         self._binding, self._words = binding, binding.words
         if binding.in_place is None:  # its device cannot run in place (or it was asked not to)
             self._set_mode(Mode.PRIVATE)
@@ -517,5 +517,5 @@ def _leave(memory: StoreMemory, row: int, viewing: list[torch.Tensor]) -> None:
         make_private(viewing)
     if not memory.closed:
         for words in (memory.host, memory.device):
-            ReaderRows(words, memory.locks).release_lease(row)
-        ReaderRows(memory.host, memory.locks).release_row(row)
+            Leases(words, memory.locks).release_lease(row)
+        ReaderRows(memory.header, memory.locks).release_row(row)

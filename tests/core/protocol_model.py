@@ -353,6 +353,7 @@ def pin_candidate(o: Options) -> Generator:
 
 
 def row_leased(o: Options, slot: int, confirmed: bool = False) -> Generator:
+    """``Leases.row_leased``, as the writer asks it: whether row 0 leases ``slot``."""
     lease = yield Load(("row", 0))
     return lease == slot + 1 or (not confirmed and lease == -(slot + 1))
 
@@ -493,9 +494,11 @@ def await_pin(o: Options, ticket: int, have: list | None = None) -> Generator:
 
 
 def zero_copy_reader(o: Options) -> Generator:
-    """``reload`` of a zero-copy reader, ``o.reloads`` times: ``lease_latest`` (``_move_lease``,
-    ``_lease_holds``) and a copy-free use of the slot, or, refused, ``release_lease`` and a copy;
-    at the end ``release_lease``."""
+    """``reload`` of a zero-copy reader, ``o.reloads`` times, through its bank's ``Leases``:
+    ``lease_latest`` (``_move_lease``, ``_lease_holds``) and a copy-free use of the slot, or,
+    refused, ``release_lease`` and a copy; at the end ``release_lease``. Its row is row 0, and the
+    model's word ``("row", 0)`` is that row's lease word of the bank (``row_word(0, R_LEASE)``):
+    the row's other words are no part of the protocol (``ReaderRows``)."""
     for _ in range(o.reloads):
         leased = yield from lease_latest(o)
         if leased is not None:
@@ -515,6 +518,7 @@ def zero_copy_reader(o: Options) -> Generator:
 
 
 def lease_latest(o: Options) -> Generator:
+    """``Leases.lease_latest`` for row 0: the slot and version leased, or None if refused."""
     yield Lock("table")
     slot = yield Load("latest")
     seq = yield Load(("seq", slot))
@@ -539,6 +543,7 @@ def lease_latest(o: Options) -> Generator:
 
 
 def move_lease(o: Options, slot: int) -> Generator:
+    """``Leases._move_lease`` for row 0, the table's lock held: whether the lease was decided."""
     previous = abs((yield Load(("row", 0))))
     yield Store(("row", 0), -(slot + 1))  # being decided
     counts = ()
@@ -569,7 +574,8 @@ def move_lease(o: Options, slot: int) -> Generator:
 
 
 def recount(o: Options) -> Generator:
-    """The counts from the rows of live readers: the one zero-copy reader's row is its own."""
+    """``Leases.recount``: the counts from the rows of live readers (the one zero-copy reader's row
+    is its own)."""
     lease = abs((yield Load(("row", 0))))
     for s in range(o.slots):
         yield Store(("leases", s), int(lease == s + 1))
@@ -577,6 +583,7 @@ def recount(o: Options) -> Generator:
 
 
 def release_lease(o: Options) -> Generator:
+    """``Leases.release_lease`` for row 0."""
     lease = abs((yield Load(("row", 0))))
     if not lease:
         return

@@ -23,7 +23,7 @@ from shmsync.core.header import (
     R_LEASE,
     W_VERSION,
     bank_word,
-    row_base,
+    row_word,
 )
 from shmsync.core.protocol import LocalLocks, initialize
 from shmsync.errors import ReloadTimeoutError, ShmSyncError
@@ -40,7 +40,7 @@ W_SLOT_VERSION = bank_word(HOST, B_SLOT_VERSION)
 
 
 def lease_word(row: int) -> int:
-    return row_base(row) + R_LEASE
+    return row_word(row, R_LEASE)
 
 
 ORDERINGS = ["tso", "weak"]  # "weak" runs the real fences of non-x86 CPUs, on any CPU

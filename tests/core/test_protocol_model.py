@@ -40,7 +40,7 @@ from tests.weights import Blob
 
 
 def lease_word(row: int) -> int:
-    return H.row_base(row) + H.R_LEASE
+    return H.row_word(row, H.R_LEASE)
 
 
 def bank(word: int) -> int:
