@@ -6,7 +6,7 @@ the bank's :class:`Leases` (which slot each reader in place holds). Each holds t
 writer also holds the leases, to ask whether a slot is leased. The readers' rows in the header
 (:class:`ReaderRows`: a reader's pid, version, reloads) are the store's, not a bank's: they
 outlive the banks, and each row holds one lease word per bank (its address, as every row word's:
-:func:`~shmsync.core.header.row_word`).
+:data:`~shmsync.core.header.ROW_WORDS`).
 
 Nothing here moves bytes: a caller copies between its own calls (the writer between
 :meth:`SlotWriter.begin_write` and :meth:`SlotWriter.commit`, a reader inside the ``copy(slot)``
@@ -206,6 +206,7 @@ from shmsync.core.header import (
     READER_WORDS,
     RING_STEPS_BITS,
     RING_TAG_BITS,
+    ROW_WORDS,
     STEP_RING,
     W_NUM_SLOTS,
     W_PROMISED,
@@ -218,7 +219,6 @@ from shmsync.core.header import (
     W_WRITER_PID,
     bank_base,
     reader_column,
-    row_word,
     slot_index,
 )
 from shmsync.core.processes import own_start_ns, pid_stopped
@@ -233,29 +233,55 @@ HeaderWords = MutableSequence[int] | memoryview
 
 
 class Locks(Interface):
-    """The locks readers take (the writer takes none of them): a token per bank, the table's lock,
-    and one per row of the reader table, held by that row's reader for as long as it lives."""
+    """The locks readers take; the writer takes none of them. There is a token per bank, the
+    table's lock, and one lock per row of the reader table, which that row's reader holds for as
+    long as it lives. A store's are kernel locks (:class:`shmsync.core.segment.SegmentLocks`), which
+    a process that dies releases; the protocol's tests use :class:`LocalLocks`."""
 
     def try_token(self, bank: int = HOST) -> bool:
-        """Take bank ``bank``'s reader token if it is free (never waits)."""
+        """Take bank ``bank``'s reader token if it is free, without waiting.
 
-    def release_token(self, bank: int = HOST) -> None: ...
+        Returns:
+            Whether the token was taken.
+        """
+
+    def release_token(self, bank: int = HOST) -> None:
+        """Release bank ``bank``'s reader token, which this process holds."""
 
     def table(self, patience: float | None) -> AbstractContextManager[bool]:
-        """Hold the reader table's lock; yields whether it was taken within ``patience`` s."""
+        """Hold the reader table's lock for the ``with`` block.
+
+        Args:
+            patience: the seconds to wait for it (None: as long as it takes).
+
+        Returns:
+            A context manager that yields whether the lock was taken in time.
+        """
 
     def hold_row(self, row: int) -> bool:
-        """Take row ``row``'s lock if no live reader holds it (never waits)."""
+        """Take row ``row``'s lock if no live reader holds it, without waiting.
 
-    def release_row(self, row: int) -> None: ...
+        Returns:
+            Whether the lock was taken.
+        """
+
+    def release_row(self, row: int) -> None:
+        """Release row ``row``'s lock, which this process holds."""
 
     def row_alive(self, row: int) -> bool:
-        """Whether a live reader holds row ``row``'s lock."""
+        """Say whether a live reader holds row ``row``'s lock."""
 
 
 class LocalLocks:
-    """:class:`Locks` for a header shared by the threads of one process (the protocol's tests;
-    a store uses :class:`shmsync.core.segment.SegmentLocks`)."""
+    """The :class:`Locks` of a header shared by the threads of one process, as the protocol's tests
+    use them (a store uses :class:`shmsync.core.segment.SegmentLocks`). A test kills a row's reader
+    by discarding the row from ``rows``.
+
+    Examples:
+        >>> locks = LocalLocks()
+        >>> locks.hold_row(3), locks.hold_row(3), locks.row_alive(3)
+        (True, False, True)
+    """
 
     def __init__(self) -> None:
         self.tokens = [threading.Lock() for _ in range(NUM_BANKS)]
@@ -291,11 +317,18 @@ class LocalLocks:
 
 
 class Write(NamedTuple):
-    """A write in progress: the slot, the odd sequence number it carries meanwhile, the version the
-    slot held whole before (-1: none, so its memory may have been given back: reserve it before
-    copying; also where a write there never ended), the version it will hold once committed (-1
-    for a slot being given back), and the optimizer steps the writer had counted when it began
-    (the training the version has seen; -1: not counted)."""
+    """A write in progress, as :meth:`SlotWriter.begin_write` or :meth:`SlotWriter.mark` return it.
+
+    Attributes:
+        slot: the slot being written.
+        seq: the odd sequence number the slot carries while it is written.
+        held: the version the slot held whole before. It is -1 when it held none, or where a write
+            there never ended; its memory may then have been given back, and must be reserved
+            before the copy.
+        version: the version the slot will hold once committed (-1 for a slot being given back).
+        steps: the optimizer steps the writer had counted when the write began, which is the
+            training the version has seen (-1: not counted).
+    """
 
     slot: int
     seq: int
@@ -305,14 +338,30 @@ class Write(NamedTuple):
 
 
 class Lease(NamedTuple):
-    """A lease a reader holds: the slot its parameters run on, and the version in it."""
+    """A lease a reader holds, as :meth:`Leases.lease_latest` returns it.
+
+    Attributes:
+        slot: the slot its parameters run on.
+        version: the version that slot holds.
+    """
 
     slot: int
     version: int
 
 
 def initialize(h: HeaderWords, num_slots: int) -> None:
-    """Set the protocol's words of a fresh header: no version yet, every slot of every bank empty."""
+    """Set the protocol's words of a fresh header: no version yet, and every slot of every bank empty.
+
+    Args:
+        h: the header words, all zeros.
+        num_slots: the slots of each bank.
+
+    Examples:
+        >>> h = [0] * 20480
+        >>> initialize(h, 3)
+        >>> Words(h).num_slots, h[W_VERSION]
+        (3, -1)
+    """
     h[W_VERSION] = -1
     h[W_PROMISED] = -1
     h[W_STEPS] = -1
@@ -326,10 +375,17 @@ def initialize(h: HeaderWords, num_slots: int) -> None:
 
 
 def steps_of(h: HeaderWords, version: int, latest: int) -> int | None:
-    """The optimizer steps ``version`` had seen, from the header's steps ring (read by any process,
-    ``latest`` the store's newest version); None when the ring no longer holds it (``STEP_RING``
-    versions before ``latest`` or more), when its writer counted none, or when the word makes no
-    sense.
+    """Read the optimizer steps ``version`` had seen from the header's steps ring. Any process may
+    read it.
+
+    Args:
+        h: the header words.
+        version: the version asked about.
+        latest: the store's newest version.
+
+    Returns:
+        The steps, or None when the ring no longer holds the version (``STEP_RING`` versions before
+        ``latest`` or more), when its writer counted none, or when the word makes no sense.
 
     Examples:
         >>> h = [0] * 20480
@@ -349,9 +405,9 @@ def steps_of(h: HeaderWords, version: int, latest: int) -> int | None:
 
 
 class Words:
-    """The shared words of one bank of slots, as this process reaches them: the header ``h`` (a
-    memoryview of int64 in a store; any list of ints in tests), the indices of the bank's words,
-    the store's name (for errors) and the fences.
+    """The shared words of one bank of slots, as this process reaches them. It holds the header
+    ``h`` (a memoryview of int64 in a store, any list of ints in tests), the index of each of the
+    bank's words, the store's name for errors, and the fences of this CPU's memory order.
 
     Args:
         h: the header words.
@@ -383,7 +439,7 @@ class Words:
         self.seq = tuple(base + B_SEQ + i for i in range(n))
         self.slot_version = tuple(base + B_SLOT_VERSION + i for i in range(n))
         self.leases = tuple(base + B_LEASES + i for i in range(n))
-        self.lease = LEASE_COLUMNS[bank]  # a row's lease word of this bank: row_word(row, lease)
+        self.lease = LEASE_COLUMNS[bank]  # a row's lease word of this bank: ROW_WORDS[row][lease]
 
 
 class ReaderRows:
@@ -407,7 +463,7 @@ class ReaderRows:
         >>> rows = ReaderRows(h, LocalLocks(), pid=1234)
         >>> row = rows.claim_row(worker=0)
         >>> rows.update_row(row, version=5, reloads=1)
-        >>> row, h[row_word(row, header.R_PID)], h[row_word(row, R_VERSION)]
+        >>> row, h[ROW_WORDS[row][header.R_PID]], h[ROW_WORDS[row][R_VERSION]]
         (0, 1234, 5)
     """
 
@@ -448,13 +504,13 @@ class ReaderRows:
             candidates += [row for row, pid in enumerate(pids) if pid != 0]
             for row in candidates:
                 if self.locks.hold_row(row):
-                    h[row_word(row, R_VERSION)] = -1
+                    words = ROW_WORDS[row]
+                    h[words[R_VERSION]] = -1
                     for field in (R_RELOADS, R_RELOAD_NS, R_COPIED_BYTES, header.R_DEVICE_BYTES, *LEASE_COLUMNS):
-                        h[row_word(row, field)] = 0
-                    h[row_word(row, header.R_WORKER)] = 0 if worker is None else worker + 1
-                    h[row_word(row, header.R_FLAGS)] = flags
-                    h[row_word(row, header.R_START_NS)] = self.start_ns
-                    h[row_word(row, header.R_PID)] = self.pid  # last: the row is listed from now on
+                        h[words[field]] = 0
+                    h[words[header.R_WORKER]] = 0 if worker is None else worker + 1
+                    h[words[header.R_FLAGS]], h[words[header.R_START_NS]] = flags, self.start_ns
+                    h[words[header.R_PID]] = self.pid  # last: the row is listed from now on
                     if h[W_ROWS] <= row:
                         h[W_ROWS] = row + 1  # how far the readers' table is read
                     return row
@@ -470,22 +526,22 @@ class ReaderRows:
             copied: the bytes that reload copied into its module.
         """
         if row >= 0:
-            h = self.h
-            h[row_word(row, R_VERSION)], h[row_word(row, R_RELOADS)] = version, reloads
-            h[row_word(row, R_RELOAD_NS)], h[row_word(row, R_COPIED_BYTES)] = self.clock(), copied
+            h, words = self.h, ROW_WORDS[row]
+            h[words[R_VERSION]], h[words[R_RELOADS]] = version, reloads
+            h[words[R_RELOAD_NS]], h[words[R_COPIED_BYTES]] = self.clock(), copied
 
     def set_row_word(self, row: int, field: int, value: int) -> None:
         """Set word ``field`` (an ``R_*`` constant, not a lease) of reader ``row``'s row: its flags or
         its device bytes, which the readers' table shows and the protocol never reads. Nothing is
         set for row -1 (no row)."""
         if row >= 0:
-            self.h[row_word(row, field)] = value
+            self.h[ROW_WORDS[row][field]] = value
 
     def release_row(self, row: int) -> None:
         """Give row ``row`` back (its pid cleared, its lock released); release its leases first,
         with each bank's :meth:`Leases.release_lease`. Nothing is done for row -1 (no row)."""
         if row >= 0:
-            self.h[row_word(row, header.R_PID)] = 0
+            self.h[ROW_WORDS[row][header.R_PID]] = 0
             self.locks.release_row(row)
 
 
@@ -526,7 +582,7 @@ class Leases:
             confirmed: count only leases past their handshake, not those still being decided.
         """
         h = self.words.h
-        start = row_word(0, self.words.lease)
+        start = ROW_WORDS[0][self.words.lease]
         column = h[start : start + min(max(h[W_ROWS], 0), MAX_READERS) * READER_WORDS : READER_WORDS]
         return slot + 1 in column or (not confirmed and -(slot + 1) in column)
 
@@ -547,7 +603,7 @@ class Leases:
             if self.locks.row_alive(row):
                 counts[slot] += 1
             else:
-                h[row_word(row, w.lease)] = 0  # a dead reader's lease
+                h[ROW_WORDS[row][w.lease]] = 0  # a dead reader's lease
         for slot, c in enumerate(counts):
             h[w.leases[slot]] = c
         return {slot for slot, c in enumerate(counts) if c}
@@ -607,7 +663,7 @@ class Leases:
         leased or pinned, or a pin is being granted; refused, the row leases nothing."""
         w = self.words
         h, n = w.h, w.num_slots
-        word = row_word(row, w.lease)
+        word = ROW_WORDS[row][w.lease]
         previous = abs(h[word])
         h[word] = -(slot + 1)  # being decided: counted, pinned by a writer that sees it, not yet used
         counts = [h[w.leases[s]] for s in range(n)]
@@ -638,7 +694,7 @@ class Leases:
         confirmed lease; one that started before, or went through the lease while it was being
         decided, has already moved its sequence, and the lease is given up."""
         w = self.words
-        w.h[row_word(row, w.lease)] = slot + 1
+        w.h[ROW_WORDS[row][w.lease]] = slot + 1
         w.full_fence()  # the confirmed lease before the sequence load below
         if w.h[w.seq[slot]] in seqs:
             return True
@@ -657,7 +713,7 @@ class Leases:
             return
         w = self.words
         h = w.h
-        word = row_word(row, w.lease)
+        word = ROW_WORDS[row][w.lease]
         if not h[word]:
             return
         w.fence()  # the module's last loads from the slot before the release
@@ -669,13 +725,15 @@ class Leases:
 
 
 class SlotWriter:
-    """The writer of one bank (one process at a time: the store's writer lock).
+    """The writer of one bank: it chooses a slot no reader uses, marks it, and commits it as the
+    latest version once the caller copied into it. One process at a time writes a store (the
+    store's writer lock sees to it), and it never waits for a reader.
 
     Args:
         words: the bank's words.
         leases: the bank's leases, asked whether a slot is leased.
         pid: this process's id as written into the header.
-        clock: wall-clock time in ns (publish times, shared with other processes).
+        clock: wall-clock time in ns, for publish times that other processes read.
 
     Examples:
         >>> h = [0] * 20480
@@ -702,10 +760,17 @@ class SlotWriter:
         self.steps: collections.OrderedDict[int, int] = collections.OrderedDict()
 
     def begin_write(self, version: int | None = None, steps: int | None = None) -> Write:
-        """Choose a slot, mark it being written, and decide the version it will hold: ``version``
-        (a caller's number, checked higher than every version before), else one more than the
-        store's last. The one place a version is decided. Never waits. ``steps``: the optimizer
-        steps the version has seen (default: the store's count now, ``W_STEPS``; -1: not counted).
+        """Choose a slot, mark it as being written, and decide the version it will hold. This is the
+        one place a version is decided. It never waits.
+
+        Args:
+            version: the version to write, a caller's number higher than every version before.
+                Default: one more than the store's last.
+            steps: the optimizer steps the version has seen. Default: the store's count now
+                (``W_STEPS``); -1: not counted.
+
+        Returns:
+            The :class:`Write`; copy into its slot, then :meth:`commit` it (or :meth:`abort` it).
 
         Raises:
             ShmSyncError: this writer already has a write open (say, a CUDA publish in flight).
@@ -733,10 +798,17 @@ class SlotWriter:
         raise ShmSyncError(f"store {self.words.name!r}: readers kept leasing every free slot")
 
     def mark(self, target: int, version: int = -1) -> Write | None:
-        """The writer's half of the write handshake: mark ``target`` odd, then, after a full fence,
-        look for a confirmed lease on it. Returns the write (of ``version``; -1 for a slot being
-        given back), or None if a reader leased it meanwhile (the slot is left untouched, its
-        sequence moved on to the next even number)."""
+        """Take the writer's half of the write handshake: mark ``target`` odd, then, after a full
+        fence, look for a confirmed lease on it.
+
+        Args:
+            target: the slot to write.
+            version: the version the write will commit (-1 for a slot being given back).
+
+        Returns:
+            The :class:`Write`, or None if a reader leased the slot meanwhile. The slot is then left
+            untouched, its sequence moved on to the next even number.
+        """
         w = self.words
         h = w.h
         seq = h[w.seq[target]]
@@ -750,8 +822,14 @@ class SlotWriter:
         return None
 
     def commit(self, write: Write) -> int:
-        """Make the written slot the latest, complete version (the one its write began with);
-        returns that version."""
+        """Make the written slot the latest complete version, the one its write began with.
+
+        Args:
+            write: the write this writer has open, its copy done.
+
+        Returns:
+            The version committed.
+        """
         w = self.words
         h, slot, version = w.h, write.slot, write.version
         h[w.slot_version[slot]] = version
@@ -780,7 +858,12 @@ class SlotWriter:
         return version
 
     def abort(self, write: Write) -> None:
-        """Give up a write whose copy failed: the slot is left empty (never latest, never read)."""
+        """Give up a write whose copy failed. The slot is left empty: it is never the latest, and no
+        reader copies it.
+
+        Args:
+            write: the write this writer has open.
+        """
         w = self.words
         w.h[w.slot_version[write.slot]] = -1
         w.fence()
@@ -788,20 +871,32 @@ class SlotWriter:
         self.writing = None
 
     def promise(self, version: int) -> None:
-        """Say that ``version`` is on its way (a publish that returns before it is visible)."""
+        """Say that ``version`` is on its way, for a publish that returns before it is visible. A
+        reader waiting for it waits while :meth:`SlotReader.promise_stands`.
+
+        Args:
+            version: the version promised (a lower one than already promised changes nothing).
+        """
         h = self.words.h
         if version > h[W_PROMISED]:
             h[W_PROMISED] = version
 
     def withdraw(self) -> None:
-        """A promised version will not come (its copy failed, or a writer died before it landed):
-        promise only what this bank holds, so that readers waiting for it go on at once."""
+        """Withdraw a promise whose version will not come, because its copy failed or a writer died
+        before it landed. The promise falls back to the version this bank holds, so that readers
+        waiting for it go on at once."""
         h = self.words.h
         h[W_PROMISED] = h[self.words.version]
 
     def choose_target(self, backed_off: tuple[int, ...] = ()) -> int | None:
-        """Serve a pending pin request, then pick the slot to write (None if every slot but
-        the latest is leased or backed off from). Never waits."""
+        """Serve a pending pin request, then pick the slot to write. It never waits.
+
+        Args:
+            backed_off: slots a reader leased while this write marked them, left alone this time.
+
+        Returns:
+            The slot, or None if every slot but the latest is leased or backed off from.
+        """
         w = self.words
         h = w.h
         request = h[w.pin_request]
@@ -833,13 +928,20 @@ class SlotWriter:
         return candidates
 
     def idle_slots(self, keep_warm: bool = False) -> list[int]:
-        """The slots whose memory may be given back: neither latest, nor pinned, nor leased, but
-        the one the next write takes (none is kept while readers hold only the version the last
-        commit replaced: its slot is the next write's once they reload; unless ``keep_warm``: a
-        slot that holds a version is cheaper to write than an empty one, where the writer copies
-        only what changed since it, and the next write may come before the readers move on).
-        Empty while a write is open. Give each back as it is written: :meth:`mark` it (None: a
-        reader leased it meanwhile, keep it), drop its pages, then :meth:`abort`. Never waits."""
+        """List the slots whose memory may be given back: those neither latest, nor pinned, nor
+        leased, except the one the next write takes. No slot is kept while readers hold only the
+        version the last commit replaced, since its slot is the next write's once they reload. It
+        never waits. Give each slot back as it is written: :meth:`mark` it (None: a reader leased it
+        meanwhile, so keep it), drop its pages, then :meth:`abort` the write.
+
+        Args:
+            keep_warm: keep the next write's slot even then. A slot that holds a version is cheaper
+                to write than an empty one (the writer copies only what changed since it), and the
+                next write may come before the readers move on.
+
+        Returns:
+            The slots, none while a write is open.
+        """
         if self.writing is not None:
             return []
         w = self.words
@@ -869,8 +971,12 @@ class SlotWriter:
         return min(warm, key=versions.__getitem__)
 
     def serve_pin_request(self, request: int) -> None:
-        """Grant ticket ``request``, which waits: pin a slot for the starving reader (see
-        :meth:`pin_candidate`)."""
+        """Grant ticket ``request``, which waits: pin a slot for the reader that asked, the one
+        :meth:`pin_candidate` chooses.
+
+        Args:
+            request: the ticket in the bank's ``pin_request`` word.
+        """
         w = self.words
         h = w.h
         w.fence()  # the ticket before the leases pin_candidate reads (see Handshakes)
@@ -879,9 +985,13 @@ class SlotWriter:
         h[w.pin_grant] = request
 
     def pin_candidate(self) -> int:
-        """The slot to pin for a starving reader: a slot leased by a zero-copy reader if there
-        is one besides the latest (it is already safe from the writer, so the pin costs no
-        slot; its version is older but complete), else the latest."""
+        """Choose the slot to pin for a reader whose copies keep failing. A slot that a reader in
+        place leases, besides the latest, is chosen if there is one: it is already safe from the
+        writer, so the pin costs no slot, and its version is older but complete.
+
+        Returns:
+            That slot, or else the latest.
+        """
         w = self.words
         h = w.h
         latest = h[w.latest]
@@ -892,16 +1002,16 @@ class SlotWriter:
 
 
 class SlotReader:
-    """The reader's side of the protocol on one bank: a copy validated by its sequence word, or
-    one from a slot pinned for it (the fallback). A :class:`~shmsync.WeightReader` holds one.
+    """The reader's side of the protocol on one bank: a copy validated by its sequence word, or, as
+    the fallback, a copy of a slot pinned for it. A :class:`~shmsync.WeightReader` holds one.
 
     Args:
         words: the bank's words.
-        locks: the bank's reader token is taken through them.
+        locks: the locks through which the bank's reader token is taken.
         pid: this process's id as written into the header.
-        stopped: whether a pid is a stopped process (its reader token may be taken over).
-        clock: wall-clock time in ns (the writer's pace); timer: a monotonic ns counter (how long
-            a copy takes). Tests drive both by hand.
+        stopped: says whether a pid is a stopped process, whose reader token may be taken over.
+        clock: wall-clock time in ns, to tell the writer's pace.
+        timer: a monotonic ns counter, to time a copy. Tests drive it and ``clock`` by hand.
 
     Examples:
         >>> h = [0] * 20480
@@ -938,8 +1048,17 @@ class SlotReader:
         self.copy_ns = 0  # how long this reader's last copy took
 
     def read(self, copy: CopyFn, *, max_attempts: int = 2, timeout: float = 60.0) -> int:
-        """Run ``copy(slot)`` on the newest complete slot until one copy validates; returns the
-        version copied. ``copy`` must have finished reading the slot when it returns.
+        """Run ``copy(slot)`` on the newest complete slot until one copy validates: optimistic copies
+        first, then the pinned fallback.
+
+        Args:
+            copy: copies out of the slot of that index; it must have finished reading the slot
+                when it returns.
+            max_attempts: the optimistic copies tried before a pin is asked for.
+            timeout: the seconds a copy may take to validate.
+
+        Returns:
+            The version copied.
 
         Raises:
             ReloadTimeoutError: no copy validated within ``timeout`` seconds.
@@ -952,12 +1071,12 @@ class SlotReader:
         return self.read_pinned(copy, time.monotonic() + timeout)
 
     def outpaced(self) -> bool:
-        """Whether this reader's copies take longer than the writer, publishing now, surely
-        leaves the latest slot alone: an optimistic copy could fail, so the reader asks for a
-        pin at once and loads in one copy. A writer publishing back to back may rewrite that
-        slot at the second publish after it was written (it alternates between two slots while
-        nobody leases: see :meth:`SlotWriter.choose_target`), and the reader finds it at any point of the
-        first interval: one interval is sure."""
+        """Say whether this reader's copies take longer than the writer, publishing now, surely
+        leaves the latest slot alone. An optimistic copy could then fail, so the reader asks for a
+        pin at once and loads in one copy. A writer publishing back to back may rewrite that slot
+        at the second publish after it was written (it alternates between two slots while nobody
+        leases: see :meth:`SlotWriter.choose_target`), and the reader finds it at any point of the
+        first interval: one interval is what is sure."""
         w = self.words
         interval = w.h[w.publish_interval]
         if not interval or self.copy_ns <= interval:
@@ -965,7 +1084,17 @@ class SlotReader:
         return self.clock() - w.h[w.publish_ns] < 4 * interval  # still publishing at that pace
 
     def try_read(self, copy: CopyFn) -> int | None:
-        """One optimistic copy of the latest slot: its version, or None if it did not validate."""
+        """Make one optimistic copy of the latest slot.
+
+        Args:
+            copy: copies out of the slot of that index.
+
+        Returns:
+            The version copied, or None if the copy did not validate.
+
+        Raises:
+            StoreCorruptError: the bank's ``latest`` word is no slot.
+        """
         w = self.words
         slot = w.h[w.latest]
         if not 0 <= slot < w.num_slots:
@@ -976,10 +1105,18 @@ class SlotReader:
         return version
 
     def copy_validated(self, slot: int, copy: CopyFn) -> int | None:
-        """The seqlock read of one slot: ``copy(slot)`` between two loads of its sequence number;
-        the slot's version if both were the same even number, else None (it is being, or was,
-        rewritten meanwhile: the copy must not be used). None at once for an empty slot: one
-        given back after the reader took it for the latest, its sequence even again."""
+        """Make the seqlock read of one slot: ``copy(slot)`` between two loads of its sequence number.
+
+        Args:
+            slot: the slot to copy.
+            copy: copies out of the slot of that index.
+
+        Returns:
+            The slot's version if both loads saw the same even number, else None: the slot is being,
+            or was, rewritten meanwhile, and the copy must not be used. None comes at once for an
+            empty slot (one given back after the reader took it for the latest, its sequence even
+            again).
+        """
         w = self.words
         h = w.h
         seq = h[w.seq[slot]]
@@ -996,7 +1133,19 @@ class SlotReader:
         return version if h[w.seq[slot]] == seq else None
 
     def read_pinned(self, copy: CopyFn, deadline: float, steal_after: float = 0.25) -> int:
-        """The bounded fallback: hold the bank's reader token and copy a slot the writer pinned."""
+        """Take the bounded fallback: hold the bank's reader token and copy a slot the writer pinned.
+
+        Args:
+            copy: copies out of the slot of that index.
+            deadline: the :func:`time.monotonic` time by which a copy must have validated.
+            steal_after: the seconds after which a token held by a stopped process is taken over.
+
+        Returns:
+            The version copied.
+
+        Raises:
+            ReloadTimeoutError: no copy validated by ``deadline``.
+        """
         w, locks, bank = self.words, self.locks, self.words.bank
         h = w.h
         self.pinned_reads += 1
@@ -1063,9 +1212,9 @@ class SlotReader:
             time.sleep(0.0001)
 
     def promise_stands(self, target: int) -> bool:
-        """Whether version ``target``, once promised, may still land in this bank: it has not
-        (the bank's version is below it) and it was not withdrawn (the promised word is still at
-        or above it). A reader waiting for ``target`` stops waiting when this turns False."""
+        """Say whether version ``target``, once promised, may still land in this bank: it has not
+        landed (the bank's version is below it) and it was not withdrawn (the promised word is still
+        at or above it). A reader waiting for ``target`` stops waiting when this turns False."""
         h = self.words.h
         return h[self.words.version] < target and h[W_PROMISED] >= target
 

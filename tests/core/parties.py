@@ -62,7 +62,7 @@ class WriterParty(Party):
         else:
             super().__setattr__(name, value)
 
-    def reclaim(self, give_back: Any, holds_pages: Any = lambda slot: True) -> list[int]:
+    def give_back_idle(self, give_back: Any, holds_pages: Any = lambda slot: True) -> list[int]:
         """What a store does after a publish: each idle slot that holds pages marked, given back
         with ``give_back(slot)``, then aborted. Returns the slots given back."""
         given = []

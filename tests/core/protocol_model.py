@@ -71,9 +71,9 @@ class Options:
     no_granting_check: bool = False  # _move_lease leases while a ticket waits for its grant
     no_lease_version_fence: bool = False  # lease_latest's fence between the slot's seq and its version
     no_give_way: bool = False  # choose_target never writes through a lease still being decided
-    reclaim: bool = False  # the writer gives back the memory of idle slots after each publish
-    no_reclaim_handshake: bool = False  # reclaim gives a slot back without marking it odd and looking at its leases
-    reclaim_pinned: bool = False  # reclaim does not leave the pinned slot alone
+    give_back: bool = False  # the writer gives back the memory of idle slots after each publish
+    no_give_back_handshake: bool = False  # a slot is given back without marking it odd and looking at its leases
+    give_back_pinned: bool = False  # giving back does not leave the pinned slot alone
     accept_empty: bool = False  # try_read copies a slot whose version is -1 (given back after `latest` was read)
     reloads: int = 2  # the zero-copy reader's reloads (its lease moves between them)
     promises: bool = False  # each publish promises its version first; its copy may fail
@@ -122,8 +122,8 @@ def writer(o: Options, publishes: int, begun: bool = False, takeover: bool = Fal
         if begun and k == 0:
             yield Mark("writing", 1)
             yield from commit(o, 1, 1, 1)
-            if o.reclaim:
-                yield from reclaim(o, 0)  # slot 0 was the latest
+            if o.give_back:
+                yield from give_back_idle(o, 0)  # slot 0 was the latest
             continue
         backed_off = ()
         target = odd = -1
@@ -172,8 +172,8 @@ def writer(o: Options, publishes: int, begun: bool = False, takeover: bool = Fal
         if o.records_after_commit:
             for leaf in range(cells(o)):
                 yield Store(("rec", target, leaf), at[leaf])
-        if o.reclaim:
-            yield from reclaim(o, seen_latest)
+        if o.give_back:
+            yield from give_back_idle(o, seen_latest)
 
 
 def copy_changes(o: Options, target: int, version: int, held: int, at: tuple) -> Generator:
@@ -197,14 +197,14 @@ def copy_changes(o: Options, target: int, version: int, held: int, at: tuple) ->
 GIVEN_BACK = -2  # a cell of a slot whose memory was given back (it reads as zeros)
 
 
-def reclaim(o: Options, replaced: int) -> Generator:
-    """``reclaim`` (every slot with pages, as the code's default ``holds_pages``): the slots neither
+def give_back_idle(o: Options, replaced: int) -> Generator:
+    """``StoreWriter._give_back_idle`` (every slot with pages, as the code's default ``holds_pages``): the slots neither
     latest, nor pinned, nor leased, but the one the next write takes (none while readers hold only
     the ``replaced`` slot); each marked through the write handshake (``_mark``), its cells given
     back, then ``abort``."""
     release = yield Load("pin_release")
     grant = yield Load("pin_grant")
-    pinned = (yield Load("pin_slot")) if release < grant and not o.reclaim_pinned else -1
+    pinned = (yield Load("pin_slot")) if release < grant and not o.give_back_pinned else -1
     latest = yield Load("latest")
     idle, held = (), ()
     for s in range(o.slots):
@@ -229,7 +229,7 @@ def reclaim(o: Options, replaced: int) -> Generator:
             continue  # no pages to give back (the code asks the kernel: holds_pages)
         seq = yield Load(("seq", s))
         odd = seq + 2 if seq & 1 else seq + 1
-        if not o.no_reclaim_handshake:
+        if not o.no_give_back_handshake:
             yield Store(("seq", s), odd)
             yield Fence(full=True)
             count = yield Load(("leases", s))
@@ -497,7 +497,7 @@ def zero_copy_reader(o: Options) -> Generator:
     """``reload`` of a zero-copy reader, ``o.reloads`` times, through its bank's ``Leases``:
     ``lease_latest`` (``_move_lease``, ``_lease_holds``) and a copy-free use of the slot, or,
     refused, ``release_lease`` and a copy; at the end ``release_lease``. Its row is row 0, and the
-    model's word ``("row", 0)`` is that row's lease word of the bank (``row_word(0, R_LEASE)``):
+    model's word ``("row", 0)`` is that row's lease word of the bank (``ROW_WORDS[0][R_LEASE]``):
     the row's other words are no part of the protocol (``ReaderRows``)."""
     for _ in range(o.reloads):
         leased = yield from lease_latest(o)

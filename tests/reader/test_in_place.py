@@ -45,7 +45,7 @@ def test_parameters_view_the_store_and_buffers_are_copied(store_factory):
     assert float(worker[0].weight.detach().sum()) == 2.0 * 4 * 64
     assert float(worker[1].running_mean.mean()) == 5.0
     worker(torch.randn(8, 4))  # train mode: BatchNorm writes its (private) running stats
-    assert [r.zero_copy for r in store.readers()] == [True]
+    assert [r.viewing for r in store.readers()] == [True]
 
 
 def test_a_leased_slot_is_never_rewritten_and_the_rule_falls_back_to_copying(store_factory):
