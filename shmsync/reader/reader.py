@@ -323,7 +323,7 @@ class WeightReader:
         Returns the version loaded."""
         if not self.mode.private:
             in_place = cast(InPlace, binding.in_place)  # bound to run in place (else _bind said private)
-            if self.mode.viewing and in_place.check_unwritten(self._version, keep=self.private_on_write):
+            if self.mode.viewing and in_place.undo_writes(self._version, keep=self.private_on_write):
                 self._set_mode(_private(binding), binding)  # the module wrote its weights, kept privately
                 _warn_private_copy(self.store.memory.name, self.worker)
             elif self._row < 0:  # no row in the readers' table (it is full): no lease, a copy
