@@ -108,7 +108,7 @@ def test_close_leaves_the_module_its_weights_in_private_memory(store_factory):
 
 @pytest.mark.timeout(60)
 @pytest.mark.slow
-def test_a_dead_readers_lease_is_reclaimed(store_factory, start):
+def test_a_dead_readers_lease_is_cleared_by_a_recount(store_factory, start):
     store = store_factory(blob_weights(SMALL, 0.0), num_slots=3)  # one slot may be leased
     child = start(lease_and_hang, store, SMALL)
     assert child.expect("leased") == (True, 0)
