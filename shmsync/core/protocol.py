@@ -289,13 +289,16 @@ class LocalLocks:
         self.rows: set[int] = set()  # rows whose reader lives; a test "kills" one by discarding it
 
     def try_token(self, bank: int = HOST) -> bool:
+        """Do what :meth:`Locks.try_token` says, with a lock of this process."""
         return self.tokens[bank].acquire(blocking=False)
 
     def release_token(self, bank: int = HOST) -> None:
+        """Do what :meth:`Locks.release_token` says, with a lock of this process."""
         self.tokens[bank].release()
 
     @contextmanager
     def table(self, patience: float | None) -> Iterator[bool]:
+        """Do what :meth:`Locks.table` says, with a lock of this process."""
         taken = self.table_lock.acquire(timeout=-1 if patience is None else patience)
         try:
             yield taken
@@ -304,15 +307,18 @@ class LocalLocks:
                 self.table_lock.release()
 
     def hold_row(self, row: int) -> bool:
+        """Do what :meth:`Locks.hold_row` says, with a lock of this process."""
         if row in self.rows:
             return False
         self.rows.add(row)
         return True
 
     def release_row(self, row: int) -> None:
+        """Do what :meth:`Locks.release_row` says, with a lock of this process."""
         self.rows.discard(row)
 
     def row_alive(self, row: int) -> bool:
+        """Do what :meth:`Locks.row_alive` says, with a lock of this process."""
         return row in self.rows
 
 

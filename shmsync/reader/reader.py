@@ -318,9 +318,9 @@ class WeightReader:
         return changed
 
     def _load(self, binding: Binding) -> int:
-        """The newest complete version into the module, as its mode says: on a leased slot in place
-        (unless this process wrote the weights there: a private copy then, for good), else a copy.
-        Returns the version loaded."""
+        """Load the newest complete version into the module as its mode says: on a leased slot in
+        place (unless this process wrote the weights there, which makes it a private copy for good),
+        else by a copy. Returns the version loaded."""
         if not self.mode.private:
             in_place = cast(InPlace, binding.in_place)  # bound to run in place (else _bind said private)
             if self.mode.viewing and in_place.undo_writes(self._version, keep=self.private_on_write):
@@ -342,14 +342,14 @@ class WeightReader:
         return self._copy_latest(binding)
 
     def _first_loaded(self) -> None:
-        """The module holds weights now: it may run."""
+        """Let the module run, now that it holds weights."""
         for guard in self._unloaded_guards:
             guard.remove()
         self._unloaded_guards = []
 
     def _follow_device(self, binding: Binding) -> Binding:
-        """A store published from CUDA: a GPU module may run from its device slots now; host slots
-        are filled on demand."""
+        """Follow a store published from CUDA: a GPU module may run from its device slots now, and
+        host slots are filled on demand. Returns the binding to load through."""
         memory = self.store.memory
         if binding.cuda is not None and memory.header[W_DEVICE] != binding.device_seen:
             binding = self._bind()
@@ -372,9 +372,9 @@ class WeightReader:
         return self._copy_latest(binding)
 
     def _copy_latest(self, binding: Binding) -> int:
-        """A private copy of the newest complete version (a lease refused, or none wanted): of what
-        the module lacks, the tensors that changed since the version it holds (see
-        :mod:`shmsync.reader.held_copy`)."""
+        """Copy the newest complete version into the module's private memory, when a lease was
+        refused or none is wanted. Only what the module lacks is copied: the tensors that changed
+        since the version it holds (see :mod:`shmsync.reader.held_copy`). Returns the version."""
         held = binding.held
         # Optimistic copies, or the pin at once for a reader slower than the writer.
         version = held.load(binding.slot_reader, self.timeout)
@@ -438,7 +438,7 @@ class WeightReader:
         return self._wait(min_version, timeout, f"version {min_version}")
 
     def _wait(self, min_version: int, timeout: float | None, what: str, promise: bool = False) -> int:
-        """:meth:`wait`'s loop: poll, backing off to 1 ms, until ``min_version`` is loaded.
+        """Run :meth:`wait`'s loop: poll, backing off to 1 ms, until ``min_version`` is loaded.
         ``promise``: ``min_version`` was promised, and the wait ends too once the promise is
         withdrawn (the promised word fell below it: the newest whole version is then loaded)."""
         memory = self.store.memory
