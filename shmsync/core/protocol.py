@@ -174,9 +174,10 @@ import collections
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, MutableSequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from typing import Protocol as Interface
 
 from shmsync.core import fences, header
@@ -475,17 +476,38 @@ class ReaderRows:
 
     def __init__(
         self,
-        h: HeaderWords,
+        h: HeaderWords | Words,
         locks: Locks,
         *,
         pid: int | None = None,
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
+        self._bank: Leases | None = None  # for 0.2.0's calls of a bank's lease methods on the rows
+        if isinstance(h, Words):  # 0.2.0 made the rows from a bank's words
+            warnings.warn(
+                "ReaderRows(words, locks) is deprecated: rows are the store's (ReaderRows(words.h, locks)), "
+                "leases a bank's (Leases(words, locks))",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            self._bank, h = Leases(h, locks), h.h
         self.h = h
         self.locks = locks
         self.pid = os.getpid() if pid is None else pid
         self.start_ns = own_start_ns() if pid is None else 0
         self.clock = clock
+
+    def __getattr__(self, name: str) -> Any:
+        """Deprecated: a bank's lease methods, called on the rows as in 0.2.0 (use :class:`Leases`)."""
+        if name in _LEASE_METHODS:
+            warnings.warn(
+                f"ReaderRows.{name} is deprecated: use Leases.{name} (WeightStore.leases)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            bank = self.__dict__.get("_bank")
+            return getattr(bank or Leases(Words(self.h), self.locks), name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def claim_row(self, patience: float | None = 5.0, *, worker: int | None = None, flags: int = 0) -> int:
         """Claim a free row of the reader table for this process.
@@ -549,6 +571,9 @@ class ReaderRows:
         if row >= 0:
             self.h[ROW_WORDS[row][header.R_PID]] = 0
             self.locks.release_row(row)
+
+
+_LEASE_METHODS = frozenset({"row_leased", "recount", "lease_latest", "lease_written", "release_lease"})
 
 
 class Leases:

@@ -25,7 +25,7 @@ from shmsync.core.header import (
     W_VERSION,
     bank_word,
 )
-from shmsync.core.protocol import LocalLocks, initialize
+from shmsync.core.protocol import LocalLocks, ReaderRows, Words, initialize
 from shmsync.errors import ReloadTimeoutError, ShmSyncError
 from tests.core.parties import Party, WriterParty
 
@@ -515,3 +515,17 @@ def test_an_optimistic_copy_during_a_give_back_fails_validation():
         got.append(store.slots[slot][1])
 
     assert reader.copy_validated(1, copy) is None and got == [1, 0]
+
+
+def test_0_2_0s_rows_made_from_a_banks_words_still_lease_with_a_warning():
+    store = Store()
+    words = Words(store.h)
+    with pytest.warns(DeprecationWarning, match="Leases"):
+        rows = ReaderRows(words, store.locks, pid=7)
+    row = rows.claim_row()
+    with pytest.warns(DeprecationWarning, match="Leases.lease_latest"):
+        lease = rows.lease_latest(row)
+    assert lease is not None and store.h[lease_word(row)] == lease.slot + 1
+    with pytest.warns(DeprecationWarning, match="Leases.release_lease"):
+        rows.release_lease(row)
+    assert store.h[lease_word(row)] == 0
