@@ -12,8 +12,8 @@ from shmsync.core.protocol import Leases, Locks, ReaderRows, SlotReader, SlotWri
 class Party:
     """A reader's roles (:class:`SlotReader`, :class:`ReaderRows` and :class:`Leases`) on words of its own.
 
-    Attribute lookups go to the reader, then the rows, then the leases (``try_read``, ``claim_row``,
-    ``lease_latest``, ...);
+    Attribute lookups go to the reader, then the leases, then the rows (``try_read``, ``lease_latest``,
+    ``claim_row``, ...);
     ``fence`` and ``full_fence`` are the words' own."""
 
     def __init__(self, h: Any, locks: Locks, *, pid: int, ordering: str | None = None, **kwargs: Any) -> None:
@@ -23,7 +23,7 @@ class Party:
         self.reader = SlotReader(self.words, locks, pid=pid, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        for role in (self.__dict__["reader"], self.__dict__["rows"], self.__dict__["leases"]):
+        for role in (self.__dict__["reader"], self.__dict__["leases"], self.__dict__["rows"]):
             if hasattr(role, name):
                 return getattr(role, name)
         raise AttributeError(name)
