@@ -505,7 +505,7 @@ class ReaderRows:
                 DeprecationWarning,
                 stacklevel=2,
             )
-            bank = self.__dict__.get("_bank")
+            bank = getattr(self, "_bank", None)  # None: made from the header words, as now
             return getattr(bank or Leases(Words(self.h), self.locks), name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 

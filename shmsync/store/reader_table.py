@@ -63,7 +63,7 @@ from shmsync.core.protocol import steps_of
 
 log = logging.getLogger("shmsync.table")
 
-MODES = tuple(Mode)  # a row's mode on the relays' wire is its index here
+MODES = tuple(mode.value for mode in Mode)  # a row's mode on the relays' wire is its index here
 HOST = socket.gethostname()
 # States of a reader's process (psutil's names), and ours: "gone" (no such process any more),
 # "unknown" (a pid this host's process table cannot vouch for: reused, or of another namespace),
@@ -85,7 +85,7 @@ class ReaderRow:
         behind: versions behind the newest publish (None before its first load).
         since_reload_s: seconds since its last reload (None before its first load).
         reloads: how many times it loaded a version.
-        mode: how its module holds its weights, a :class:`~shmsync.core.header.Mode` (a string):
+        mode: how its module holds its weights, the value of a :class:`~shmsync.core.header.Mode`:
             ``"zero-copy"`` (its module views the store in place), ``"copy"`` (a private copy),
             ``"copy (fallback)"`` (in place where it can, and copies now: not loaded yet, or every
             slot it could lease was taken), ``"device"`` (a private copy in an accelerator's
@@ -397,7 +397,7 @@ def _row(
         (latest - version if latest > version else 0) if loaded else None,
         ((now - stamp) / 1e9 if now > stamp else 0.0) if stamp > 0 and loaded else None,
         w[R_RELOADS] if w[R_RELOADS] > 0 else 0,
-        Mode.of_row(flags, w[R_LEASE], w[R_DEVICE_LEASE]),
+        Mode.of_row(flags, w[R_LEASE], w[R_DEVICE_LEASE]).value,
         bool(flags & ROW_WAITING),
         state,
         uss,
