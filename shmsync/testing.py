@@ -41,7 +41,7 @@ import pytest
 
 from shmsync.core import segment
 from shmsync.core.header import MAGIC, W_CREATOR_PID, W_CREATOR_PPID, W_MAGIC
-from shmsync.core.protocol import ReaderRows, SlotWriter
+from shmsync.core.protocol import Leases, SlotWriter
 from shmsync.errors import ShmSyncError
 
 
@@ -215,7 +215,7 @@ def stop_mid_publish(store: Any, fill: float = -1.0) -> int:
     it; returns the slot. The write stays open in this process: kill it next."""
     store.flush()  # the give-backs after the last publish first: none may touch the slot it marks
     memory = store.memory
-    write = SlotWriter(memory.host, ReaderRows(memory.host, memory.locks)).begin_write()
+    write = SlotWriter(memory.host, Leases(memory.host, memory.locks)).begin_write()
     views = memory.map_slots()[write.slot]
     for view in views[: len(views) // 2]:
         view.fill_(fill)

@@ -21,6 +21,7 @@ device slots first, and fills host slots from them for the readers that need hos
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections.abc import Callable
 
@@ -112,7 +113,8 @@ RING_STEPS_BITS = 40
 RING_TAG_BITS = 23  # with the steps' bits, 63: the word stays a positive int64
 
 # Reader table: one row per attached reader, each row written only by its own reader (and its
-# lease words also by whoever reclaims a dead reader's row).
+# lease words also by a recount of the leases, which clears a dead reader's, or by whoever claims a
+# dead reader's row again).
 W_READERS = 1024
 READER_WORDS = 16
 MAX_READERS = 1024
@@ -132,12 +134,69 @@ R_DEVICE_LEASE = 8  # leased device slot + 1, as R_LEASE
 R_DEVICE_BYTES = 9  # bytes of device memory the reader holds of its own (a private device copy)
 R_COPIED_BYTES = 10  # bytes its last reload copied into its module (what changed, for a copying reader)
 ROW_WAITING = 1  # between rollouts: waiting for work, not running stale weights
-ROW_ZERO_COPY = 2  # asked to view the store in place (zero_copy=True)
-ROW_DEVICE = 4  # loads into an accelerator's memory
+ROW_ZERO_COPY = 2  # in place where it can (see Mode)
+ROW_DEVICE = 4  # a private copy in, or a view of, an accelerator's memory (see Mode)
 ROW_LINK = 8  # a relay's link sending versions to another host (leases to send from; loads nothing)
 ROW_DEVICE_BANK = 16  # reads the device bank (a GPU reader beside the trainer's GPU)
 
 LEASE_COLUMNS = (R_LEASE, R_DEVICE_LEASE)  # per bank
+# The one place a row's words are addressed: ROW_WORDS[row][field] is the header index of word
+# `field` (an R_* constant) of reader-table row `row`: a reader's own row, a bank's lease column, the
+# tools' reads. Indexing ranges, not calling a function: a reader's poll addresses its row so.
+ROW_WORDS = tuple(range(W_READERS + r * READER_WORDS, W_READERS + (r + 1) * READER_WORDS) for r in range(MAX_READERS))
+
+
+class Mode(str, enum.Enum):
+    """How a reader's module holds its weights: the one value its
+    :class:`~shmsync.WeightReader` keeps, writes into its row as it changes (its ``flags``, beside
+    the lease its leases keep), and the readers' table reads back from the row (:meth:`of_row`).
+    Each value is the word the readers' table shows; their order is the relays' wire format (an
+    index), so new ones go last. Each has ``viewing`` (the parameters view a leased slot),
+    ``private`` (a private copy for good: it never leases) and ``flags`` (its row's ``ROW_*`` bits).
+
+    Examples:
+        >>> Mode.of_row(Mode.IN_PLACE.flags, lease=2, device_lease=0)
+        <Mode.IN_PLACE: 'zero-copy'>
+        >>> Mode.of_row(Mode.IN_PLACE.flags, lease=0, device_lease=0)  # no lease: a copy this time
+        <Mode.FALLEN_BACK: 'copy (fallback)'>
+        >>> Mode.DEVICE_IN_PLACE.viewing, Mode.FALLEN_BACK.viewing, Mode.FALLEN_BACK.private
+        (True, False, False)
+    """
+
+    viewing: bool  # the parameters view a leased slot (shared memory)
+    private: bool  # the module keeps a private copy for good (it never leases)
+    flags: int  # the row's ROW_* bits that say this mode (with the row's lease words)
+
+    COPY = "copy"  # a private copy for good: asked for, or the module wrote its weights
+    IN_PLACE = "zero-copy"  # the parameters view a leased host slot
+    FALLEN_BACK = "copy (fallback)"  # in place where it can, on no slot now: not loaded yet, or none to lease
+    DEVICE = "device"  # a private copy for good, in an accelerator's memory
+    DEVICE_IN_PLACE = "device in place"  # the parameters view a leased device slot
+    PRIVATE = "copy"  # deprecated (0.2.0's name, where it also meant DEVICE): COPY, or ``mode.private``
+
+    # Shown, formatted and sent (JSON) as its word alone, as a plain string would be.
+    __str__ = str.__str__
+    __format__ = str.__format__  # type: ignore[assignment]
+
+    @classmethod
+    def of_row(cls, flags: int, lease: int, device_lease: int) -> Mode:
+        """The mode a row says from its flags and its lease words (:data:`R_FLAGS`,
+        :data:`R_LEASE`, :data:`R_DEVICE_LEASE`)."""
+        if not flags & ROW_ZERO_COPY:
+            return cls.DEVICE if flags & ROW_DEVICE else cls.COPY
+        if not lease and not device_lease:
+            return cls.FALLEN_BACK
+        return cls.DEVICE_IN_PLACE if flags & ROW_DEVICE else cls.IN_PLACE
+
+
+# Plain attributes, not properties: a reader's poll reads them, and calls nothing it need not.
+for _mode in Mode:
+    _mode.viewing = _mode in (Mode.IN_PLACE, Mode.DEVICE_IN_PLACE)
+    _mode.private = _mode in (Mode.COPY, Mode.DEVICE)
+    _mode.flags = (0 if _mode.private else ROW_ZERO_COPY) | (
+        ROW_DEVICE if _mode in (Mode.DEVICE, Mode.DEVICE_IN_PLACE) else 0
+    )
+del _mode
 
 
 def bank_base(bank: int) -> int:
@@ -159,15 +218,10 @@ def header_view(buf) -> memoryview:
     return memoryview(buf)[:HEADER_BYTES].cast("q")
 
 
-def row_base(row: int) -> int:
-    """The first header word of reader-table row ``row``."""
-    return W_READERS + row * READER_WORDS
-
-
 def reader_column(h, field: int) -> list[int]:
     """Word ``field`` (an ``R_*`` constant) of every row of the reader table, in one strided read
     of header words ``h`` (a memoryview, a list or an int64 array)."""
-    column = h[W_READERS + field : W_READERS + MAX_READERS * READER_WORDS : READER_WORDS]
+    column = h[ROW_WORDS[0][field] : ROW_WORDS[-1][field] + 1 : READER_WORDS]
     return column.tolist() if hasattr(column, "tolist") else [int(w) for w in column]
 
 

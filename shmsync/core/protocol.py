@@ -2,12 +2,16 @@
 
 Three roles work on the shared words of one bank (:class:`Words`): the :class:`SlotWriter` (the
 one process that publishes), a :class:`SlotReader` (each process that copies a version out) and
-the :class:`ReaderRows` (each reader's row in the header, and its lease on a slot). Each holds the
-words; the slot writer also holds the rows, to ask about leases. Nothing here moves bytes: a
-caller copies between its own calls (the writer between :meth:`SlotWriter.begin_write` and
-:meth:`SlotWriter.commit`, a reader inside the ``copy(slot)`` it hands to :meth:`SlotReader.read`),
-so every interleaving below can be driven step by step in tests, on a plain list of ints, without
-processes or torch.
+the bank's :class:`Leases` (which slot each reader in place holds). Each holds the words; the slot
+writer also holds the leases, to ask whether a slot is leased. The readers' rows in the header
+(:class:`ReaderRows`: a reader's pid, version, reloads) are the store's, not a bank's: they
+outlive the banks, and each row holds one lease word per bank (its address, as every row word's:
+:data:`~shmsync.core.header.ROW_WORDS`).
+
+Nothing here moves bytes: a caller copies between its own calls (the writer between
+:meth:`SlotWriter.begin_write` and :meth:`SlotWriter.commit`, a reader inside the ``copy(slot)``
+it hands to :meth:`SlotReader.read`), so every interleaving below can be driven step by step in
+tests, on a plain list of ints, without processes or torch.
 
 Slots and words
 ---------------
@@ -73,8 +77,8 @@ reader's copy, if it ever resumes, fails validation and is retried. A holder tha
 however slowly, keeps its pin: two slow readers taking the pin off each other would never
 finish.
 
-Leases (zero-copy readers, :meth:`ReaderRows.lease_latest`)
-------------------------------------------------------------
+Leases (zero-copy readers, :meth:`Leases.lease_latest`)
+--------------------------------------------------------
 A zero-copy reader points its module's parameters at the read-only memory of one slot and
 holds a *lease* on it; the writer never writes a leased slot. Leases are recorded in the
 reader table (each row's lease word of the bank: ``slot + 1``, or ``-(slot + 1)`` while the
@@ -170,9 +174,10 @@ import collections
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, MutableSequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from typing import Protocol as Interface
 
 from shmsync.core import fences, header
@@ -202,12 +207,12 @@ from shmsync.core.header import (
     READER_WORDS,
     RING_STEPS_BITS,
     RING_TAG_BITS,
+    ROW_WORDS,
     STEP_RING,
     W_NUM_SLOTS,
     W_PROMISED,
     W_PUBLISH_COUNT,
     W_PUBLISH_NS,
-    W_READERS,
     W_ROWS,
     W_STEP_RING,
     W_STEPS,
@@ -215,7 +220,6 @@ from shmsync.core.header import (
     W_WRITER_PID,
     bank_base,
     reader_column,
-    row_base,
     slot_index,
 )
 from shmsync.core.processes import own_start_ns, pid_stopped
@@ -230,29 +234,55 @@ HeaderWords = MutableSequence[int] | memoryview
 
 
 class Locks(Interface):
-    """The locks readers take (the writer takes none of them): a token per bank, the table's lock,
-    and one per row of the reader table, held by that row's reader for as long as it lives."""
+    """The locks readers take; the writer takes none of them. There is a token per bank, the
+    table's lock, and one lock per row of the reader table, which that row's reader holds for as
+    long as it lives. A store's are kernel locks (:class:`shmsync.core.segment.SegmentLocks`), which
+    a process that dies releases; the protocol's tests use :class:`LocalLocks`."""
 
     def try_token(self, bank: int = HOST) -> bool:
-        """Take bank ``bank``'s reader token if it is free (never waits)."""
+        """Take bank ``bank``'s reader token if it is free, without waiting.
 
-    def release_token(self, bank: int = HOST) -> None: ...
+        Returns:
+            Whether the token was taken.
+        """
+
+    def release_token(self, bank: int = HOST) -> None:
+        """Release bank ``bank``'s reader token, which this process holds."""
 
     def table(self, patience: float | None) -> AbstractContextManager[bool]:
-        """Hold the reader table's lock; yields whether it was taken within ``patience`` s."""
+        """Hold the reader table's lock for the ``with`` block.
+
+        Args:
+            patience: the seconds to wait for it (None: as long as it takes).
+
+        Returns:
+            A context manager that yields whether the lock was taken in time.
+        """
 
     def hold_row(self, row: int) -> bool:
-        """Take row ``row``'s lock if no live reader holds it (never waits)."""
+        """Take row ``row``'s lock if no live reader holds it, without waiting.
 
-    def release_row(self, row: int) -> None: ...
+        Returns:
+            Whether the lock was taken.
+        """
+
+    def release_row(self, row: int) -> None:
+        """Release row ``row``'s lock, which this process holds."""
 
     def row_alive(self, row: int) -> bool:
-        """Whether a live reader holds row ``row``'s lock."""
+        """Say whether a live reader holds row ``row``'s lock."""
 
 
 class LocalLocks:
-    """:class:`Locks` for a header shared by the threads of one process (the protocol's tests;
-    a store uses :class:`shmsync.core.segment.SegmentLocks`)."""
+    """The :class:`Locks` of a header shared by the threads of one process, as the protocol's tests
+    use them (a store uses :class:`shmsync.core.segment.SegmentLocks`). A test kills a row's reader
+    by discarding the row from ``rows``.
+
+    Examples:
+        >>> locks = LocalLocks()
+        >>> locks.hold_row(3), locks.hold_row(3), locks.row_alive(3)
+        (True, False, True)
+    """
 
     def __init__(self) -> None:
         self.tokens = [threading.Lock() for _ in range(NUM_BANKS)]
@@ -260,13 +290,16 @@ class LocalLocks:
         self.rows: set[int] = set()  # rows whose reader lives; a test "kills" one by discarding it
 
     def try_token(self, bank: int = HOST) -> bool:
+        """Do what :meth:`Locks.try_token` says, with a lock of this process."""
         return self.tokens[bank].acquire(blocking=False)
 
     def release_token(self, bank: int = HOST) -> None:
+        """Do what :meth:`Locks.release_token` says, with a lock of this process."""
         self.tokens[bank].release()
 
     @contextmanager
     def table(self, patience: float | None) -> Iterator[bool]:
+        """Do what :meth:`Locks.table` says, with a lock of this process."""
         taken = self.table_lock.acquire(timeout=-1 if patience is None else patience)
         try:
             yield taken
@@ -275,24 +308,34 @@ class LocalLocks:
                 self.table_lock.release()
 
     def hold_row(self, row: int) -> bool:
+        """Do what :meth:`Locks.hold_row` says, with a lock of this process."""
         if row in self.rows:
             return False
         self.rows.add(row)
         return True
 
     def release_row(self, row: int) -> None:
+        """Do what :meth:`Locks.release_row` says, with a lock of this process."""
         self.rows.discard(row)
 
     def row_alive(self, row: int) -> bool:
+        """Do what :meth:`Locks.row_alive` says, with a lock of this process."""
         return row in self.rows
 
 
 class Write(NamedTuple):
-    """A write in progress: the slot, the odd sequence number it carries meanwhile, the version the
-    slot held whole before (-1: none, so its memory may have been given back: reserve it before
-    copying; also where a write there never ended), the version it will hold once committed (-1
-    for a slot being given back), and the optimizer steps the writer had counted when it began
-    (the training the version has seen; -1: not counted)."""
+    """A write in progress, as :meth:`SlotWriter.begin_write` or :meth:`SlotWriter.mark` return it.
+
+    Attributes:
+        slot: the slot being written.
+        seq: the odd sequence number the slot carries while it is written.
+        held: the version the slot held whole before. It is -1 when it held none, or where a write
+            there never ended; its memory may then have been given back, and must be reserved
+            before the copy.
+        version: the version the slot will hold once committed (-1 for a slot being given back).
+        steps: the optimizer steps the writer had counted when the write began, which is the
+            training the version has seen (-1: not counted).
+    """
 
     slot: int
     seq: int
@@ -302,14 +345,30 @@ class Write(NamedTuple):
 
 
 class Lease(NamedTuple):
-    """A lease a reader holds: the slot its parameters run on, and the version in it."""
+    """A lease a reader holds, as :meth:`Leases.lease_latest` returns it.
+
+    Attributes:
+        slot: the slot its parameters run on.
+        version: the version that slot holds.
+    """
 
     slot: int
     version: int
 
 
 def initialize(h: HeaderWords, num_slots: int) -> None:
-    """Set the protocol's words of a fresh header: no version yet, every slot of every bank empty."""
+    """Set the protocol's words of a fresh header: no version yet, and every slot of every bank empty.
+
+    Args:
+        h: the header words, all zeros.
+        num_slots: the slots of each bank.
+
+    Examples:
+        >>> h = [0] * 20480
+        >>> initialize(h, 3)
+        >>> Words(h).num_slots, h[W_VERSION]
+        (3, -1)
+    """
     h[W_VERSION] = -1
     h[W_PROMISED] = -1
     h[W_STEPS] = -1
@@ -323,16 +382,23 @@ def initialize(h: HeaderWords, num_slots: int) -> None:
 
 
 def steps_of(h: HeaderWords, version: int, latest: int) -> int | None:
-    """The optimizer steps ``version`` had seen, from the header's steps ring (read by any process,
-    ``latest`` the store's newest version); None when the ring no longer holds it (``STEP_RING``
-    versions before ``latest`` or more), when its writer counted none, or when the word makes no
-    sense.
+    """Read the optimizer steps ``version`` had seen from the header's steps ring. Any process may
+    read it.
+
+    Args:
+        h: the header words.
+        version: the version asked about.
+        latest: the store's newest version.
+
+    Returns:
+        The steps, or None when the ring no longer holds the version (``STEP_RING`` versions before
+        ``latest`` or more), when its writer counted none, or when the word makes no sense.
 
     Examples:
         >>> h = [0] * 20480
         >>> initialize(h, 3)
         >>> words = Words(h)
-        >>> writer = SlotWriter(words, ReaderRows(words, LocalLocks()))
+        >>> writer = SlotWriter(words, Leases(words, LocalLocks()))
         >>> h[W_STEPS] = 1234  # the optimizer steps counted so far
         >>> version = writer.commit(writer.begin_write(70))
         >>> steps_of(h, 70, latest=75), steps_of(h, 6, latest=75), steps_of(h, 70, latest=200)
@@ -346,9 +412,9 @@ def steps_of(h: HeaderWords, version: int, latest: int) -> int | None:
 
 
 class Words:
-    """The shared words of one bank of slots, as this process reaches them: the header ``h`` (a
-    memoryview of int64 in a store; any list of ints in tests), the indices of the bank's words,
-    the store's name (for errors) and the fences.
+    """The shared words of one bank of slots, as this process reaches them. It holds the header
+    ``h`` (a memoryview of int64 in a store, any list of ints in tests), the index of each of the
+    bank's words, the store's name for errors, and the fences of this CPU's memory order.
 
     Args:
         h: the header words.
@@ -380,45 +446,82 @@ class Words:
         self.seq = tuple(base + B_SEQ + i for i in range(n))
         self.slot_version = tuple(base + B_SLOT_VERSION + i for i in range(n))
         self.leases = tuple(base + B_LEASES + i for i in range(n))
-        self.lease = LEASE_COLUMNS[bank]  # a row's lease word of this bank
-
-    def lease_word(self, row: int) -> int:
-        """The header index of row ``row``'s lease word of this bank."""
-        return W_READERS + row * READER_WORDS + self.lease
+        self.lease = LEASE_COLUMNS[bank]  # a row's lease word of this bank: ROW_WORDS[row][lease]
 
 
 class ReaderRows:
-    """The readers' rows in the header: each reader's row (its pid, version, reloads, flags), and
-    the leases of readers in place on one bank. The readers' table that operators read
-    (:class:`~shmsync.store.reader_table.ReaderTable`) is made from these rows.
+    """The readers' rows in the header: each reader's row (its pid, the version it loaded, its
+    reloads, its flags), claimed when it starts and given back when it leaves. A store has one, and
+    so has each reader, whatever bank it loads from: the rows outlive the banks (a reader that moves
+    to the device slots keeps its row). The readers' table that operators read
+    (:class:`~shmsync.store.reader_table.ReaderTable`) is made from these rows. A row's lease words
+    are each bank's :class:`Leases`'.
 
     Args:
-        words: the bank's words (rows are shared by the banks; leases are the bank's).
+        h: the header words.
         locks: the table's and the rows' locks.
-        pid: this process's id as written into a row; start_ns: its start time, beside it.
+        pid: this process's id as written into a row. Default: this process's; a test passes its
+            own, and the row then shows no start time.
         clock: wall-clock time in ns (the time of a reload, shown in the readers' table).
+
+    Examples:
+        >>> h = [0] * 20480
+        >>> initialize(h, 3)
+        >>> rows = ReaderRows(h, LocalLocks(), pid=1234)
+        >>> row = rows.claim_row(worker=0)
+        >>> rows.update_row(row, version=5, reloads=1)
+        >>> row, h[ROW_WORDS[row][header.R_PID]], h[ROW_WORDS[row][R_VERSION]]
+        (0, 1234, 5)
     """
 
     def __init__(
         self,
-        words: Words,
+        h: HeaderWords | Words,
         locks: Locks,
         *,
         pid: int | None = None,
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
-        self.words = words
+        self._bank: Leases | None = None  # for 0.2.0's calls of a bank's lease methods on the rows
+        if isinstance(h, Words):  # 0.2.0 made the rows from a bank's words
+            warnings.warn(
+                "ReaderRows(words, locks) is deprecated: rows are the store's (ReaderRows(words.h, locks)), "
+                "leases a bank's (Leases(words, locks))",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            self._bank, h = Leases(h, locks), h.h
+        self.h = h
         self.locks = locks
         self.pid = os.getpid() if pid is None else pid
         self.start_ns = own_start_ns() if pid is None else 0
         self.clock = clock
 
+    def __getattr__(self, name: str) -> Any:
+        """Deprecated: a bank's lease methods, called on the rows as in 0.2.0 (use :class:`Leases`)."""
+        if name in _LEASE_METHODS:
+            warnings.warn(
+                f"ReaderRows.{name} is deprecated: use Leases.{name} (WeightStore.leases)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            bank = getattr(self, "_bank", None)  # None: made from the header words, as now
+            return getattr(bank or Leases(Words(self.h), self.locks), name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def claim_row(self, patience: float | None = 5.0, *, worker: int | None = None, flags: int = 0) -> int:
-        """A free row of the reader table for this process, or -1 if the table is full or its
-        lock stayed busy for ``patience`` seconds (the reader then copies, unlisted). ``worker``
-        (the index a collector gave the reader) and ``flags`` (``ROW_*`` bits) are shown in the
-        readers' table."""
-        h = self.words.h
+        """Claim a free row of the reader table for this process.
+
+        Args:
+            patience: seconds to wait for the table's lock (None: as long as it takes).
+            worker: the index a collector gave the reader, shown in the readers' table.
+            flags: the row's ``ROW_*`` bits, shown in the readers' table.
+
+        Returns:
+            The row, or -1 if the table is full or its lock stayed busy: the reader then copies,
+            unlisted.
+        """
+        h = self.h
         with self.locks.table(patience) as locked:
             if not locked:
                 return -1
@@ -429,51 +532,98 @@ class ReaderRows:
             candidates += [row for row, pid in enumerate(pids) if pid != 0]
             for row in candidates:
                 if self.locks.hold_row(row):
-                    base = row_base(row)
-                    h[base + R_VERSION], h[base + R_RELOADS], h[base + R_RELOAD_NS] = -1, 0, 0
-                    h[base + R_COPIED_BYTES] = h[base + header.R_DEVICE_BYTES] = 0
-                    for column in LEASE_COLUMNS:
-                        h[base + column] = 0
-                    h[base + header.R_WORKER] = 0 if worker is None else worker + 1
-                    h[base + header.R_FLAGS], h[base + header.R_START_NS] = flags, self.start_ns
-                    h[base + header.R_PID] = self.pid
+                    words = ROW_WORDS[row]
+                    h[words[R_VERSION]] = -1
+                    for field in (R_RELOADS, R_RELOAD_NS, R_COPIED_BYTES, header.R_DEVICE_BYTES, *LEASE_COLUMNS):
+                        h[words[field]] = 0
+                    h[words[header.R_WORKER]] = 0 if worker is None else worker + 1
+                    h[words[header.R_FLAGS]], h[words[header.R_START_NS]] = flags, self.start_ns
+                    h[words[header.R_PID]] = self.pid  # last: the row is listed from now on
                     if h[W_ROWS] <= row:
                         h[W_ROWS] = row + 1  # how far the readers' table is read
                     return row
             return -1
 
     def update_row(self, row: int, version: int, reloads: int, copied: int = 0) -> None:
-        """Record what reader ``row`` loaded, and the bytes that reload ``copied`` into its module
-        (for ``shmsync ls`` and ``store.readers()``)."""
+        """Record what reader ``row`` loaded (for ``shmsync ls`` and ``store.readers()``).
+
+        Args:
+            row: the reader's row (-1: none, and nothing is recorded).
+            version: the version it loaded.
+            reloads: how many times it loaded one.
+            copied: the bytes that reload copied into its module.
+        """
         if row >= 0:
-            base = W_READERS + row * READER_WORDS
-            h = self.words.h
-            h[base + R_VERSION], h[base + R_RELOADS], h[base + R_RELOAD_NS] = version, reloads, self.clock()
-            h[base + R_COPIED_BYTES] = copied
+            h, words = self.h, ROW_WORDS[row]
+            h[words[R_VERSION]], h[words[R_RELOADS]] = version, reloads
+            h[words[R_RELOAD_NS]], h[words[R_COPIED_BYTES]] = self.clock(), copied
 
     def set_row_word(self, row: int, field: int, value: int) -> None:
-        """Set word ``field`` (an ``R_*`` constant, not a lease) of reader ``row``'s row: its flags,
-        its device bytes (shown in the readers' table; no part of the protocol)."""
+        """Set word ``field`` (an ``R_*`` constant, not a lease) of reader ``row``'s row: its flags or
+        its device bytes, which the readers' table shows and the protocol never reads. Nothing is
+        set for row -1 (no row)."""
         if row >= 0:
-            self.words.h[row_base(row) + field] = value
+            self.h[ROW_WORDS[row][field]] = value
 
     def release_row(self, row: int) -> None:
+        """Give row ``row`` back (its pid cleared, its lock released); release its leases first,
+        with each bank's :meth:`Leases.release_lease`. Nothing is done for row -1 (no row)."""
         if row >= 0:
-            self.words.h[row_base(row)] = 0
+            self.h[ROW_WORDS[row][header.R_PID]] = 0
             self.locks.release_row(row)
 
-    # -- leases ---------------------------------------------------------------------------------
+
+_LEASE_METHODS = frozenset({"row_leased", "recount", "lease_latest", "lease_written", "release_lease"})
+
+
+class Leases:
+    """The leases of one bank: which slot each reader in place holds (its row's lease word of the
+    bank) and how many readers hold each slot (the bank's ``leases[i]`` counts). A reader holds one
+    per bank it loads from, made with the bank; the writer of a bank holds one to ask whether a slot
+    is leased. The rows they live in are :class:`ReaderRows`'; the rules are in the module's *Leases* above.
+
+    Args:
+        words: the bank's words.
+        locks: the table's and the rows' locks (a lease changes under the table's lock).
+
+    Examples:
+        >>> h = [0] * 20480
+        >>> initialize(h, 3)
+        >>> words, locks = Words(h), LocalLocks()
+        >>> writer, leases = SlotWriter(words, Leases(words, locks)), Leases(words, locks)
+        >>> _ = writer.commit(writer.begin_write())
+        >>> row = ReaderRows(h, locks, pid=1234).claim_row()
+        >>> lease = leases.lease_latest(row)
+        >>> lease, leases.row_leased(lease.slot)
+        (Lease(slot=0, version=0), True)
+        >>> leases.release_lease(row)
+        >>> leases.row_leased(0)
+        False
+    """
+
+    def __init__(self, words: Words, locks: Locks) -> None:
+        self.words = words
+        self.locks = locks
+
     def row_leased(self, slot: int, confirmed: bool = False) -> bool:
-        """Whether any row of the reader table leases ``slot`` (dead readers' rows included);
-        ``confirmed``: only leases past their handshake count, not those still being decided."""
+        """Say whether any row of the reader table leases ``slot`` (dead readers' rows included).
+
+        Args:
+            slot: the slot of this bank asked about.
+            confirmed: count only leases past their handshake, not those still being decided.
+        """
         h = self.words.h
-        start = W_READERS + self.words.lease
+        start = ROW_WORDS[0][self.words.lease]
         column = h[start : start + min(max(h[W_ROWS], 0), MAX_READERS) * READER_WORDS : READER_WORDS]
         return slot + 1 in column or (not confirmed and -(slot + 1) in column)
 
     def recount(self) -> set[int]:
-        """Recompute the per-slot lease counts from the rows of live readers; the leased slots.
-        Call with the table lock held."""
+        """Recompute the per-slot lease counts from the rows of live readers, and clear the lease
+        words of dead ones. Call it with the table's lock held.
+
+        Returns:
+            The slots leased by live readers.
+        """
         w = self.words
         h, n = w.h, w.num_slots
         counts = [0] * n
@@ -484,17 +634,27 @@ class ReaderRows:
             if self.locks.row_alive(row):
                 counts[slot] += 1
             else:
-                h[w.lease_word(row)] = 0  # a dead reader's lease
+                h[ROW_WORDS[row][w.lease]] = 0  # a dead reader's lease
         for slot, c in enumerate(counts):
             h[w.leases[slot]] = c
         return {slot for slot, c in enumerate(counts) if c}
 
     def lease_latest(self, row: int) -> Lease | None:
-        """Move ``row``'s lease to the latest slot. Returns the :class:`Lease`, or None if the
-        lease is refused (always without a row). After a refusal the previous slot may be
-        rewritten at any moment: stop using it, and :meth:`release_lease` what is left."""
+        """Move ``row``'s lease to the latest slot (the two steps of the module's *Leases* above). After a refusal
+        the previous slot may be rewritten at any moment: stop using it, and :meth:`release_lease`
+        what is left.
+
+        Args:
+            row: the reader's row (-1: none, and the lease is refused: it would live in the row).
+
+        Returns:
+            The :class:`Lease`, or None if the lease is refused.
+
+        Raises:
+            StoreCorruptError: the latest slot's word, or the row's lease word, is no slot.
+        """
         if row < 0:
-            return None  # the lease would live in the row: no row, no lease
+            return None
         w = self.words
         h = w.h
         with self.locks.table(0.01) as locked:
@@ -513,10 +673,14 @@ class ReaderRows:
         return Lease(slot, version) if self._lease_holds(row, slot, (seq,)) else None
 
     def lease_written(self, row: int, write: Write) -> bool:
-        """Move ``row``'s lease to the slot of ``write``, a write this process has open or has
-        just committed (a relay forwards the bytes of a version while it still receives them).
-        Refused (False; as for :meth:`lease_latest`, the previous slot is no longer safe) if the
-        rule above would break, or if the slot has moved on to another write meanwhile."""
+        """Move ``row``'s lease to the slot of ``write``, a write this process has open or has just
+        committed (a relay forwards the bytes of a version while it still receives them). As for
+        :meth:`lease_latest`, after a refusal the previous slot is no longer safe.
+
+        Returns:
+            Whether the lease holds: False if the rules above would break, or if the slot has moved
+            on to another write meanwhile.
+        """
         if row < 0:
             return False
         with self.locks.table(0.01) as locked:
@@ -530,7 +694,7 @@ class ReaderRows:
         leased or pinned, or a pin is being granted; refused, the row leases nothing."""
         w = self.words
         h, n = w.h, w.num_slots
-        word = W_READERS + row * READER_WORDS + w.lease
+        word = ROW_WORDS[row][w.lease]
         previous = abs(h[word])
         h[word] = -(slot + 1)  # being decided: counted, pinned by a writer that sees it, not yet used
         counts = [h[w.leases[s]] for s in range(n)]
@@ -561,7 +725,7 @@ class ReaderRows:
         confirmed lease; one that started before, or went through the lease while it was being
         decided, has already moved its sequence, and the lease is given up."""
         w = self.words
-        w.h[W_READERS + row * READER_WORDS + w.lease] = slot + 1
+        w.h[ROW_WORDS[row][w.lease]] = slot + 1
         w.full_fence()  # the confirmed lease before the sequence load below
         if w.h[w.seq[slot]] in seqs:
             return True
@@ -569,13 +733,18 @@ class ReaderRows:
         return False
 
     def release_lease(self, row: int) -> None:
-        """Give up ``row``'s lease. If the table stays busy, the counts are left for the next
-        lease change to recompute: the writer avoids that slot a little longer, which is safe."""
+        """Give up ``row``'s lease on this bank, if it holds one (nothing for row -1). If the table's
+        lock stays busy, the counts are left for the next lease change to recompute: the writer
+        avoids that slot a little longer, which is safe.
+
+        Raises:
+            StoreCorruptError: the row's lease word is no slot.
+        """
         if row < 0:
             return
         w = self.words
         h = w.h
-        word = w.lease_word(row)
+        word = ROW_WORDS[row][w.lease]
         if not h[word]:
             return
         w.fence()  # the module's last loads from the slot before the release
@@ -587,29 +756,31 @@ class ReaderRows:
 
 
 class SlotWriter:
-    """The writer of one bank (one process at a time: the store's writer lock).
+    """The writer of one bank: it chooses a slot no reader uses, marks it, and commits it as the
+    latest version once the caller copied into it. One process at a time writes a store (the
+    store's writer lock sees to it), and it never waits for a reader.
 
     Args:
         words: the bank's words.
-        rows: the readers' rows, asked whether a slot is leased.
+        leases: the bank's leases, asked whether a slot is leased.
         pid: this process's id as written into the header.
-        clock: wall-clock time in ns (publish times, shared with other processes).
+        clock: wall-clock time in ns, for publish times that other processes read.
 
     Examples:
         >>> h = [0] * 20480
         >>> initialize(h, 3)
         >>> words = Words(h)
-        >>> writer = SlotWriter(words, ReaderRows(words, LocalLocks()))
+        >>> writer = SlotWriter(words, Leases(words, LocalLocks()))
         >>> write = writer.begin_write()
         >>> writer.commit(write), h[words.version]
         (0, 0)
     """
 
     def __init__(
-        self, words: Words, rows: ReaderRows, *, pid: int | None = None, clock: Callable[[], int] = time.time_ns
+        self, words: Words, leases: Leases, *, pid: int | None = None, clock: Callable[[], int] = time.time_ns
     ) -> None:
         self.words = words
-        self.rows = rows
+        self.leases = leases
         self.pid = os.getpid() if pid is None else pid
         self.clock = clock
         self.writing: Write | None = None  # the write this writer has open
@@ -620,10 +791,17 @@ class SlotWriter:
         self.steps: collections.OrderedDict[int, int] = collections.OrderedDict()
 
     def begin_write(self, version: int | None = None, steps: int | None = None) -> Write:
-        """Choose a slot, mark it being written, and decide the version it will hold: ``version``
-        (a caller's number, checked higher than every version before), else one more than the
-        store's last. The one place a version is decided. Never waits. ``steps``: the optimizer
-        steps the version has seen (default: the store's count now, ``W_STEPS``; -1: not counted).
+        """Choose a slot, mark it as being written, and decide the version it will hold. This is the
+        one place a version is decided. It never waits.
+
+        Args:
+            version: the version to write, a caller's number higher than every version before.
+                Default: one more than the store's last.
+            steps: the optimizer steps the version has seen. Default: the store's count now
+                (``W_STEPS``); -1: not counted.
+
+        Returns:
+            The :class:`Write`; copy into its slot, then :meth:`commit` it (or :meth:`abort` it).
 
         Raises:
             ShmSyncError: this writer already has a write open (say, a CUDA publish in flight).
@@ -651,25 +829,38 @@ class SlotWriter:
         raise ShmSyncError(f"store {self.words.name!r}: readers kept leasing every free slot")
 
     def mark(self, target: int, version: int = -1) -> Write | None:
-        """The writer's half of the write handshake: mark ``target`` odd, then, after a full fence,
-        look for a confirmed lease on it. Returns the write (of ``version``; -1 for a slot being
-        given back), or None if a reader leased it meanwhile (the slot is left untouched, its
-        sequence moved on to the next even number)."""
+        """Take the writer's half of the write handshake: mark ``target`` odd, then, after a full
+        fence, look for a confirmed lease on it.
+
+        Args:
+            target: the slot to write.
+            version: the version the write will commit (-1 for a slot being given back).
+
+        Returns:
+            The :class:`Write`, or None if a reader leased the slot meanwhile. The slot is then left
+            untouched, its sequence moved on to the next even number.
+        """
         w = self.words
         h = w.h
         seq = h[w.seq[target]]
         odd = seq + 2 if seq & 1 else seq + 1  # odd already: a writer died mid-copy
         h[w.seq[target]] = odd
         w.full_fence()  # the store above before the lease loads below
-        if not h[w.leases[target]] or not self.rows.row_leased(target, confirmed=True):
+        if not h[w.leases[target]] or not self.leases.row_leased(target, confirmed=True):
             held = -1 if seq & 1 else h[w.slot_version[target]]  # a write that never ended left no version whole
             return Write(target, odd, held, version, h[W_STEPS])
         h[w.seq[target]] = odd + 1
         return None
 
     def commit(self, write: Write) -> int:
-        """Make the written slot the latest, complete version (the one its write began with);
-        returns that version."""
+        """Make the written slot the latest complete version, the one its write began with.
+
+        Args:
+            write: the write this writer has open, its copy done.
+
+        Returns:
+            The version committed.
+        """
         w = self.words
         h, slot, version = w.h, write.slot, write.version
         h[w.slot_version[slot]] = version
@@ -698,7 +889,12 @@ class SlotWriter:
         return version
 
     def abort(self, write: Write) -> None:
-        """Give up a write whose copy failed: the slot is left empty (never latest, never read)."""
+        """Give up a write whose copy failed. The slot is left empty: it is never the latest, and no
+        reader copies it.
+
+        Args:
+            write: the write this writer has open.
+        """
         w = self.words
         w.h[w.slot_version[write.slot]] = -1
         w.fence()
@@ -706,20 +902,32 @@ class SlotWriter:
         self.writing = None
 
     def promise(self, version: int) -> None:
-        """Say that ``version`` is on its way (a publish that returns before it is visible)."""
+        """Say that ``version`` is on its way, for a publish that returns before it is visible. A
+        reader waiting for it waits while :meth:`SlotReader.promise_stands`.
+
+        Args:
+            version: the version promised (a lower one than already promised changes nothing).
+        """
         h = self.words.h
         if version > h[W_PROMISED]:
             h[W_PROMISED] = version
 
     def withdraw(self) -> None:
-        """A promised version will not come (its copy failed, or a writer died before it landed):
-        promise only what this bank holds, so that readers waiting for it go on at once."""
+        """Withdraw a promise whose version will not come, because its copy failed or a writer died
+        before it landed. The promise falls back to the version this bank holds, so that readers
+        waiting for it go on at once."""
         h = self.words.h
         h[W_PROMISED] = h[self.words.version]
 
     def choose_target(self, backed_off: tuple[int, ...] = ()) -> int | None:
-        """Serve a pending pin request, then pick the slot to write (None if every slot but
-        the latest is leased or backed off from). Never waits."""
+        """Serve a pending pin request, then pick the slot to write. It never waits.
+
+        Args:
+            backed_off: slots a reader leased while this write marked them, left alone this time.
+
+        Returns:
+            The slot, or None if every slot but the latest is leased or backed off from.
+        """
         w = self.words
         h = w.h
         request = h[w.pin_request]
@@ -742,22 +950,29 @@ class SlotWriter:
         the ones the writer may write, asking the rows if every count says leased (a count may be too
         high), or failing those, a lease still being decided."""
         if not free:
-            free = [s for s in others if not self.rows.row_leased(s)]
+            free = [s for s in others if not self.leases.row_leased(s)]
         candidates = [s for s in free if s != pinned]
         if not candidates:  # a lease still being decided gives way (see Handshakes)
-            undecided = [s for s in others if not self.rows.row_leased(s, confirmed=True)]
+            undecided = [s for s in others if not self.leases.row_leased(s, confirmed=True)]
             # With 2 slots, so does a pin: the pinned reader retries.
             candidates = [s for s in undecided if s != pinned] or free or undecided
         return candidates
 
     def idle_slots(self, keep_warm: bool = False) -> list[int]:
-        """The slots whose memory may be given back: neither latest, nor pinned, nor leased, but
-        the one the next write takes (none is kept while readers hold only the version the last
-        commit replaced: its slot is the next write's once they reload; unless ``keep_warm``: a
-        slot that holds a version is cheaper to write than an empty one, where the writer copies
-        only what changed since it, and the next write may come before the readers move on).
-        Empty while a write is open. Give each back as it is written: :meth:`mark` it (None: a
-        reader leased it meanwhile, keep it), drop its pages, then :meth:`abort`. Never waits."""
+        """List the slots whose memory may be given back: those neither latest, nor pinned, nor
+        leased, except the one the next write takes. No slot is kept while readers hold only the
+        version the last commit replaced, since its slot is the next write's once they reload. It
+        never waits. Give each slot back as it is written: :meth:`mark` it (None: a reader leased it
+        meanwhile, so keep it), drop its pages, then :meth:`abort` the write.
+
+        Args:
+            keep_warm: keep the next write's slot even then. A slot that holds a version is cheaper
+                to write than an empty one (the writer copies only what changed since it), and the
+                next write may come before the readers move on.
+
+        Returns:
+            The slots, none while a write is open.
+        """
         if self.writing is not None:
             return []
         w = self.words
@@ -767,7 +982,7 @@ class SlotWriter:
         idle, held = [], []
         for s in range(w.num_slots):
             if s != latest:
-                if h[w.leases[s]] and self.rows.row_leased(s):
+                if h[w.leases[s]] and self.leases.row_leased(s):
                     held.append(s)
                 elif s != pinned:
                     idle.append(s)
@@ -787,8 +1002,12 @@ class SlotWriter:
         return min(warm, key=versions.__getitem__)
 
     def serve_pin_request(self, request: int) -> None:
-        """Grant ticket ``request``, which waits: pin a slot for the starving reader (see
-        :meth:`pin_candidate`)."""
+        """Grant ticket ``request``, which waits: pin a slot for the reader that asked, the one
+        :meth:`pin_candidate` chooses.
+
+        Args:
+            request: the ticket in the bank's ``pin_request`` word.
+        """
         w = self.words
         h = w.h
         w.fence()  # the ticket before the leases pin_candidate reads (see Handshakes)
@@ -797,35 +1016,39 @@ class SlotWriter:
         h[w.pin_grant] = request
 
     def pin_candidate(self) -> int:
-        """The slot to pin for a starving reader: a slot leased by a zero-copy reader if there
-        is one besides the latest (it is already safe from the writer, so the pin costs no
-        slot; its version is older but complete), else the latest."""
+        """Choose the slot to pin for a reader whose copies keep failing. A slot that a reader in
+        place leases, besides the latest, is chosen if there is one: it is already safe from the
+        writer, so the pin costs no slot, and its version is older but complete.
+
+        Returns:
+            That slot, or else the latest.
+        """
         w = self.words
         h = w.h
         latest = h[w.latest]
         for s in range(w.num_slots):
-            if s != latest and h[w.leases[s]] and not h[w.seq[s]] & 1 and self.rows.row_leased(s):
+            if s != latest and h[w.leases[s]] and not h[w.seq[s]] & 1 and self.leases.row_leased(s):
                 return s
         return latest
 
 
 class SlotReader:
-    """The reader's side of the protocol on one bank: a copy validated by its sequence word, or
-    one from a slot pinned for it (the fallback). A :class:`~shmsync.WeightReader` holds one.
+    """The reader's side of the protocol on one bank: a copy validated by its sequence word, or, as
+    the fallback, a copy of a slot pinned for it. A :class:`~shmsync.WeightReader` holds one.
 
     Args:
         words: the bank's words.
-        locks: the bank's reader token is taken through them.
+        locks: the locks through which the bank's reader token is taken.
         pid: this process's id as written into the header.
-        stopped: whether a pid is a stopped process (its reader token may be taken over).
-        clock: wall-clock time in ns (the writer's pace); timer: a monotonic ns counter (how long
-            a copy takes). Tests drive both by hand.
+        stopped: says whether a pid is a stopped process, whose reader token may be taken over.
+        clock: wall-clock time in ns, to tell the writer's pace.
+        timer: a monotonic ns counter, to time a copy. Tests drive it and ``clock`` by hand.
 
     Examples:
         >>> h = [0] * 20480
         >>> initialize(h, 3)
         >>> words = Words(h)
-        >>> writer = SlotWriter(words, ReaderRows(words, LocalLocks()))
+        >>> writer = SlotWriter(words, Leases(words, LocalLocks()))
         >>> slots = [None] * 3
         >>> write = writer.begin_write()
         >>> slots[write.slot] = "weights v0"
@@ -856,8 +1079,17 @@ class SlotReader:
         self.copy_ns = 0  # how long this reader's last copy took
 
     def read(self, copy: CopyFn, *, max_attempts: int = 2, timeout: float = 60.0) -> int:
-        """Run ``copy(slot)`` on the newest complete slot until one copy validates; returns the
-        version copied. ``copy`` must have finished reading the slot when it returns.
+        """Run ``copy(slot)`` on the newest complete slot until one copy validates: optimistic copies
+        first, then the pinned fallback.
+
+        Args:
+            copy: copies out of the slot of that index; it must have finished reading the slot
+                when it returns.
+            max_attempts: the optimistic copies tried before a pin is asked for.
+            timeout: the seconds a copy may take to validate.
+
+        Returns:
+            The version copied.
 
         Raises:
             ReloadTimeoutError: no copy validated within ``timeout`` seconds.
@@ -870,12 +1102,12 @@ class SlotReader:
         return self.read_pinned(copy, time.monotonic() + timeout)
 
     def outpaced(self) -> bool:
-        """Whether this reader's copies take longer than the writer, publishing now, surely
-        leaves the latest slot alone: an optimistic copy could fail, so the reader asks for a
-        pin at once and loads in one copy. A writer publishing back to back may rewrite that
-        slot at the second publish after it was written (it alternates between two slots while
-        nobody leases: see :meth:`SlotWriter.choose_target`), and the reader finds it at any point of the
-        first interval: one interval is sure."""
+        """Say whether this reader's copies take longer than the writer, publishing now, surely
+        leaves the latest slot alone. An optimistic copy could then fail, so the reader asks for a
+        pin at once and loads in one copy. A writer publishing back to back may rewrite that slot
+        at the second publish after it was written (it alternates between two slots while nobody
+        leases: see :meth:`SlotWriter.choose_target`), and the reader finds it at any point of the
+        first interval: one interval is what is sure."""
         w = self.words
         interval = w.h[w.publish_interval]
         if not interval or self.copy_ns <= interval:
@@ -883,7 +1115,17 @@ class SlotReader:
         return self.clock() - w.h[w.publish_ns] < 4 * interval  # still publishing at that pace
 
     def try_read(self, copy: CopyFn) -> int | None:
-        """One optimistic copy of the latest slot: its version, or None if it did not validate."""
+        """Make one optimistic copy of the latest slot.
+
+        Args:
+            copy: copies out of the slot of that index.
+
+        Returns:
+            The version copied, or None if the copy did not validate.
+
+        Raises:
+            StoreCorruptError: the bank's ``latest`` word is no slot.
+        """
         w = self.words
         slot = w.h[w.latest]
         if not 0 <= slot < w.num_slots:
@@ -894,10 +1136,18 @@ class SlotReader:
         return version
 
     def copy_validated(self, slot: int, copy: CopyFn) -> int | None:
-        """The seqlock read of one slot: ``copy(slot)`` between two loads of its sequence number;
-        the slot's version if both were the same even number, else None (it is being, or was,
-        rewritten meanwhile: the copy must not be used). None at once for an empty slot: one
-        given back after the reader took it for the latest, its sequence even again."""
+        """Make the seqlock read of one slot: ``copy(slot)`` between two loads of its sequence number.
+
+        Args:
+            slot: the slot to copy.
+            copy: copies out of the slot of that index.
+
+        Returns:
+            The slot's version if both loads saw the same even number, else None: the slot is being,
+            or was, rewritten meanwhile, and the copy must not be used. None comes at once for an
+            empty slot (one given back after the reader took it for the latest, its sequence even
+            again).
+        """
         w = self.words
         h = w.h
         seq = h[w.seq[slot]]
@@ -914,7 +1164,19 @@ class SlotReader:
         return version if h[w.seq[slot]] == seq else None
 
     def read_pinned(self, copy: CopyFn, deadline: float, steal_after: float = 0.25) -> int:
-        """The bounded fallback: hold the bank's reader token and copy a slot the writer pinned."""
+        """Take the bounded fallback: hold the bank's reader token and copy a slot the writer pinned.
+
+        Args:
+            copy: copies out of the slot of that index.
+            deadline: the :func:`time.monotonic` time by which a copy must have validated.
+            steal_after: the seconds after which a token held by a stopped process is taken over.
+
+        Returns:
+            The version copied.
+
+        Raises:
+            ReloadTimeoutError: no copy validated by ``deadline``.
+        """
         w, locks, bank = self.words, self.locks, self.words.bank
         h = w.h
         self.pinned_reads += 1
@@ -981,9 +1243,9 @@ class SlotReader:
             time.sleep(0.0001)
 
     def promise_stands(self, target: int) -> bool:
-        """Whether version ``target``, once promised, may still land in this bank: it has not
-        (the bank's version is below it) and it was not withdrawn (the promised word is still at
-        or above it). A reader waiting for ``target`` stops waiting when this turns False."""
+        """Say whether version ``target``, once promised, may still land in this bank: it has not
+        landed (the bank's version is below it) and it was not withdrawn (the promised word is still
+        at or above it). A reader waiting for ``target`` stops waiting when this turns False."""
         h = self.words.h
         return h[self.words.version] < target and h[W_PROMISED] >= target
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from shmsync.core.header import DEVICE, HOST, W_DEVICE
-from shmsync.core.protocol import ReaderRows, SlotReader, Words
+from shmsync.core.protocol import Leases, SlotReader, Words
 from shmsync.errors import ArgumentTypeError, InvalidArgumentError, WeightMismatchError
 from shmsync.reader.held_copy import HeldCopy
 from shmsync.reader.in_place import InPlace
@@ -39,8 +39,8 @@ class Binding:
         targets: the module's tensors, matched; indices: their entries in the layout.
         cuda: the module's GPU, or None on the CPU.
         bank: :data:`~shmsync.core.header.HOST` or :data:`~shmsync.core.header.DEVICE`.
-        words, rows, slot_reader: the bank's words, its readers' rows, and the protocol's reader side
-            copying from it.
+        leases, slot_reader: the bank's leases, and the protocol's reader side copying from it
+            (each holds the bank's words).
         slots: per slot, a view of every entry in layout order, as this process reads it.
         held: the module's private copy, when it copies: the version it holds, and reloads that
             copy only what changed since (:class:`~shmsync.reader.held_copy.HeldCopy`).
@@ -66,9 +66,9 @@ class Binding:
                 f"zero_copy=True needs a module on the CPU or on the GPU holding the store's device slots, "
                 f"got weights on {self.cuda}: it copies"
             )
-        self.words: Words = memory.host if self.bank == HOST else memory.device
-        self.rows = ReaderRows(self.words, memory.locks)
-        self.slot_reader = SlotReader(self.words, memory.locks)
+        words: Words = memory.host if self.bank == HOST else memory.device
+        self.leases = Leases(words, memory.locks)
+        self.slot_reader = SlotReader(words, memory.locks)
         self.device_seen = memory.header[W_DEVICE]  # the store's device word when bound
         self.slots = slots_for(memory, self.bank, self.cuda)
         self.held = HeldCopy(memory, self.targets, self.indices, self.slots, records=self.bank == HOST)

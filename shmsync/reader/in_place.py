@@ -107,17 +107,25 @@ class InPlace:
         if self.device is not None and self.viewing:
             torch.cuda.current_stream(self.device).synchronize()
 
-    def check_unwritten(self, version: int, *, keep: bool = False) -> bool:
-        """Before the parameters leave their slot: did this process write them? A write shows in a
-        parameter's version counter, or (through ``.data`` or C code) as pages of the private
-        mapping that are this process's own. Either is undone, so that the slot shows the store's
-        pages again when it is leased next, and raised; with ``keep``, the parameters first take
-        private copies of what they hold (the writes included), and True is returned. A device
-        slot has no private pages: a write there is seen by its version counter alone, and reached
-        every reader of the slot.
+    def undo_writes(self, version: int, *, keep: bool = False) -> bool:
+        """Undo what this process wrote into the parameters, before they leave their slot. A write
+        shows in a parameter's version counter, or (through ``.data`` or C code) as pages of the
+        private mapping that are this process's own. Either is undone, so that the slot shows the
+        store's pages again when it is leased next, and then raised, unless ``keep``. A device slot
+        has no private pages: a write there is seen by its version counter alone, cannot be undone,
+        and reached every reader of the slot.
+
+        Args:
+            version: the version the parameters hold, named in the error.
+            keep: the parameters first take private copies of what they hold, the writes included,
+                and nothing is raised.
+
+        Returns:
+            True if there were writes and they were kept (``keep``); False if there were none.
 
         Raises:
-            SharedWeightsWrittenError: naming what was written and the fix (without ``keep``).
+            SharedWeightsWrittenError: there were writes (without ``keep``), naming what was written
+                and the fix.
         """
         written = [n for p, n, v in zip(self.params, self.names, self.versions) if p._version != v]
         address, length = self.ranges[self.slot] if self.ranges is not None else (0, 0)

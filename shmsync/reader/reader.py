@@ -3,7 +3,7 @@
 One load, on the worker's thread (:meth:`WeightReader.poll`)::
 
     version word of the reader's bank == loaded?  ->  nothing to do (one load of a shared word)
-    in place: rows.lease_latest(row)              (shmsync.core.protocol: a slot the writer leaves alone)
+    in place: leases.lease_latest(row)            (shmsync.core.protocol: a slot the writer leaves alone)
               in_place.point(slot)                (the parameters view it; shmsync.reader.in_place)
     or a copy: held.load(slot_reader)             (a seqlock copy, or a pinned one, of what the
                                                   module lacks: shmsync.reader.held_copy)
@@ -12,7 +12,6 @@ One load, on the worker's thread (:meth:`WeightReader.poll`)::
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 import weakref
@@ -27,17 +26,16 @@ from shmsync.core.header import (
     HOST,
     R_DEVICE_BYTES,
     R_FLAGS,
-    ROW_DEVICE,
     ROW_DEVICE_BANK,
     ROW_WAITING,
-    ROW_ZERO_COPY,
     W_DEVICE,
     W_HOST_WANTED,
     W_PROMISED,
     W_VERSION,
+    Mode,
 )
 from shmsync.core.pages import human_bytes
-from shmsync.core.protocol import ReaderRows
+from shmsync.core.protocol import Leases, ReaderRows
 from shmsync.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
@@ -52,19 +50,10 @@ from shmsync.store.memory import StoreMemory
 log = logging.getLogger("shmsync.reader")
 
 
-class Mode(enum.Enum):
-    """How a :class:`WeightReader`'s module holds its weights: the one fact the reader keeps about
-    it. Its ``zero_copy`` and ``viewing``, and its row's zero-copy flag, follow from it; each value
-    is the word the readers' table shows for a reader on the host slots (``ReaderRow.mode``)."""
-
-    IN_PLACE = "zero-copy"  # on the store's memory, on a leased slot
-    FALLEN_BACK = "copy (fallback)"  # in place where it can, on no slot now: not loaded yet, or no slot to lease
-    PRIVATE = "copy"  # a private copy for good: asked for, the device cannot, or the module wrote its weights
-
-
 class WeightReader:
-    """Loads the newest complete version of a store into a module, only when it changed. Its job is
-    when to load; what and from where is its :class:`~shmsync.reader.binding.Binding`'s.
+    """Loads the newest complete version of a store into a module, only when it changed. The reader
+    decides when to load; its :class:`~shmsync.reader.binding.Binding` says what to load and from
+    where.
 
     :meth:`poll` costs one read of a shared word when nothing was published: no copy, no
     syscall, no lock. When the version changed it loads the newest complete version into the
@@ -92,12 +81,21 @@ class WeightReader:
             False: through the host slots, as a GPU without peer access to them does.
 
     Attributes:
-        copied_bytes: bytes the last reload copied into the module. A private copy reloads what
+        mode: how the module holds its weights, a :class:`~shmsync.core.header.Mode`: the one
+            fact from which :attr:`zero_copy`, :attr:`viewing` and the reader's row follow.
+        copied_bytes: the bytes the last reload copied into the module. A private copy reloads what
             changed since the version it holds (and what its own process wrote since: see
             :mod:`shmsync.reader.held_copy`), all of it at its first load; in place, the buffers.
-        skipped_bytes: bytes of the module the last reload left as they were (proved unchanged,
-            or viewed in place).
-        reloads, fallbacks: reloads made, and those that could not lease a slot (a copy instead).
+        skipped_bytes: the bytes of the module the last reload left as they were (proved
+            unchanged, or viewed in place).
+        reloads: the reloads made.
+        fallbacks: the reloads that could not lease a slot, and copied instead.
+
+    Raises:
+        ArgumentTypeError: ``store`` is no store, or ``zero_copy`` no bool or None.
+        InvalidArgumentError: ``worker`` is no index, or ``zero_copy=True`` where the module
+            cannot run in place.
+        WeightMismatchError: the module's weights do not match the store's.
 
     Examples:
         >>> import torch
@@ -147,18 +145,18 @@ class WeightReader:
         self.fallbacks = 0  # reloads that could not lease a slot (a copy instead)
         self.copied_bytes = 0  # bytes the last reload copied into the module
         self.skipped_bytes = 0  # bytes of the module the last reload did not copy: in place, or unchanged
-        self.mode = Mode.PRIVATE if zero_copy is False else Mode.FALLEN_BACK  # on no slot until the first load
+        # How the module holds its weights: changed by _set_mode alone, which writes it into the row.
+        self.mode = Mode.COPY if zero_copy is False else Mode.FALLEN_BACK  # on no slot until the first load
         self._asked = zero_copy  # the argument: True where the module cannot run in place raises
+        self._waiting = False  # between rollouts (set_waiting), shown in the row beside the mode
         self._version = -1
-        self._memory = memory
         self._parts = parts_of(memory, module, destination)
         self._viewing: list[torch.Tensor] = []  # the parameters while they point at a leased slot
         self._binding: Binding | None = None
-        # The host bank until bound (its version word is what poll() loads); rows are the host bank's.
-        self._words, self._rows = memory.host, ReaderRows(memory.host, memory.locks)
-        self._flags = ROW_ZERO_COPY if self.mode is not Mode.PRIVATE else 0
+        self._words = memory.host  # the bank whose version word poll() loads: the host bank until bound
+        self._rows = ReaderRows(memory.header, memory.locks)
         # A row in the readers' table (`shmsync ls`, store.readers()); -1: the table is full, unlisted.
-        self._row = self._rows.claim_row(worker=worker, flags=self._flags)
+        self._row = self._rows.claim_row(worker=worker, flags=self.mode.flags)
         self._finalizer = weakref.finalize(self, _leave, memory, self._row, self._viewing)
         # Matched now (a clear error here); a module on `meta` says it is not loaded until its first load.
         self._unloaded_guards: list = []
@@ -169,23 +167,27 @@ class WeightReader:
 
     @property
     def version(self) -> int:
-        """The version loaded in the module (-1 before the first load)."""
+        """The version loaded in the module, -1 before the first load."""
         return self._version
 
     @property
     def zero_copy(self) -> bool:
-        """Whether the module runs on the store's memory in place where it can (see :attr:`mode`)."""
-        return self.mode is not Mode.PRIVATE
+        """Whether the module runs on the store's memory in place where it can, as the ``zero_copy``
+        argument asks: True while it copies for want of a slot to lease (:attr:`mode` is
+        ``Mode.FALLEN_BACK``), False once it keeps a private copy for good. Whether it views a slot
+        now is :attr:`viewing`."""
+        return not self.mode.private
 
     @property
     def waiting(self) -> bool:
-        """Whether this reader says it waits for work (:meth:`set_waiting`)."""
-        return bool(self._flags & ROW_WAITING)
+        """Whether this reader says it waits for work, as :meth:`set_waiting` last said."""
+        return self._waiting
 
     @property
     def viewing(self) -> bool:
-        """Whether the module's parameters now point at shared memory (``zero_copy``, on a leased slot)."""
-        return self.mode is Mode.IN_PLACE
+        """Whether the module's parameters now view a leased slot of the store (shared memory), as its
+        row in the readers' table says (``ReaderRow.viewing``)."""
+        return self.mode.viewing
 
     @property
     def unchanged_proof(self) -> str:
@@ -205,7 +207,7 @@ class WeightReader:
             ...     reader.unchanged_proof in ("written pages", "comparison")
             True
         """
-        if self.mode is Mode.IN_PLACE:
+        if self.mode.viewing:
             return "in place"
         return self._binding.held.proof if self._binding is not None else "none: every tensor copied"
 
@@ -223,22 +225,46 @@ class WeightReader:
             ...     store.readers()[0].waiting
             True
         """
-        self._set_flag(ROW_WAITING, waiting)
+        if waiting != self._waiting:
+            self._waiting = waiting
+            self._write_flags()
 
-    def _set_mode(self, mode: Mode) -> None:
-        """The module holds its weights as ``mode`` says from now on; its row says so too."""
+    def _set_mode(self, mode: Mode, binding: Binding | None) -> None:
+        """The one place the module's mode changes, with what it owns: leaving a view of a slot, the
+        parameters take private copies of what they hold, then the lease on that slot is given up
+        (from then on the writer may rewrite it) and the private copy forgotten (it holds what the
+        slot held, not what it last copied); a private copy for good drops the way to run in place;
+        then the mode, and the row that shows it.
+
+        Args:
+            mode: the new mode.
+            binding: the binding whose slot the module leaves (None: none, or closed).
+        """
+        if self.mode.viewing and not mode.viewing:
+            if self._viewing:
+                make_private(self._viewing)
+            if binding is not None:
+                binding.leases.release_lease(self._row)
+                binding.held.forget()
+        if mode.private and binding is not None:
+            binding.drop_in_place()
         self.mode = mode
-        self._set_flag(ROW_ZERO_COPY, mode is not Mode.PRIVATE)
+        self._write_flags()
 
-    def _set_flag(self, bit: int, on: bool) -> None:
-        flags = self._flags | bit if on else self._flags & ~bit
-        if flags != self._flags:
-            self._flags = flags
-            if self._finalizer.alive and not self._memory.closed:
-                self._rows.set_row_word(self._row, R_FLAGS, flags)
+    def _write_flags(self) -> None:
+        """Write the row's flags: its mode's bits, waiting, and the device bank where it loads from it."""
+        flags = self.mode.flags | (ROW_WAITING if self._waiting else 0)
+        if self._binding is not None and self._binding.bank == DEVICE:
+            flags |= ROW_DEVICE_BANK
+        if self._finalizer.alive and not self.store.memory.closed:
+            self._rows.set_row_word(self._row, R_FLAGS, flags)
 
     def up_to_date(self) -> bool:
-        """Whether the loaded version is the newest, none newer promised (False once closed here)."""
+        """Say whether the loaded version is the newest, with none newer promised.
+
+        Returns:
+            True if so; False if not, or once the store was closed in this process.
+        """
         try:
             h = self._words.h
             return h[self._words.version] == self._version >= h[W_PROMISED]
@@ -258,14 +284,24 @@ class WeightReader:
             if self._words.h[self._words.version] == self._version:
                 return False
         except ValueError:  # the header's mapping was released: the store was closed here
-            self._memory.check_open()
+            self.store.memory.check_open()
         return self.reload()
 
     def reload(self) -> bool:
-        """Load the newest complete version now, even if it is already loaded. Its job is when and
-        from which bank (bound again when the store's device slots moved); :meth:`_load` loads,
-        then the readers' table is told."""
-        memory = self._memory
+        """Load the newest complete version now, even if it is already loaded. This method decides
+        when and from which bank (the module is bound again when the store's device slots moved);
+        :meth:`_load` loads, then the reader's row says what was loaded.
+
+        Returns:
+            True if the version loaded differs from the one the module held.
+
+        Raises:
+            ShmSyncError: the store was closed in this process.
+            SharedWeightsWrittenError: this process wrote parameters that run in place (see
+                ``zero_copy``).
+            ReloadTimeoutError: no copy validated within ``timeout`` seconds.
+        """
+        memory = self.store.memory
         if memory.closed:
             memory.check_open()  # raises
         binding = self._binding if self._binding is not None else self._bind()
@@ -282,80 +318,79 @@ class WeightReader:
         return changed
 
     def _load(self, binding: Binding) -> int:
-        """The newest complete version into the module, as its mode says: on a leased slot in place
-        (unless this process wrote the weights there: a private copy then, for good), else a copy.
-        Returns the version loaded."""
-        if self.mode is not Mode.PRIVATE:
+        """Load the newest complete version into the module as its mode says: on a leased slot in
+        place (unless this process wrote the weights there, which makes it a private copy for good),
+        else by a copy. Returns the version loaded."""
+        if not self.mode.private:
             in_place = cast(InPlace, binding.in_place)  # bound to run in place (else _bind said private)
-            if self.mode is Mode.IN_PLACE and in_place.check_unwritten(self._version, keep=self.private_on_write):
-                self._go_private(binding)
+            if self.mode.viewing and in_place.undo_writes(self._version, keep=self.private_on_write):
+                self._set_mode(_private(binding), binding)  # the module wrote its weights, kept privately
+                _warn_private_copy(self.store.memory.name, self.worker)
             elif self._row < 0:  # no row in the readers' table (it is full): no lease, a copy
                 return self._fall_back(binding)
             else:
-                if self.mode is Mode.IN_PLACE and binding.cuda is not None:
+                if self.mode.viewing and binding.cuda is not None:
                     in_place.leave()  # the device's work on the old slot ends before its lease moves
-                lease = binding.rows.lease_latest(self._row)
+                lease = binding.leases.lease_latest(self._row)
                 if lease is None:
                     return self._fall_back(binding)
                 in_place.point(lease.slot)
-                if self.mode is not Mode.IN_PLACE:
-                    self._set_mode(Mode.IN_PLACE)
+                if not self.mode.viewing:
+                    self._set_mode(Mode.DEVICE_IN_PLACE if binding.bank == DEVICE else Mode.IN_PLACE, binding)
                 self.copied_bytes, self.skipped_bytes = in_place.buffer_bytes, in_place.param_bytes  # buffers copied
                 return lease.version
         return self._copy_latest(binding)
 
     def _first_loaded(self) -> None:
-        """The module holds weights now: it may run."""
+        """Let the module run, now that it holds weights."""
         for guard in self._unloaded_guards:
             guard.remove()
         self._unloaded_guards = []
 
     def _follow_device(self, binding: Binding) -> Binding:
-        """A store published from CUDA: a GPU module may run from its device slots now; host slots
-        are filled on demand."""
-        if binding.cuda is not None and self._memory.header[W_DEVICE] != binding.device_seen:
+        """Follow a store published from CUDA: a GPU module may run from its device slots now, and
+        host slots are filled on demand. Returns the binding to load through."""
+        memory = self.store.memory
+        if binding.cuda is not None and memory.header[W_DEVICE] != binding.device_seen:
             binding = self._bind()
         if binding.bank == HOST:
-            _await_host_slots(self._memory, self.timeout)
+            _await_host_slots(memory, self.timeout)
         return binding
 
-    def _go_private(self, binding: Binding) -> None:
-        """The module wrote its weights, kept privately: it copies from now on."""
-        binding.rows.release_lease(self._row)
-        binding.drop_in_place()
-        binding.held.forget()  # what the module held in place is not what it last copied
-        self._set_mode(Mode.PRIVATE)
-        _warn_private_copy(self._memory.name, self.worker)
-
     def _fall_back(self, binding: Binding) -> int:
-        """No slot to lease (readers in place hold every one the writer may not write, or this
-        reader has no row): a private copy this time, said once; a later reload leases again."""
+        """Copy this time, for want of a slot to lease: readers in place hold every slot the writer
+        may not write, or this reader has no row. The first time, a warning says so (the readers'
+        table says so at every reload: ``shmsync ls``); a later reload leases again. Returns the
+        version copied."""
         self.fallbacks += 1
-        if self.fallbacks == 1 and self._row >= 0:  # said once; the rows say it every time (`shmsync ls`)
-            _warn_no_lease(self._memory.name, self.worker, self._memory.num_slots)
-        copied = self._copy_latest(binding)
-        self._set_mode(Mode.FALLEN_BACK)
-        return copied
+        memory = self.store.memory
+        if self.fallbacks == 1 and self._row >= 0:
+            _warn_no_lease(memory.name, self.worker, memory.num_slots)
+        # Back to private memory before copying into it (the old slot may be rewritten meanwhile;
+        # the copy overwrites it all).
+        self._set_mode(Mode.FALLEN_BACK, binding)
+        return self._copy_latest(binding)
 
     def _copy_latest(self, binding: Binding) -> int:
-        """A private copy of the newest complete version (a lease refused, or none wanted): of what
-        the module lacks, the tensors that changed since the version it holds (see
-        :mod:`shmsync.reader.held_copy`)."""
+        """Copy the newest complete version into the module's private memory, when a lease was
+        refused or none is wanted. Only what the module lacks is copied: the tensors that changed
+        since the version it holds (see :mod:`shmsync.reader.held_copy`). Returns the version."""
         held = binding.held
-        if self._viewing:  # back to private memory before copying into it
-            # (the old slot may be rewritten meanwhile; the copy below overwrites it all)
-            make_private(self._viewing)
-            binding.rows.release_lease(self._row)
-            held.forget()
         # Optimistic copies, or the pin at once for a reader slower than the writer.
         version = held.load(binding.slot_reader, self.timeout)
         self.copied_bytes, self.skipped_bytes = held.copied_bytes, held.skipped_bytes
         return version
 
     def poll_promised(self, timeout: float = 60.0) -> bool:
-        """Load the newest version, waiting for one a publish promised and has not landed yet (the
-        next batch of a synchronous collector runs the weights just sent); True if reloaded. A
-        promise withdrawn (its copy failed) ends the wait at once, the newest whole version loaded.
+        """Load the newest version, waiting for one a publish promised and has not landed yet, so
+        that the next batch of a synchronous collector runs the weights just sent. A promise that is
+        withdrawn (its copy failed) ends the wait at once, with the newest whole version loaded.
+
+        Args:
+            timeout: the seconds to wait for the promised version.
+
+        Returns:
+            True if the module was reloaded.
 
         Raises:
             WriterGoneError: the promised version will never come: no live process can publish
@@ -371,7 +406,7 @@ class WeightReader:
             ...     reader.poll_promised(), reader.version == v
             (True, True)
         """
-        promised = self._memory.header[W_PROMISED]
+        promised = self.store.memory.header[W_PROMISED]
         reloaded = self.poll()
         if self._version < promised:
             self._wait(promised, timeout, f"version {promised}, promised by the trainer's last publish,", True)
@@ -379,19 +414,34 @@ class WeightReader:
         return reloaded
 
     def wait(self, min_version: int, timeout: float | None = None) -> int:
-        """Block until at least ``min_version`` is loaded; returns the loaded version.
+        """Block until at least ``min_version`` is loaded.
+
+        Args:
+            min_version: the version to wait for.
+            timeout: the seconds to wait (None: as long as a process may still publish).
+
+        Returns:
+            The version loaded.
 
         Raises:
             WriterGoneError: no live process can publish any more (checked twice a second).
             ReloadTimeoutError: ``min_version`` did not come within ``timeout`` seconds.
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightReader, WeightStore
+            >>> with WeightStore.create(torch.nn.Linear(4, 2)) as store:
+            ...     reader = WeightReader(store, torch.nn.Linear(4, 2))
+            ...     reader.wait(0, timeout=5)
+            0
         """
         return self._wait(min_version, timeout, f"version {min_version}")
 
     def _wait(self, min_version: int, timeout: float | None, what: str, promise: bool = False) -> int:
-        """:meth:`wait`'s loop: poll, backing off to 1 ms, until ``min_version`` is loaded.
+        """Run :meth:`wait`'s loop: poll, backing off to 1 ms, until ``min_version`` is loaded.
         ``promise``: ``min_version`` was promised, and the wait ends too once the promise is
         withdrawn (the promised word fell below it: the newest whole version is then loaded)."""
-        memory = self._memory
+        memory = self.store.memory
         deadline = None if timeout is None else time.monotonic() + timeout
         pause, next_check = 5e-5, time.monotonic() + 0.5
         self.poll()
@@ -417,7 +467,7 @@ class WeightReader:
     def _check_writer_alive(self, min_version: int, what: str) -> None:
         """Raise :class:`~shmsync.errors.WriterGoneError` if ``min_version`` can never come: no
         live process can publish, and it had not landed just before the writer died."""
-        memory = self._memory
+        memory = self.store.memory
         if memory.writer_alive():
             return
         self.poll()  # a last look: it may have landed just before the writer died
@@ -430,39 +480,59 @@ class WeightReader:
             )
 
     def close(self) -> None:
-        """Leave the store's readers' table (the module keeps its weights, in private memory)."""
-        self._finalizer()
-        self.mode = Mode.PRIVATE
+        """Leave the store's readers' table. The module keeps its weights, in private memory, and
+        its mode turns to a private copy for good.
+
+        Examples:
+            >>> import torch
+            >>> from shmsync import WeightReader, WeightStore
+            >>> with WeightStore.create(torch.nn.Linear(4, 2)) as store:
+            ...     reader = WeightReader(store, torch.nn.Linear(4, 2))
+            ...     _ = reader.poll()
+            ...     reader.close()
+            ...     reader.viewing, len(store.readers())
+            (False, 0)
+        """
+        self._finalizer()  # the view, the leases and the row given back
+        self._set_mode(_private(self._binding), None)
         if self._binding is not None:
             self._binding.held.close()
 
     def _bind(self) -> Binding:
-        """Match the module against the store (materializing meta weights), choose the bank it
-        loads from, and show both in its row."""
-        old = self._binding
+        """Match the module against the store (materializing weights on ``meta``), choose the bank
+        it loads from, and show both in its row.
+
+        Returns:
+            The new :class:`~shmsync.reader.binding.Binding`.
+        """
+        memory, old = self.store.memory, self._binding
         binding = Binding(
-            self._memory,
+            memory,
             self._parts,
             self.device,
             device_slots=self.device_slots,
-            zero_copy=False if self.mode is Mode.PRIVATE else self._asked,
+            zero_copy=False if self.mode.private else self._asked,
             viewing=self._viewing,
         )
-        if old is not None and old.bank != binding.bank:
-            old.rows.release_lease(self._row)
-        self._binding, self._words = binding, binding.words
+        if old is not None and self.mode.viewing:  # the view and the lease are the old binding's
+            self._set_mode(Mode.FALLEN_BACK, old)
+        self._binding, self._words = binding, binding.slot_reader.words
         if binding.in_place is None:  # its device cannot run in place (or it was asked not to)
-            self._set_mode(Mode.PRIVATE)
-        self._set_flag(ROW_DEVICE, binding.cuda is not None)
-        self._set_flag(ROW_DEVICE_BANK, binding.bank == DEVICE)
+            self._set_mode(_private(binding), binding)
+        else:
+            self._write_flags()  # the bank it loads from
+            memory.add_dependent(self)  # given private memory before the store's goes
         self._rows.set_row_word(self._row, R_DEVICE_BYTES, binding.own_device_bytes)
-        if binding.in_place is not None:
-            self._memory.add_dependent(self)  # given private memory before the store's goes
         return binding
 
     def __repr__(self) -> str:
         last = f", copied={human_bytes(self.copied_bytes)} ({self.unchanged_proof})" if self.reloads else ""
-        return f"WeightReader(store={self._memory.name!r}, version={self._version}, reloads={self.reloads}{last})"
+        return f"WeightReader(store={self.store.memory.name!r}, version={self._version}, reloads={self.reloads}{last})"
+
+
+def _private(binding: Binding | None) -> Mode:
+    """The mode of a private copy for good, where ``binding``'s module lives."""
+    return Mode.DEVICE if binding is not None and binding.cuda is not None else Mode.COPY
 
 
 def _await_host_slots(memory: StoreMemory, timeout: float) -> None:
@@ -517,5 +587,5 @@ def _leave(memory: StoreMemory, row: int, viewing: list[torch.Tensor]) -> None:
         make_private(viewing)
     if not memory.closed:
         for words in (memory.host, memory.device):
-            ReaderRows(words, memory.locks).release_lease(row)
-        ReaderRows(memory.host, memory.locks).release_row(row)
+            Leases(words, memory.locks).release_lease(row)
+        ReaderRows(memory.header, memory.locks).release_row(row)

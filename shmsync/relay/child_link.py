@@ -45,7 +45,7 @@ class ChildLink:
         finally:
             store, row = self.store, self.row
             if store is not None and row >= 0 and not store.closed:
-                store.rows.release_lease(row)
+                store.leases.release_lease(row)
                 store.rows.release_row(row)
             with server.changed:
                 server.children.pop(child.id, None)  # its place and its address go with it
@@ -65,9 +65,8 @@ class ChildLink:
             self._sent(child.link.send_or_keep(PING))  # idle: the relay can tell this node lives
             return True
         self.store = store
-        rows = store.rows
         if self.row < 0:
-            self.row = rows.claim_row(flags=ROW_LINK)  # not a reader: left out of the readers' table
+            self.row = store.rows.claim_row(flags=ROW_LINK)  # not a reader: left out of the readers' table
         if fwd is not None and fwd.state != "cancelled" and fwd.version > max(store.version, child.sent):
             self._forward(store, fwd)
         elif not self._send_latest(store):
@@ -92,18 +91,18 @@ class ChildLink:
         """A version still arriving (or not committed yet): forward what is there, then follow. A
         delta goes to a relay holding its base, from the buffer it arrives in; any other relay
         waits for the commit and gets the whole version."""
-        rows = store.rows
+        leases = store.leases
         if fwd.delta is not None:
             if fwd.payload is not None and self.child.sent == fwd.delta.base:
                 with memoryview(fwd.payload) as view:
                     self._send(fwd.version, view, fwd, fwd.delta)
                 return
-        elif fwd.write is not None and rows.lease_written(self.row, fwd.write):
+        elif fwd.write is not None and leases.lease_written(self.row, fwd.write):
             try:
                 with store.memory.slot_buffer(fwd.write.slot) as view:
                     self._send(fwd.version, view, fwd)
             finally:
-                rows.release_lease(self.row)
+                leases.release_lease(self.row)
             return
         server = self.server  # no lease to be had: wait for the commit, then send it whole
         with server.changed:
@@ -113,8 +112,8 @@ class ChildLink:
     def _send_latest(self, store: Any) -> bool:
         """Send the store's latest version from its leased slot, or its delta (gathered from there,
         then sent with the slot let go); False if no slot could be leased."""
-        rows = store.rows
-        lease = rows.lease_latest(self.row)
+        leases = store.leases
+        lease = leases.lease_latest(self.row)
         try:
             if lease is None:
                 return False
@@ -125,7 +124,7 @@ class ChildLink:
                 if delta is None:
                     return self._send(lease.version, view, None)
         finally:
-            rows.release_lease(self.row)
+            leases.release_lease(self.row)
         wire_delta, payload = delta
         with memoryview(payload) as view:
             return self._send(lease.version, view, None, wire_delta)

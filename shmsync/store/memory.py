@@ -1,7 +1,7 @@
 """One store's shared memory as mapped in this process: its header and the protocol's words of
 each bank, the tensor layout, per slot the tensor views that copies go through, and the pages.
 
-What clients of a store build on (the store's publish, the readers, the CUDA publisher, relays,
+What clients of a store build on (the store's publish, the readers, the CUDA writer, relays,
 tools and tests): they copy through :attr:`StoreMemory.slots` (a writer's) or
 :meth:`StoreMemory.private_slots` (a reader's) between the protocol's steps, and take their roles
 (:mod:`shmsync.core.protocol`) on :attr:`StoreMemory.host` or :attr:`StoreMemory.device`.
@@ -203,7 +203,7 @@ class StoreMemory:
         self._private: list[list[torch.Tensor]] = []  # per slot, views of a private mapping (a reader's)
         self._page_locked: list = []  # (pointer, view) of page-locked memory, for CUDA copies
         # This process's device slots when it is the writer (a process cannot open its own CUDA
-        # IPC handles): set by the CUDA publisher, read by a reader on the same GPU.
+        # IPC handles): set by the CUDA writer, read by a reader on the same GPU.
         self.own_device_slots: list[torch.Tensor | None] | None = None
         self._dependents: weakref.WeakSet = weakref.WeakSet()  # closed before the memory goes
         self.closed = False

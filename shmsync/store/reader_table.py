@@ -32,6 +32,7 @@ import logging
 import math
 import socket
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -49,12 +50,11 @@ from shmsync.core.header import (
     R_START_NS,
     R_VERSION,
     R_WORKER,
-    ROW_DEVICE,
     ROW_LINK,
     ROW_WAITING,
-    ROW_ZERO_COPY,
     W_STEPS,
     W_VERSION,
+    Mode,
     reader_rows,
 )
 from shmsync.core.pages import human_bytes
@@ -63,7 +63,7 @@ from shmsync.core.protocol import steps_of
 
 log = logging.getLogger("shmsync.table")
 
-MODES = ("copy", "zero-copy", "copy (fallback)", "device", "device in place")
+MODES = tuple(mode.value for mode in Mode)  # a row's mode on the relays' wire is its index here
 HOST = socket.gethostname()
 # States of a reader's process (psutil's names), and ours: "gone" (no such process any more),
 # "unknown" (a pid this host's process table cannot vouch for: reused, or of another namespace),
@@ -85,10 +85,11 @@ class ReaderRow:
         behind: versions behind the newest publish (None before its first load).
         since_reload_s: seconds since its last reload (None before its first load).
         reloads: how many times it loaded a version.
-        mode: ``"zero-copy"`` (its module views the store in place), ``"copy"`` (a private
-            copy), ``"copy (fallback)"`` (it asked for zero-copy and copies: every slot it could
-            lease was taken), ``"device"`` (a copy in an accelerator's memory) or ``"device in
-            place"`` (its GPU module views a device slot of the store).
+        mode: how its module holds its weights, the value of a :class:`~shmsync.core.header.Mode`:
+            ``"zero-copy"`` (its module views the store in place), ``"copy"`` (a private copy),
+            ``"copy (fallback)"`` (in place where it can, and copies now: not loaded yet, or every
+            slot it could lease was taken), ``"device"`` (a private copy in an accelerator's
+            memory) or ``"device in place"`` (its GPU module views a device slot of the store).
         waiting: between rollouts, waiting for work (a collector's worker): not running weights.
         state: its process's state (``running``, ``sleeping``, ``stopped``, ``zombie``, ``gone``...,
             ``unknown`` for a pid this host cannot vouch for, ``lost`` for a remote reader whose
@@ -123,9 +124,21 @@ class ReaderRow:
     copied_bytes: int = 0
 
     @property
+    def viewing(self) -> bool:
+        """Whether its module's parameters view a leased slot of the store (host or device), as
+        :attr:`WeightReader.viewing <shmsync.WeightReader.viewing>` says in its process."""
+        return Mode(self.mode).viewing
+
+    @property
     def zero_copy(self) -> bool:
-        """Whether its module views the store's memory in place."""
-        return self.mode == "zero-copy"
+        """Deprecated: whether its module views a host slot in place (``mode == "zero-copy"``); use
+        :attr:`viewing` (``zero_copy`` names a reader's wish to run in place where it can)."""
+        warnings.warn(
+            "ReaderRow.zero_copy is deprecated: use ReaderRow.viewing (or mode == 'zero-copy')",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.mode == Mode.IN_PLACE
 
     @property
     def stopped(self) -> bool:
@@ -298,15 +311,6 @@ def sort_rows(rows: Iterable[ReaderRow]) -> list[ReaderRow]:
     return sorted(rows, key=_order)
 
 
-def mode_of(flags: int, lease: int, version: int, device_lease: int = 0) -> str:
-    """The ``mode`` of a row from its flags and lease words."""
-    if flags & ROW_DEVICE:
-        return "device in place" if flags & ROW_ZERO_COPY and (device_lease or version < 0) else "device"
-    if flags & ROW_ZERO_COPY:
-        return "zero-copy" if lease or version < 0 else "copy (fallback)"
-    return "copy"
-
-
 def local_rows(
     store: str,
     h: Any,
@@ -393,7 +397,7 @@ def _row(
         (latest - version if latest > version else 0) if loaded else None,
         ((now - stamp) / 1e9 if now > stamp else 0.0) if stamp > 0 and loaded else None,
         w[R_RELOADS] if w[R_RELOADS] > 0 else 0,
-        mode_of(flags, w[R_LEASE], version, w[R_DEVICE_LEASE]),
+        Mode.of_row(flags, w[R_LEASE], w[R_DEVICE_LEASE]).value,
         bool(flags & ROW_WAITING),
         state,
         uss,

@@ -32,7 +32,7 @@ from shmsync.core.header import (
     W_HOST_WANTED,
     reader_rows,
 )
-from shmsync.core.protocol import ReaderRows, SlotWriter
+from shmsync.core.protocol import Leases, SlotWriter
 from shmsync.store.copies import Copier
 from shmsync.store.memory import StoreMemory
 from shmsync.writer.device_slots import DeviceSlots, host_readers
@@ -55,7 +55,7 @@ class CudaWriter:
 
     def __init__(self, memory: StoreMemory, host: SlotWriter, copier: Copier, device: torch.device) -> None:
         self.memory, self.host, self.copier, self.device = memory, host, copier, device
-        self.slot_writer = SlotWriter(memory.device, ReaderRows(memory.device, memory.locks))
+        self.slot_writer = SlotWriter(memory.device, Leases(memory.device, memory.locks))
         self.slots = DeviceSlots(memory.header, memory.layout, memory.num_slots, device)
         memory.own_device_slots = self.slots.flat  # a reader in this process maps these (it cannot open its own)
         self.stream = torch.cuda.Stream(device)  # the host fills' copies

@@ -42,7 +42,7 @@ from shmsync.core.header import (
     W_VERSION,
     W_WRITER_PID,
 )
-from shmsync.core.protocol import ReaderRows, SlotReader, SlotWriter, Write, steps_of
+from shmsync.core.protocol import Leases, ReaderRows, SlotReader, SlotWriter, Write, steps_of
 from shmsync.core.segment import WRITER_LOCK, Segment, default_name
 from shmsync.errors import (
     ArgumentTypeError,
@@ -77,13 +77,13 @@ class StoreWriter:
 
     Args:
         memory: the store's mapping in this process.
-        rows: the readers' rows of its host bank (asked about leases).
+        leases: the leases of its host bank (asked whether a slot is leased).
     """
 
-    def __init__(self, memory: StoreMemory, rows: ReaderRows) -> None:
+    def __init__(self, memory: StoreMemory, leases: Leases) -> None:
         self.memory = memory
         self.name = memory.name
-        self.slot_writer = SlotWriter(memory.host, rows)
+        self.slot_writer = SlotWriter(memory.host, leases)
         self.unsafe_background = False  # see WeightStore.create(unsafe_background_copy=...)
         self.lock = threading.Lock()  # one publish at a time, whichever thread calls
         self.holding = False  # this process holds the writer role
@@ -470,7 +470,7 @@ class WeightStore:
         memory: its mapping in this process; owner: this process created it (a ``with`` unlinks it).
 
     Attributes:
-        rows: the readers' rows of its host slots; slot_reader: the protocol's reader side
+        rows: the readers' rows; leases: the leases of its host slots; slot_reader: the protocol's reader side
             :meth:`snapshot` reads with.
         remote_rows: the sources of other hosts' rows in :meth:`readers` (a relay's sender adds its own).
 
@@ -492,8 +492,9 @@ class WeightStore:
             )
         self.memory = memory
         self.owner = owner
-        self.rows = ReaderRows(memory.host, memory.locks)
-        self.writer = StoreWriter(memory, self.rows)
+        self.rows = ReaderRows(memory.header, memory.locks)
+        self.leases = Leases(memory.host, memory.locks)
+        self.writer = StoreWriter(memory, self.leases)
         self.slot_reader = SlotReader(memory.host, memory.locks)
         self.remote_rows = RemoteSources()
 

@@ -6,22 +6,24 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from shmsync.core.protocol import Locks, ReaderRows, SlotReader, SlotWriter, Words
+from shmsync.core.protocol import Leases, Locks, ReaderRows, SlotReader, SlotWriter, Words
 
 
 class Party:
-    """A reader's roles (:class:`SlotReader` and :class:`ReaderRows`) on words of its own.
+    """A reader's roles (:class:`SlotReader`, :class:`ReaderRows` and :class:`Leases`) on words of its own.
 
-    Attribute lookups go to the reader, then the table (``try_read``, ``claim_row``, ...);
+    Attribute lookups go to the reader, then the leases, then the rows (``try_read``, ``lease_latest``,
+    ``claim_row``, ...);
     ``fence`` and ``full_fence`` are the words' own."""
 
     def __init__(self, h: Any, locks: Locks, *, pid: int, ordering: str | None = None, **kwargs: Any) -> None:
         self.words = Words(h, ordering=ordering)
-        self.table = ReaderRows(self.words, locks, pid=pid, clock=kwargs.get("clock", time.time_ns))
+        self.rows = ReaderRows(h, locks, pid=pid, clock=kwargs.get("clock", time.time_ns))
+        self.leases = Leases(self.words, locks)
         self.reader = SlotReader(self.words, locks, pid=pid, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        for role in (self.__dict__["reader"], self.__dict__["table"]):
+        for role in (self.__dict__["reader"], self.__dict__["leases"], self.__dict__["rows"]):
             if hasattr(role, name):
                 return getattr(role, name)
         raise AttributeError(name)
@@ -44,11 +46,11 @@ class Party:
 
 
 class WriterParty(Party):
-    """The writer's roles: :class:`SlotWriter` first, then the reader's and the table's."""
+    """The writer's roles: :class:`SlotWriter` first, then the reader's, the rows' and the leases'."""
 
     def __init__(self, h: Any, locks: Locks, *, pid: int = 1, ordering: str | None = None, **kwargs: Any) -> None:
         super().__init__(h, locks, pid=pid, ordering=ordering, **kwargs)
-        object.__setattr__(self, "writer", SlotWriter(self.words, self.table, pid=pid))
+        object.__setattr__(self, "writer", SlotWriter(self.words, self.leases, pid=pid))
 
     def __getattr__(self, name: str) -> Any:
         writer = self.__dict__["writer"]
@@ -60,7 +62,7 @@ class WriterParty(Party):
         else:
             super().__setattr__(name, value)
 
-    def reclaim(self, give_back: Any, holds_pages: Any = lambda slot: True) -> list[int]:
+    def give_back_idle(self, give_back: Any, holds_pages: Any = lambda slot: True) -> list[int]:
         """What a store does after a publish: each idle slot that holds pages marked, given back
         with ``give_back(slot)``, then aborted. Returns the slots given back."""
         given = []

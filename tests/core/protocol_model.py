@@ -71,9 +71,9 @@ class Options:
     no_granting_check: bool = False  # _move_lease leases while a ticket waits for its grant
     no_lease_version_fence: bool = False  # lease_latest's fence between the slot's seq and its version
     no_give_way: bool = False  # choose_target never writes through a lease still being decided
-    reclaim: bool = False  # the writer gives back the memory of idle slots after each publish
-    no_reclaim_handshake: bool = False  # reclaim gives a slot back without marking it odd and looking at its leases
-    reclaim_pinned: bool = False  # reclaim does not leave the pinned slot alone
+    give_back: bool = False  # the writer gives back the memory of idle slots after each publish
+    no_give_back_handshake: bool = False  # a slot is given back without marking it odd and looking at its leases
+    give_back_pinned: bool = False  # giving back does not leave the pinned slot alone
     accept_empty: bool = False  # try_read copies a slot whose version is -1 (given back after `latest` was read)
     reloads: int = 2  # the zero-copy reader's reloads (its lease moves between them)
     promises: bool = False  # each publish promises its version first; its copy may fail
@@ -122,8 +122,8 @@ def writer(o: Options, publishes: int, begun: bool = False, takeover: bool = Fal
         if begun and k == 0:
             yield Mark("writing", 1)
             yield from commit(o, 1, 1, 1)
-            if o.reclaim:
-                yield from reclaim(o, 0)  # slot 0 was the latest
+            if o.give_back:
+                yield from give_back_idle(o, 0)  # slot 0 was the latest
             continue
         backed_off = ()
         target = odd = -1
@@ -172,8 +172,8 @@ def writer(o: Options, publishes: int, begun: bool = False, takeover: bool = Fal
         if o.records_after_commit:
             for leaf in range(cells(o)):
                 yield Store(("rec", target, leaf), at[leaf])
-        if o.reclaim:
-            yield from reclaim(o, seen_latest)
+        if o.give_back:
+            yield from give_back_idle(o, seen_latest)
 
 
 def copy_changes(o: Options, target: int, version: int, held: int, at: tuple) -> Generator:
@@ -197,14 +197,14 @@ def copy_changes(o: Options, target: int, version: int, held: int, at: tuple) ->
 GIVEN_BACK = -2  # a cell of a slot whose memory was given back (it reads as zeros)
 
 
-def reclaim(o: Options, replaced: int) -> Generator:
-    """``reclaim`` (every slot with pages, as the code's default ``holds_pages``): the slots neither
+def give_back_idle(o: Options, replaced: int) -> Generator:
+    """``StoreWriter._give_back_idle`` (every slot with pages, as the code's default ``holds_pages``): the slots neither
     latest, nor pinned, nor leased, but the one the next write takes (none while readers hold only
     the ``replaced`` slot); each marked through the write handshake (``_mark``), its cells given
     back, then ``abort``."""
     release = yield Load("pin_release")
     grant = yield Load("pin_grant")
-    pinned = (yield Load("pin_slot")) if release < grant and not o.reclaim_pinned else -1
+    pinned = (yield Load("pin_slot")) if release < grant and not o.give_back_pinned else -1
     latest = yield Load("latest")
     idle, held = (), ()
     for s in range(o.slots):
@@ -229,7 +229,7 @@ def reclaim(o: Options, replaced: int) -> Generator:
             continue  # no pages to give back (the code asks the kernel: holds_pages)
         seq = yield Load(("seq", s))
         odd = seq + 2 if seq & 1 else seq + 1
-        if not o.no_reclaim_handshake:
+        if not o.no_give_back_handshake:
             yield Store(("seq", s), odd)
             yield Fence(full=True)
             count = yield Load(("leases", s))
@@ -353,6 +353,7 @@ def pin_candidate(o: Options) -> Generator:
 
 
 def row_leased(o: Options, slot: int, confirmed: bool = False) -> Generator:
+    """``Leases.row_leased``, as the writer asks it: whether row 0 leases ``slot``."""
     lease = yield Load(("row", 0))
     return lease == slot + 1 or (not confirmed and lease == -(slot + 1))
 
@@ -493,9 +494,11 @@ def await_pin(o: Options, ticket: int, have: list | None = None) -> Generator:
 
 
 def zero_copy_reader(o: Options) -> Generator:
-    """``reload`` of a zero-copy reader, ``o.reloads`` times: ``lease_latest`` (``_move_lease``,
-    ``_lease_holds``) and a copy-free use of the slot, or, refused, ``release_lease`` and a copy;
-    at the end ``release_lease``."""
+    """``reload`` of a zero-copy reader, ``o.reloads`` times, through its bank's ``Leases``:
+    ``lease_latest`` (``_move_lease``, ``_lease_holds``) and a copy-free use of the slot, or,
+    refused, ``release_lease`` and a copy; at the end ``release_lease``. Its row is row 0, and the
+    model's word ``("row", 0)`` is that row's lease word of the bank (``ROW_WORDS[0][R_LEASE]``):
+    the row's other words are no part of the protocol (``ReaderRows``)."""
     for _ in range(o.reloads):
         leased = yield from lease_latest(o)
         if leased is not None:
@@ -515,6 +518,7 @@ def zero_copy_reader(o: Options) -> Generator:
 
 
 def lease_latest(o: Options) -> Generator:
+    """``Leases.lease_latest`` for row 0: the slot and version leased, or None if refused."""
     yield Lock("table")
     slot = yield Load("latest")
     seq = yield Load(("seq", slot))
@@ -539,6 +543,7 @@ def lease_latest(o: Options) -> Generator:
 
 
 def move_lease(o: Options, slot: int) -> Generator:
+    """``Leases._move_lease`` for row 0, the table's lock held: whether the lease was decided."""
     previous = abs((yield Load(("row", 0))))
     yield Store(("row", 0), -(slot + 1))  # being decided
     counts = ()
@@ -569,7 +574,8 @@ def move_lease(o: Options, slot: int) -> Generator:
 
 
 def recount(o: Options) -> Generator:
-    """The counts from the rows of live readers: the one zero-copy reader's row is its own."""
+    """``Leases.recount``: the counts from the rows of live readers (the one zero-copy reader's row
+    is its own)."""
     lease = abs((yield Load(("row", 0))))
     for s in range(o.slots):
         yield Store(("leases", s), int(lease == s + 1))
@@ -577,6 +583,7 @@ def recount(o: Options) -> Generator:
 
 
 def release_lease(o: Options) -> Generator:
+    """``Leases.release_lease`` for row 0."""
     lease = abs((yield Load(("row", 0))))
     if not lease:
         return

@@ -23,6 +23,7 @@ from shmsync.core.header import (
     HOST,
     R_DEVICE_LEASE,
     R_LEASE,
+    ROW_WORDS,
     W_DATA_OFFSET,
     W_DEVICE,
     W_FORMAT,
@@ -36,7 +37,6 @@ from shmsync.core.header import (
     W_SLOT_BYTES,
     W_VERSION,
     bank_word,
-    row_base,
 )
 from shmsync.errors import ShmSyncError, StoreCorruptError
 from shmsync.testing import write_header_word
@@ -100,8 +100,8 @@ def _refused(path, error, match):
         (bank_word(DEVICE, B_PIN_SLOT), 16, r"device pin_slot is 16"),
         (bank_word(HOST, B_LEASES), -1, r"host leases\[0\] is -1"),
         (bank_word(DEVICE, B_LEASES + 3), 10**6, r"device leases\[3\] is 1000000"),
-        (row_base(0) + R_LEASE, 77, r"reader row 0 host lease is 77"),
-        (row_base(0) + R_DEVICE_LEASE, -9, r"reader row 0 device lease is -9"),
+        (ROW_WORDS[0][R_LEASE], 77, r"reader row 0 host lease is 77"),
+        (ROW_WORDS[0][R_DEVICE_LEASE], -9, r"reader row 0 device lease is -9"),
         (W_DEVICE, -1, r"device is -1"),
     ],
 )

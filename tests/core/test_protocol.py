@@ -21,11 +21,11 @@ from shmsync.core.header import (
     HOST,
     MAX_READERS,
     R_LEASE,
+    ROW_WORDS,
     W_VERSION,
     bank_word,
-    row_base,
 )
-from shmsync.core.protocol import LocalLocks, initialize
+from shmsync.core.protocol import LocalLocks, ReaderRows, Words, initialize
 from shmsync.errors import ReloadTimeoutError, ShmSyncError
 from tests.core.parties import Party, WriterParty
 
@@ -40,7 +40,7 @@ W_SLOT_VERSION = bank_word(HOST, B_SLOT_VERSION)
 
 
 def lease_word(row: int) -> int:
-    return row_base(row) + R_LEASE
+    return ROW_WORDS[row][R_LEASE]
 
 
 ORDERINGS = ["tso", "weak"]  # "weak" runs the real fences of non-x86 CPUs, on any CPU
@@ -300,7 +300,7 @@ def test_the_reader_table_holds_1024_readers_and_a_reader_without_a_row_never_le
     assert late.lease_latest(-1) is None
     late.release_lease(-1)
     assert store.h == before, "a reader without a row wrote into the header"
-    # A dead reader's row (its lock dropped, its pid still written) is reclaimed once the table
+    # A dead reader's row (its lock dropped, its pid still written) is claimed again once the table
     # is full; a live reader's row never is, whatever its pid says.
     store.locks.rows.discard(rows[7])
     again = store.protocol(123_456)
@@ -472,11 +472,11 @@ def holds_a_version(store: Store):
 
 def given_back_after(store: Store, publish: int) -> list[int]:
     store.publish(publish)
-    given = store.writer.reclaim(lambda slot: store.slots.__setitem__(slot, [0, 0]), holds_a_version(store))
+    given = store.writer.give_back_idle(lambda slot: store.slots.__setitem__(slot, [0, 0]), holds_a_version(store))
     return sorted(given)
 
 
-def test_reclaim_keeps_the_latest_and_the_next_writes_slot_and_gives_back_the_rest():
+def test_giving_back_keeps_the_latest_and_the_next_writes_slot_and_gives_back_the_rest():
     store = Store(4)
     reader = store.protocol(2)
     row = reader.claim_row()
@@ -490,15 +490,15 @@ def test_reclaim_keeps_the_latest_and_the_next_writes_slot_and_gives_back_the_re
     assert store.writer.begin_write().slot == 1, "the writer took an empty slot over one holding a version"
 
 
-def test_reclaim_never_gives_back_a_pinned_slot_or_one_a_reader_leases_meanwhile():
+def test_giving_back_never_gives_back_a_pinned_slot_or_one_a_reader_leases_meanwhile():
     store = Store(4)
     store.publish(1)
     store.publish(2)  # slots 1, 0 hold versions; latest is 0
     store.h[W_PIN_SLOT], store.h[W_PIN_GRANT], store.h[W_PIN_RELEASE] = 1, 5, 4  # a reader copies slot 1
     refuse = lambda slot: pytest.fail(f"gave back slot {slot}")  # noqa: E731
-    assert store.writer.reclaim(refuse, holds_a_version(store)) == []
+    assert store.writer.give_back_idle(refuse, holds_a_version(store)) == []
     store.h[W_PIN_RELEASE] = 5  # released: slot 1 is the next write's, kept
-    assert store.writer.reclaim(refuse, holds_a_version(store)) == []
+    assert store.writer.give_back_idle(refuse, holds_a_version(store)) == []
 
 
 def test_an_optimistic_copy_during_a_give_back_fails_validation():
@@ -511,7 +511,21 @@ def test_an_optimistic_copy_during_a_give_back_fails_validation():
 
     def copy(slot):
         got.append(store.slots[slot][0])
-        store.writer.reclaim(lambda s: store.slots.__setitem__(s, [0, 0]))  # gives back the slot being copied
+        store.writer.give_back_idle(lambda s: store.slots.__setitem__(s, [0, 0]))  # gives back the slot being copied
         got.append(store.slots[slot][1])
 
     assert reader.copy_validated(1, copy) is None and got == [1, 0]
+
+
+def test_0_2_0s_rows_made_from_a_banks_words_still_lease_with_a_warning():
+    store = Store()
+    words = Words(store.h)
+    with pytest.warns(DeprecationWarning, match="Leases"):
+        rows = ReaderRows(words, store.locks, pid=7)
+    row = rows.claim_row()
+    with pytest.warns(DeprecationWarning, match="Leases.lease_latest"):
+        lease = rows.lease_latest(row)
+    assert lease is not None and store.h[lease_word(row)] == lease.slot + 1
+    with pytest.warns(DeprecationWarning, match="Leases.release_lease"):
+        rows.release_lease(row)
+    assert store.h[lease_word(row)] == 0

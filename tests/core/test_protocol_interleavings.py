@@ -56,39 +56,39 @@ CONFIGURATIONS = {
     "weak: 2 slots, an optimistic reader": heavier("weak", 2, {"publishes": 2, "readers": "optimistic"}),
     "weak: 2 slots, a reader either way, one publish": ("weak", 2, {"publishes": 1, "readers": "plain"}),
     "weak: a zero-copy reader": heavier("weak", 3, {"publishes": 2, "readers": "zero-copy"}),
-    # Memory given back after each publish (Protocol.reclaim), in every mode.
+    # Memory given back after each publish (WriterParty.give_back_idle, as StoreWriter._give_back_idle), in every mode.
     "sc give-backs: a zero-copy reader (two reloads)": (
         "sc",
         3,
-        {"readers": "zero-copy", "reloads": 2, "reclaim": True},
+        {"readers": "zero-copy", "reloads": 2, "give_back": True},
     ),
     "sc give-backs: an optimistic and a zero-copy reader": (
         "sc",
         3,
-        {"publishes": 2, "readers": "optimistic,zero-copy", "reloads": 2, "reclaim": True},
+        {"publishes": 2, "readers": "optimistic,zero-copy", "reloads": 2, "give_back": True},
     ),
     "sc give-backs: a pinned and a zero-copy reader": heavier(
         "sc",
         3,
-        {"publishes": 2, "readers": "pinned,zero-copy", "reclaim": True},
+        {"publishes": 2, "readers": "pinned,zero-copy", "give_back": True},
     ),
     "sc give-backs: a pinned and a zero-copy reader, one publish": (
         "sc",
         3,
-        {"publishes": 1, "readers": "pinned,zero-copy", "reclaim": True},
+        {"publishes": 1, "readers": "pinned,zero-copy", "give_back": True},
     ),
     "sc crashes, give-backs: a zero-copy reader": (
         "sc",
         3,
-        {"publishes": 2, "readers": "zero-copy", "reloads": 2, "crashes": True, "reclaim": True},
+        {"publishes": 2, "readers": "zero-copy", "reloads": 2, "crashes": True, "give_back": True},
     ),
     "tso give-backs: a zero-copy reader (two reloads)": (
         "tso",
         3,
-        {"readers": "zero-copy", "reloads": 2, "reclaim": True},
+        {"readers": "zero-copy", "reloads": 2, "give_back": True},
     ),
     "weak give-backs: a zero-copy reader": heavier(
-        "weak", 3, {"publishes": 2, "readers": "zero-copy", "reclaim": True}
+        "weak", 3, {"publishes": 2, "readers": "zero-copy", "give_back": True}
     ),
     # Promises: each version promised before its copy, which may fail; a worker waits for it.
     "sc crashes, promises: a waiting reader, a new writer": (
@@ -117,7 +117,7 @@ CONFIGURATIONS = {
     "sc records, give-backs: an optimistic and a zero-copy reader": (
         "sc",
         3,
-        {"publishes": 2, "readers": "optimistic,zero-copy", "reclaim": True, "records": True},
+        {"publishes": 2, "readers": "optimistic,zero-copy", "give_back": True, "records": True},
     ),
     "sc crashes, records: 2 slots, an optimistic reader, a new writer publishing twice": (
         "sc",
@@ -155,7 +155,7 @@ OPTIONS = {f.name for f in dataclasses.fields(Options)}
 
 
 def _explore(mode: str, slots: int, arguments: dict, **mutation):
-    """``arguments``: the explorer's, and the model's options (``reloads``, ``reclaim``, ...)."""
+    """``arguments``: the explorer's, and the model's options (``reloads``, ``give_back``, ...)."""
     chosen = {k: v for k, v in arguments.items() if k in OPTIONS}
     options = Options(slots=slots, **{"reloads": 1, **chosen}, **mutation)
     return explore(mode, options, **{k: v for k, v in arguments.items() if k not in OPTIONS})
@@ -198,19 +198,19 @@ MUTATIONS = {
     "no_read_fences": ("weak", 2, {"publishes": 2, "readers": "optimistic"}, "accepted slot"),
     "no_commit_fence": ("weak", 2, {"publishes": 2, "readers": "optimistic"}, "accepted slot"),
     "no_lease_version_fence": ("weak", 3, {"readers": "zero-copy"}, "accepted slot"),
-    "no_reclaim_handshake": (
+    "no_give_back_handshake": (
         "sc",
         3,
-        {"readers": "zero-copy", "reloads": 2, "reclaim": True},
+        {"readers": "zero-copy", "reloads": 2, "give_back": True},
         "accepted slot",  # a lease confirmed on a slot given back meanwhile
     ),
-    "reclaim_pinned": (  # the readers' moves tried first: met at 37,000 states
+    "give_back_pinned": (  # the readers' moves tried first: met at 37,000 states
         "sc",
         3,
-        {"readers": "pinned,zero-copy", "reloads": 2, "reclaim": True, "later_first": True},
+        {"readers": "pinned,zero-copy", "reloads": 2, "give_back": True, "later_first": True},
         "being written while a reader copies",
     ),
-    "accept_empty": ("sc", 3, {"readers": "zero-copy", "reloads": 2, "reclaim": True}, "accepted slot"),
+    "accept_empty": ("sc", 3, {"readers": "zero-copy", "reloads": 2, "give_back": True}, "accepted slot"),
     # A promise left hanging: a worker waiting for it, with its writer alive, never gets done.
     "no_withdraw": ("sc", 3, {"publishes": 1, "readers": "waiting", "promises": True}, "can never all get done"),
     "wait_on_withdrawn": ("sc", 3, {"publishes": 1, "readers": "waiting", "promises": True}, "can never all get done"),
@@ -221,7 +221,7 @@ MUTATIONS = {
     "records_before_seq": ("weak", 2, {"publishes": 2, "readers": "optimistic", "records": True}, "accepted slot"),
 }
 # Their counterexamples lie deep (20 s, 10 s): slow; the deepest in `make test-full` only.
-DEEP = {"no_reader_full_fence": [pytest.mark.slow, pytest.mark.full], "reclaim_pinned": [pytest.mark.slow]}
+DEEP = {"no_reader_full_fence": [pytest.mark.slow, pytest.mark.full], "give_back_pinned": [pytest.mark.slow]}
 
 
 @pytest.mark.timeout(600)

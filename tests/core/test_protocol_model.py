@@ -40,7 +40,7 @@ from tests.weights import Blob
 
 
 def lease_word(row: int) -> int:
-    return H.row_base(row) + H.R_LEASE
+    return H.ROW_WORDS[row][H.R_LEASE]
 
 
 def bank(word: int) -> int:
@@ -183,7 +183,7 @@ class Pair:
     """The code and the model side by side, from the same fresh store."""
 
     def __init__(self, slots: int) -> None:
-        self.o = Options(slots=slots, reclaim=True)
+        self.o = Options(slots=slots, give_back=True)
         self.memory = initial_memory(slots)
         self.h = [0] * H.HEADER_WORDS
         initialize(self.h, slots)
@@ -246,7 +246,7 @@ class Pair:
             p.promise(version)
         self.slots[write.slot] = [version] * CELLS
         p.commit(write)
-        p.reclaim(
+        p.give_back_idle(
             lambda slot: self.slots.__setitem__(slot, [GIVEN_BACK] * CELLS),
             lambda slot: self.slots[slot][0] not in (-1, GIVEN_BACK),
         )
@@ -345,7 +345,7 @@ def test_the_model_writes_and_copies_what_the_code_does(store_factory, slots, pu
     """After ``publishes`` publishes of a store (give-backs included) every slot's version, leaves
     and records are the model writer's; then a copying reader that held version 0 copies the leaves
     the model's reader copies (and holds what it says)."""
-    o = Options(slots=slots, reclaim=True, records=True)
+    o = Options(slots=slots, give_back=True, records=True)
     store = store_factory(leaves(o, 0), num_slots=slots)
     reader = WeightReader(store, Blob({f"leaf{i}": n for i, n in enumerate(SIZES)}), zero_copy=False)
     reader.poll()  # version 0, whole

@@ -45,7 +45,7 @@ def test_parameters_view_the_store_and_buffers_are_copied(store_factory):
     assert float(worker[0].weight.detach().sum()) == 2.0 * 4 * 64
     assert float(worker[1].running_mean.mean()) == 5.0
     worker(torch.randn(8, 4))  # train mode: BatchNorm writes its (private) running stats
-    assert [r.zero_copy for r in store.readers()] == [True]
+    assert [r.viewing for r in store.readers()] == [True]
 
 
 def test_a_leased_slot_is_never_rewritten_and_the_rule_falls_back_to_copying(store_factory):
@@ -108,7 +108,7 @@ def test_close_leaves_the_module_its_weights_in_private_memory(store_factory):
 
 @pytest.mark.timeout(60)
 @pytest.mark.slow
-def test_a_dead_readers_lease_is_reclaimed(store_factory, start):
+def test_a_dead_readers_lease_is_cleared_by_a_recount(store_factory, start):
     store = store_factory(blob_weights(SMALL, 0.0), num_slots=3)  # one slot may be leased
     child = start(lease_and_hang, store, SMALL)
     assert child.expect("leased") == (True, 0)

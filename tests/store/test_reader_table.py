@@ -12,6 +12,7 @@ import torch
 
 from shmsync import WeightReader, WeightStore
 from shmsync.core import segment
+from shmsync.core.header import Mode
 from shmsync.store.reader_table import HostReport, ReaderRow, ReaderTable, Transfer
 from shmsync.testing import header_bytes
 from shmsync.watch.remote_rows import (
@@ -276,3 +277,25 @@ def test_a_reader_table_names_its_readers_on_an_empty_store(store_factory):
     assert store.readers()[0].version == -1 and store.readers()[0].behind is None
     reader.close()
     assert len(store.readers()) == 0 and not store.readers().gone, "a reader that left leaves no row"
+
+
+def test_a_readers_mode_is_the_one_its_row_shows(store_factory):
+    """The reader keeps one mode and writes it into its row: the table reads the same value back,
+    spelled once (``Mode``); ``viewing`` means the same on both sides, ``zero_copy`` the wish."""
+    policy = torch.nn.Linear(8, 4)
+    store = store_factory(policy, num_slots=3)
+    in_place = WeightReader(store, torch.nn.Linear(8, 4))
+    copying = WeightReader(store, torch.nn.Linear(8, 4), zero_copy=False)
+    assert in_place.mode is Mode.FALLEN_BACK and in_place.zero_copy and not in_place.viewing  # not loaded yet
+    assert in_place.poll() and copying.poll()
+    assert (in_place.mode, copying.mode) == (Mode.IN_PLACE, Mode.COPY)
+    assert (in_place.zero_copy, copying.zero_copy) == (True, False)
+    rows = list(store.readers())
+    assert sorted(r.mode for r in rows) == sorted([in_place.mode, copying.mode])
+    assert sorted(r.viewing for r in rows) == [False, True]
+    with pytest.warns(DeprecationWarning, match="ReaderRow.viewing"):
+        assert sorted(r.zero_copy for r in rows) == [False, True]
+    assert Mode.PRIVATE is Mode.COPY  # 0.2.0's name
+    copying.close()
+    in_place.close()
+    assert in_place.mode is Mode.COPY and not in_place.zero_copy

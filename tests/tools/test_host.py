@@ -19,11 +19,12 @@ from shmsync.core.header import (
     HOST,
     MAX_READERS,
     R_LEASE,
+    R_PID,
+    ROW_WORDS,
     W_CREATOR_PID,
     W_CREATOR_START,
     W_WRITER_PID,
     bank_word,
-    row_base,
 )
 from shmsync.testing import read_header_word, read_with, write_header_word
 from shmsync.tools import host
@@ -90,9 +91,9 @@ def test_a_reader_in_another_pid_namespace_keeps_its_lease(store_dir, start, ctx
         viewer = start(hold_store, store_dir, "policy", True)
         viewing, version = viewer.expect("holding")
         assert viewing and version == 0
-        (row,) = [r for r in range(MAX_READERS) if read_header_word(store, row_base(r))]
-        leased = read_header_word(store, row_base(row) + R_LEASE) - 1
-        write_header_word(store, row_base(row), _dead_pid(ctx))  # its pid, as this namespace sees it: nobody
+        (row,) = [r for r in range(MAX_READERS) if read_header_word(store, ROW_WORDS[r][R_PID])]
+        leased = read_header_word(store, ROW_WORDS[row][R_LEASE]) - 1
+        write_header_word(store, ROW_WORDS[row][R_PID], _dead_pid(ctx))  # its pid, as this namespace sees it: nobody
         before = read_header_word(store, bank_word(HOST, B_SEQ + leased))
         # Two more zero-copy readers on two newer slots: the third distinct leased slot is one
         # too many, so the table is recounted, which must keep the live reader's lease.
@@ -108,7 +109,7 @@ def test_a_reader_in_another_pid_namespace_keeps_its_lease(store_dir, start, ctx
             "the writer rewrote the slot a live reader views"
         )
         assert read_header_word(store, bank_word(HOST, B_LEASES + leased)) >= 1
-        assert sorted(r.zero_copy for r in store.readers()) == [False, True, True]
+        assert sorted(r.viewing for r in store.readers()) == [False, True, True]
     finally:
         store.close()
 
@@ -121,7 +122,12 @@ def test_pids_in_a_header_are_never_signalled(store_dir, start):
     try:
         reader = WeightReader(WeightStore.attach("policy"), torch.nn.Linear(64, 64))
         reader.poll()
-        for word in (W_CREATOR_PID, W_WRITER_PID, bank_word(HOST, B_TOKEN_PID), row_base(1)):  # row 1: nobody holds it
+        for word in (
+            W_CREATOR_PID,
+            W_WRITER_PID,
+            bank_word(HOST, B_TOKEN_PID),
+            ROW_WORDS[1][R_PID],
+        ):  # row 1: nobody holds it
             write_header_word(store, word, pid)
         env = {**os.environ, "SHMSYNC_DIR": str(store_dir)}
         cli("ls", env=env)
