@@ -1,12 +1,15 @@
 """The whole suite's fixtures and rules: the tiers a test's marks put it in, the leak check every
 test passes, and how the tests' child processes start.
 
-Tiers (docs/testing.md): a test is in the **fast** tier unless it is marked ``slow``, ``torchrl``,
-``distributed`` or ``cuda``; ``make test`` runs every test not marked ``full``; ``make test-full``
-runs them all. The marks sit where each test is defined (``@pytest.mark.full``,
-``pytest.param(..., marks=...)``); this file only checks them: a mark combination that makes no
-sense stops the run, and a fast-tier test that spends more than :data:`FAST_CPU_S` seconds of CPU
-(or :data:`FAST_WALL_S` in all) fails, asking to be marked ``slow``.
+Marks (docs/testing.md) say two things. What a test costs, its tier: none for the **fast** tier,
+``slow`` for the **main** tier (``make test``), ``full`` for the **full** tier (``make test-full``
+only); a test's tier comes from these alone. Where it runs besides: ``torchrl`` (replayed under
+TorchRL's nightly and other releases), ``minors`` (under every older TorchRL minor in ``make
+test``), ``shipped`` (against the installed wheel and sdist), ``cuda`` (needs a GPU),
+``distributed`` (engines on loopback). The marks sit where each test is defined
+(``@pytest.mark.slow``, ``pytest.param(..., marks=...)``); this file only checks them: a mark
+combination that makes no sense stops the run, and a fast-tier test that spends more than
+:data:`FAST_CPU_S` seconds of CPU fails, asking to be marked ``slow``.
 """
 
 import fcntl
@@ -51,7 +54,7 @@ mp.set_start_method("forkserver", force=True)
 mp.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 # -- tiers ----------------------------------------------------------------------------------------
-NOT_FAST = ("slow", "torchrl", "distributed", "cuda")  # any of them: not in the fast tier
+TIERS = ("fast", "main", "full")  # each runs the tests of those before it too
 # What a fast-tier test may spend: CPU seconds (this thread's and its reaped children's), the same
 # on a busy host as on a quiet one; and wall seconds, for time spent waiting on other processes
 # (a forkserver's children are not this process's to reap). Each well above what the fast tier's
@@ -61,10 +64,11 @@ FAST_WALL_S = 30.0
 
 
 def tier(item: pytest.Item) -> str:
-    """``"full"``, ``"main"`` or ``"fast"``: the smallest target that runs ``item``."""
+    """``"full"``, ``"main"`` or ``"fast"``: the smallest target that runs ``item``, from its cost
+    marks alone (``full``, ``slow``)."""
     if item.get_closest_marker("full"):
         return "full"
-    return "main" if any(item.get_closest_marker(m) for m in NOT_FAST) else "fast"
+    return "main" if item.get_closest_marker("slow") else "fast"
 
 
 def _mark_problems(item: pytest.Item) -> list[str]:

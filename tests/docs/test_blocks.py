@@ -34,6 +34,8 @@ def _marks(code: str) -> list:
     # Each block runs in an interpreter of its own (seconds to import torch), and many start
     # workers: slow.
     marks = [pytest.mark.slow]
+    if re.search(r"\btorchrl\b", code):
+        marks.append(pytest.mark.torchrl)  # a TorchRL call path: replayed under the nightly
     if re.search(r"\bray\b|Distributed|RelaySender", code):
         marks.append(pytest.mark.distributed)
     if re.search(r"DistributedSyncCollector|DistributedCollector|RayCollector", code):

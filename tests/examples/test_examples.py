@@ -12,6 +12,7 @@ import pytest
 
 from tests.commands import CHECKOUT, run_script
 
+# Each runs an interpreter of its own (seconds); those marked `torchrl` run a TorchRL example.
 pytestmark = [pytest.mark.slow]
 
 
@@ -31,6 +32,7 @@ def test_quickstart():
         assert seen == sorted(set(seen)) and seen[-1] == 8, f"worker {worker} loaded {seen}"
 
 
+@pytest.mark.torchrl
 @pytest.mark.timeout(300)
 # The default, and the other collector with the other reload (the scheme's own tests cover
 # each alone); `--scheme torchrl` runs TorchRL's own scheme, which the example only times.
@@ -76,6 +78,7 @@ def test_train_cartpole_tiny_budget(mode, tmp_path):
         assert "private copies" in out
 
 
+@pytest.mark.torchrl
 @pytest.mark.timeout(240)
 def test_train_with_workers_tiny_budget():
     out = run_script(
@@ -110,6 +113,7 @@ def _kill_demo(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
+@pytest.mark.torchrl
 @pytest.mark.timeout(180)
 def test_the_demo_says_how_to_watch_it_and_keeps_running_until_ctrl_c():
     # --keep-running trains past any frame budget: here one of 256 frames, two batches.
@@ -152,6 +156,7 @@ def _demo_with_a_ctrl_c(delay: float) -> tuple[int, str]:
 # Seconds after the demo said it started: from inside the collector's start to training well under
 # way (the loss, the optimizer step, an evaluation). `make test` presses at 2 of them (the demo's
 # --keep-running test presses once more, mid-training), `make test-full` at all 20.
+@pytest.mark.torchrl
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "delays",
@@ -169,6 +174,7 @@ def test_a_ctrl_c_pressed_at_any_point_ends_the_demo_with_its_summary(delays):
     assert not failed, f"{len(failed)} of {len(delays)} runs failed:\n" + "\n\n".join(failed)
 
 
+@pytest.mark.torchrl
 @pytest.mark.full  # the scheme's tests cover its collector; the demo's default run stays
 @pytest.mark.timeout(300)
 def test_train_async_tiny_budget():
@@ -190,6 +196,7 @@ def test_train_async_tiny_budget():
     assert 0 <= staleness <= 12, out
 
 
+@pytest.mark.torchrl
 @pytest.mark.timeout(240)
 def test_frozen_backbone_copies_what_changed_and_runs_exact_versions():
     out = run_script(

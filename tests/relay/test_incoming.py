@@ -15,7 +15,7 @@ import torch
 from shmsync.relay import wire
 from tests.relay.fakes import FakeTrainer, admit, chain, description, relay_against, sealed, send_sealed, send_version
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(120)]
 
 
 @pytest.mark.parametrize(

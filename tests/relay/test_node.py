@@ -19,7 +19,7 @@ from tests.relay.peers import SECRET, SIZES, host_dirs, slowest_publish, start_r
 from tests.waiting import wait_for
 from tests.weights import blob_weights, set_all
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(120)]
 
 
 def test_a_relay_publishes_the_trainers_versions_on_its_host(store_factory, start, host):

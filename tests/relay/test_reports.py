@@ -16,7 +16,7 @@ from tests.relay.peers import SECRET, SIZES, admitted, join_as_relay
 from tests.waiting import wait_for
 from tests.weights import blob_weights, set_all
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(120)]
 
 
 def test_the_trainers_table_lists_every_hosts_readers_and_marks_a_lost_host(store_factory, start, host, tmp_path):

@@ -14,7 +14,7 @@ from tests.relay.peers import SECRET, SIZES, slowest_publish, start_relay
 from tests.waiting import wait_for
 from tests.weights import blob_weights, set_all
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(120)]
 
 
 def test_a_stalled_host_slows_neither_the_trainer_nor_the_other_hosts(store_factory, start, tmp_path):

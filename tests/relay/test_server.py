@@ -24,7 +24,7 @@ from tests.relay.peers import (
 from tests.waiting import wait_for
 from tests.weights import blob_weights, set_all
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(120)]
 
 
 def _stranger(port, secret=b"not the relay secret, but thirty-two bytes long", speak=True):

@@ -9,7 +9,7 @@ import pytest
 
 from shmsync.torchrl.compat import TORCHRL_VERSION
 
-pytestmark = [pytest.mark.torchrl, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.torchrl, pytest.mark.timeout(180)]
 
 
 @pytest.mark.minors  # its outcome depends on TorchRL's release: it runs under every older minor too

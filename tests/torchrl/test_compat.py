@@ -31,7 +31,7 @@ from tests.commands import CHECKOUT, with_tests_importable
 from tests.torchrl import collectors
 from tests.weights import fill
 
-pytestmark = [pytest.mark.torchrl]
+pytestmark = [pytest.mark.slow, pytest.mark.torchrl]
 ROOT = CHECKOUT
 EDITS = Path(__file__).resolve().parent / "torchrl_edits"
 TORCHRL = Path(torchrl.__file__).resolve().parent

@@ -17,7 +17,7 @@ from shmsync.workers.policies import make_env, mlp_policy
 from tests.waiting import wait_for
 from tests.workers.pools import pool_parent
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.torchrl, pytest.mark.timeout(180)]
 
 
 def _zero_(module):

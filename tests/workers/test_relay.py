@@ -19,7 +19,7 @@ from tests.relay.peers import SECRET, SIZES
 from tests.waiting import START_S, wait_for
 from tests.weights import blob_weights
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(120)]
 
 
 @pytest.mark.timeout(START_S + 120)
@@ -44,7 +44,7 @@ def test_the_relay_command_follows_the_trainer_until_it_closes(store_factory, ho
     assert "closed its sender after 1 versions" in err
 
 
-@pytest.mark.slow
+@pytest.mark.torchrl
 @pytest.mark.timeout(START_S + 180)
 def test_workers_launched_with_a_relay_run_the_trainers_versions_and_stop_with_it(store_factory, start, host):
     from torchrl.envs import GymEnv
