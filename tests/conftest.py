@@ -71,9 +71,20 @@ def tier(item: pytest.Item) -> str:
     return "main" if item.get_closest_marker("slow") else "fast"
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--tier",
+        choices=TIERS,
+        default="full",
+        help="run the tests of this tier and of the tiers below it (fast < main < full; default: full, every test)",
+    )
+
+
 def _mark_problems(item: pytest.Item) -> list[str]:
     marks = {m.name for m in item.iter_markers()}
     problems = []
+    if "fast" in marks:
+        problems.append("`fast` is this file's, set on each test of the fast tier: a fast test carries no cost mark")
     if "minors" in marks and "torchrl" not in marks:
         problems.append("`minors` replays a TorchRL path under older minors: mark it `torchrl` too")
     if "shipped" in marks and "full" in marks:
@@ -86,11 +97,21 @@ def _mark_problems(item: pytest.Item) -> list[str]:
 LONGEST_FIRST = ("tests/core/test_protocol_interleavings.py::", "tests/torchrl/test_distributed.py::")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: an expression may name `fast`
 def pytest_collection_modifyitems(config, items):
     wrong = [f"{item.nodeid}: {p}" for item in items for p in _mark_problems(item)]
     if wrong:
-        raise pytest.UsageError("marks that put a test in no tier or two:\n" + "\n".join(wrong))
-    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))  # stable: otherwise as collected
+        raise pytest.UsageError("marks that make no sense together:\n" + "\n".join(wrong))
+    highest = TIERS.index(config.getoption("tier"))
+    kept, left = [], []
+    for item in items:
+        if tier(item) == "fast":
+            item.add_marker("fast")
+        (kept if TIERS.index(tier(item)) <= highest else left).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+    kept.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))  # stable: otherwise as collected
+    items[:] = kept
 
 
 def _cpu_seconds() -> float:
