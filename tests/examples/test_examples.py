@@ -4,13 +4,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.commands import CHECKOUT, run_script
+from tests.commands import CHECKOUT, cli, python, run_script, start_command
 
 # Each runs an interpreter of its own (seconds); those marked `torchrl` run a TorchRL example.
 pytestmark = [pytest.mark.slow]
@@ -99,11 +98,10 @@ def test_train_with_workers_tiny_budget():
 def _start_demo(optim_steps_per_batch: int, *extra: str) -> subprocess.Popen:
     """The demo with --keep-running, in its own process group: a terminal's Ctrl-C reaches the
     demo and its workers together."""
-    cmd = [sys.executable, "examples/train_cartpole.py", "--keep-running", "--frames-per-batch", "128", *extra]
+    cmd = python("examples/train_cartpole.py", "--keep-running", "--frames-per-batch", "128", *extra)
     cmd += ["--optim-steps-per-batch", str(optim_steps_per_batch), "--eval-every", "2", "--eval-episodes", "1"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    return start_command(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, new_session=True)
 
 
 def _kill_demo(proc: subprocess.Popen) -> None:
@@ -126,8 +124,7 @@ def test_the_demo_says_how_to_watch_it_and_keeps_running_until_ctrl_c():
         progress = [proc.stdout.readline() for _ in range(4)]  # three evaluations (and TorchRL's one line)
         frames = [int(m.group(1)) for m in map(re.compile(r"frames +(\d+) until Ctrl-C").search, progress) if m]
         assert frames and max(frames) > 256, progress
-        listing = subprocess.run([sys.executable, "-m", "shmsync", "ls", name], capture_output=True, text=True,
-                                 timeout=60)  # fmt: skip
+        listing = cli("ls", name)
         assert listing.stdout.startswith(f"{name}: version ") and ", 2 readers on 1 host" in listing.stdout
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=60)

@@ -18,7 +18,7 @@ from shmsync import (
     WeightStore,
     staleness,
 )
-from tests.commands import cli
+from tests.commands import cli, python, run_command, with_tests_importable
 from tests.torchrl.collectors import (
     TIE,
     make_env,
@@ -318,16 +318,9 @@ def test_cuda_worker_policies():
 
 
 def test_fork_start_method():
-    import subprocess
-    import sys
-
-    from tests.commands import with_tests_importable
-
-    proc = subprocess.run(
-        [sys.executable, "-c", "from tests.torchrl.collectors import fork_collector_check; fork_collector_check()"],
+    proc = run_command(
+        python("-c", "from tests.torchrl.collectors import fork_collector_check; fork_collector_check()"),
         env=with_tests_importable(),
-        capture_output=True,
-        text=True,
         timeout=150,
     )
     assert proc.returncode == 0 and "fork ok" in proc.stdout, proc.stderr[-3000:]
