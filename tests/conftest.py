@@ -114,6 +114,31 @@ def pytest_collection_modifyitems(config, items):
     items[:] = kept
 
 
+# multiprocessing's helpers, as their command lines name them (shmsync.testing tells them the same way).
+HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def _proc(pid: int, name: str) -> str:
+    try:
+        with open(f"/proc/{pid}/{name}") as f:
+            return f.read()
+    except OSError:  # gone (its time then counts in its reaper's)
+        return ""
+
+
+def _children(pid: int) -> list[int]:
+    """``pid``'s children, from each of its threads' ``children`` file: a few reads, not a scan of
+    every process on the host (psutil's walk, where the kernel keeps no such file)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    if not os.path.exists(f"/proc/{pid}/task/{tasks[0]}/children"):
+        return [p.pid for p in psutil.Process(pid).children()]
+    return [int(child) for task in tasks for child in _proc(pid, f"task/{task}/children").split()]
+
+
 def _tree_cpu_seconds() -> float:
     """CPU seconds spent so far by this process (all its threads) and by its descendants: those
     running, and those reaped by this process or by one of them (a forkserver reaps the processes
@@ -121,15 +146,16 @@ def _tree_cpu_seconds() -> float:
     start once per session: their own time is not a test's, the processes they reaped are."""
     own = resource.getrusage(resource.RUSAGE_CHILDREN)
     total = time.process_time() + own.ru_utime + own.ru_stime
-    helpers = helper_pids()
-    for p in psutil.Process().children(recursive=True):
-        try:
-            t = p.cpu_times()
-        except psutil.Error:  # gone and reaped between the walk and the read: counted by its reaper
+    stack = [(child, True) for child in _children(os.getpid())]
+    while stack:
+        pid, direct = stack.pop()
+        stat = _proc(pid, "stat").rsplit(")", 1)[-1].split()  # after the command's name: the state, ...
+        if len(stat) < 15:
             continue
-        total += t.children_user + t.children_system
-        if p.pid not in helpers:
-            total += t.user + t.system
+        utime, stime, reaped_utime, reaped_stime = (int(x) * TICK_S for x in stat[11:15])
+        helper = direct and any(h in _proc(pid, "cmdline") for h in HELPERS)
+        total += reaped_utime + reaped_stime + (0.0 if helper else utime + stime)
+        stack += [(child, False) for child in _children(pid)]
     return total
 
 
