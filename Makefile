@@ -28,10 +28,13 @@ python_of = $(shell for p in python$(1) $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/v
 need_python = $(or $(call python_of,$(1)),$(error no interpreter of Python $(1) (python$(1), or pyenv's $(1).x): \
 	install it, or name the Pythons there are with PYTHONS="..."))
 
-# Older TorchRL minors: `make test` runs the tests marked `minors` under each (those whose outcome
-# depends on the release), `make test-full` every `torchrl` test.
+# Which tests a target runs: a tier (`--tier fast|main|full`: tests/conftest.py's `tier`, from
+# each test's cost marks, is the one place that sorts them), then a -m expression of where-marks.
+# Older TorchRL minors: `make test` runs the main tier's tests marked `minors` under each (those
+# whose outcome depends on the release), `make test-full` every `torchrl` test.
 TORCHRL_LEGS ?= 0.13 0.12 0.11
-LEGS_MARK ?= minors and not full
+LEGS_TIER ?= main
+LEGS_MARK ?= minors
 LEGS_PYTEST_ARGS ?= $(PYTEST_ARGS)
 
 # shmsync as users get it: the wheel built for a Python (WHEEL_PYTHON, the newest by default),
@@ -51,7 +54,8 @@ TORCH_FOR_3.10 ?= 2.14.1
 TORCH_FOR_3.11 ?= 2.14.1
 torch_for = $(or $(TORCH_FOR_$(1)),$(CURRENT_TORCH))
 WHEEL_PYTHON ?= $(NEWEST_PYTHON)
-SHIPPED_MARK ?= not full and (shipped or minors or not (slow or torchrl or distributed or cuda))
+SHIPPED_TIER ?= main
+SHIPPED_MARK ?= fast or shipped or minors
 SHIPPED_ROOT := $(shell mktemp -d -u $${TMPDIR:-/tmp}/shmsync-shipped-XXXXXX)
 CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/shmsync
 MACHINE := $(shell uname -m)
@@ -102,32 +106,32 @@ test: install
 		LEGS_PYTEST_ARGS="-p no:xdist"
 
 test-main: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS) $(DURATIONS) -m "not full" tests shmsync workers
+	$(BIN)/python -m pytest $(PYTEST_ARGS) $(DURATIONS) --tier main tests shmsync workers
 
 # Everything: every interleaving configuration, every TorchRL change played on every minor, every
 # stress run and doc block, every test against the wheel on the newest Python and the current
 # torch, the wheel's tests and the sdist's on each other Python, torch 2.14, TorchRL's next release.
 test-full: lint install $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed) docs
-	$(BIN)/python -m pytest $(PYTEST_ARGS) $(DURATIONS) tests shmsync workers
-	$(MAKE) test-legs LEGS_MARK=torchrl
-	$(MAKE) test-wheel test-sdist SHIPPED_MARK="" LEGS_PYTEST_ARGS="$(PYTEST_ARGS)"
+	$(BIN)/python -m pytest $(PYTEST_ARGS) $(DURATIONS) --tier full tests shmsync workers
+	$(MAKE) test-legs LEGS_TIER=full LEGS_MARK=torchrl
+	$(MAKE) test-wheel test-sdist SHIPPED_TIER=full SHIPPED_MARK="" LEGS_PYTEST_ARGS="$(PYTEST_ARGS)"
 	set -e; for v in $(filter-out $(NEWEST_PYTHON),$(PYTHONS)); do \
 		$(MAKE) test-wheel test-sdist WHEEL_PYTHON=$$v LEGS_PYTEST_ARGS="$(PYTEST_ARGS)"; \
 	done
 	$(MAKE) test-torch TORCH_VERSION=$(TORCH_FULL_LEGS)
 	$(MAKE) test-nightly
 
-# The core's quick tests (protocol, store, reader, files, CLI, relay wire): every test marked
-# neither slow, torchrl, distributed nor cuda (a test there that takes seconds fails, asking for
-# the mark: tests/conftest.py). Under a minute.
+# The core's quick tests (protocol, store, reader, files, CLI, relay wire): every test with no
+# cost mark (a test there that spends seconds of CPU fails, asking for `slow`: tests/conftest.py).
+# Under a minute.
 test-fast: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not slow and not torchrl and not distributed and not cuda" tests shmsync
+	$(BIN)/python -m pytest $(PYTEST_ARGS) --tier fast tests shmsync
 
 # The suite beside two CPU-bound processes, as on a busy machine: it must hold as on a quiet one.
 test-busy: install
 	@set -e; sh -c 'while :; do :; done' & one=$$!; sh -c 'while :; do :; done' & two=$$!; \
 	trap "kill $$one $$two" EXIT; \
-	$(BIN)/python -m pytest $(PYTEST_ARGS) $(DURATIONS) -m "not full" tests shmsync workers
+	$(BIN)/python -m pytest $(PYTEST_ARGS) $(DURATIONS) --tier main tests shmsync workers
 
 # Every interleaving of the slot protocol's configurations, and the checker itself.
 test-protocol: install
@@ -150,7 +154,7 @@ test-protocol: install
 test-legs: $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed)
 	set -e; for v in $(TORCHRL_LEGS); do \
 		echo "== torchrl $$v: $$(.venv-torchrl-$$v/bin/python -c 'import torchrl, tensordict; print(torchrl.__version__, tensordict.__version__)')"; \
-		.venv-torchrl-$$v/bin/python -m pytest $(LEGS_PYTEST_ARGS) -m "$(LEGS_MARK)" tests; \
+		.venv-torchrl-$$v/bin/python -m pytest $(LEGS_PYTEST_ARGS) --tier $(LEGS_TIER) -m "$(LEGS_MARK)" tests; \
 	done
 
 # A torch release installed once per machine, outside the checkout (`pip install --target`), by
@@ -204,7 +208,7 @@ test-wheel: $(WHEEL_VENV)/.installed
 		print("Python", platform.python_version(), "torch", torch.__version__, "and torchrl", torchrl.__version__)')"
 	rm -rf $(SHIPPED_ROOT)-wheel && mkdir -p $(SHIPPED_ROOT)-wheel && cp -r tests pyproject.toml $(SHIPPED_ROOT)-wheel/
 	cd $(SHIPPED_ROOT)-wheel && SHMSYNC_INSTALLED=wheel SHMSYNC_CHECKOUT=$(CURDIR) $(CURDIR)/$(WHEEL_VENV)/bin/python \
-		-m pytest $(LEGS_PYTEST_ARGS) -p no:cacheprovider -m "$(SHIPPED_MARK)" tests; \
+		-m pytest $(LEGS_PYTEST_ARGS) -p no:cacheprovider --tier $(SHIPPED_TIER) -m "$(SHIPPED_MARK)" tests; \
 		code=$$?; rm -rf $(SHIPPED_ROOT)-wheel; exit $$code
 
 # The sdist, built and installed as pip installs one (its fence compiled), into a folder of its
@@ -216,7 +220,7 @@ test-sdist: $(WHEEL_VENV)/.installed
 	@echo "== the sdist, on Python $(WHEEL_PYTHON), installed into $(SHIPPED_ROOT)-sdist/site"
 	cd $(SHIPPED_ROOT)-sdist && SHMSYNC_INSTALLED=sdist SHMSYNC_SITE=$(SHIPPED_ROOT)-sdist/site \
 		PYTHONPATH=$(SHIPPED_ROOT)-sdist/site SHMSYNC_CHECKOUT=$(CURDIR) $(CURDIR)/$(WHEEL_VENV)/bin/python \
-		-m pytest -p no:xdist -p no:cacheprovider -m "shipped and not full" tests; \
+		-m pytest -p no:xdist -p no:cacheprovider --tier main -m shipped tests; \
 		code=$$?; rm -rf $(SHIPPED_ROOT)-sdist; exit $$code
 
 # make test-full: every test on another torch release (TORCH_VERSION), the rest from .venv.
@@ -232,7 +236,7 @@ test-sdist: $(WHEEL_VENV)/.installed
 TORCH_VERSION ?= $(TORCH_FULL_LEGS)
 test-torch: .venv-torch-$(TORCH_VERSION)/.installed
 	@echo "== torch $$(.venv-torch-$(TORCH_VERSION)/bin/python -c 'import torch; print(torch.__version__)')"
-	.venv-torch-$(TORCH_VERSION)/bin/python -m pytest $(PYTEST_ARGS) -m "torchrl or minors" tests
+	.venv-torch-$(TORCH_VERSION)/bin/python -m pytest $(PYTEST_ARGS) --tier full -m "torchrl or minors" tests
 
 # Its own venv: a nightly tells its version through its distribution's metadata, which .venv's
 # torchrl would shadow. shmsync's extras first, then the nightlies in place of the releases.
@@ -247,7 +251,7 @@ test-torch: .venv-torch-$(TORCH_VERSION)/.installed
 
 test-nightly: .venv-torchrl-nightly/.installed
 	@echo "== torchrl $$(.venv-torchrl-nightly/bin/python -c 'import torchrl, tensordict; print(torchrl.__version__, tensordict.__version__)')"
-	.venv-torchrl-nightly/bin/python -m pytest $(PYTEST_ARGS) -m torchrl tests
+	.venv-torchrl-nightly/bin/python -m pytest $(PYTEST_ARGS) --tier full -m torchrl tests
 
 docs: install
 	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html

@@ -1,12 +1,16 @@
 """The whole suite's fixtures and rules: the tiers a test's marks put it in, the leak check every
 test passes, and how the tests' child processes start.
 
-Tiers (docs/testing.md): a test is in the **fast** tier unless it is marked ``slow``, ``torchrl``,
-``distributed`` or ``cuda``; ``make test`` runs every test not marked ``full``; ``make test-full``
-runs them all. The marks sit where each test is defined (``@pytest.mark.full``,
-``pytest.param(..., marks=...)``); this file only checks them: a mark combination that makes no
-sense stops the run, and a fast-tier test that spends more than :data:`FAST_CPU_S` seconds of CPU
-(or :data:`FAST_WALL_S` in all) fails, asking to be marked ``slow``.
+Marks (docs/testing.md) say two things. What a test costs, its tier: none for the **fast** tier,
+``slow`` for the **main** tier (``make test``), ``full`` for the **full** tier (``make test-full``
+only); a test's tier comes from these alone. Where it runs besides: ``torchrl`` (replayed under
+TorchRL's nightly and other releases), ``minors`` (under every older TorchRL minor in ``make
+test``), ``shipped`` (against the installed wheel and sdist), ``cuda`` (needs a GPU),
+``distributed`` (engines on loopback). The marks sit where each test is defined
+(``@pytest.mark.slow``, ``pytest.param(..., marks=...)``); this file checks them and selects by
+them (``--tier fast|main|full``, every target of the Makefile): a mark combination that makes no
+sense stops the run, and a fast-tier test whose process tree spends more than :data:`FAST_CPU_S`
+seconds of CPU fails, asking to be marked ``slow``.
 """
 
 import fcntl
@@ -23,6 +27,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # core and an actor takes minutes to import torch. The tests want them on equal terms.
 os.environ.setdefault("RAY_worker_niceness", "0")
 
+import psutil
 import pytest
 
 from shmsync.core import segment
@@ -51,25 +56,35 @@ mp.set_start_method("forkserver", force=True)
 mp.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 # -- tiers ----------------------------------------------------------------------------------------
-NOT_FAST = ("slow", "torchrl", "distributed", "cuda")  # any of them: not in the fast tier
-# What a fast-tier test may spend: CPU seconds (this thread's and its reaped children's), the same
-# on a busy host as on a quiet one; and wall seconds, for time spent waiting on other processes
-# (a forkserver's children are not this process's to reap). Each well above what the fast tier's
-# tests take (3 s of CPU at most), well below what a test that starts interpreters takes.
+TIERS = ("fast", "main", "full")  # each runs the tests of those before it too
+# What a fast-tier test may spend: CPU seconds of its whole process tree (:func:`_tree_cpu_seconds`),
+# the same on a busy host as on a quiet one. Well above what the fast tier's tests take (3 s at
+# most), well below what a test that starts interpreters takes.
 FAST_CPU_S = 10.0
-FAST_WALL_S = 30.0
 
 
 def tier(item: pytest.Item) -> str:
-    """``"full"``, ``"main"`` or ``"fast"``: the smallest target that runs ``item``."""
+    """``"full"``, ``"main"`` or ``"fast"``: the smallest target that runs ``item``, from its cost
+    marks alone (``full``, ``slow``)."""
     if item.get_closest_marker("full"):
         return "full"
-    return "main" if any(item.get_closest_marker(m) for m in NOT_FAST) else "fast"
+    return "main" if item.get_closest_marker("slow") else "fast"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--tier",
+        choices=TIERS,
+        default="full",
+        help="run the tests of this tier and of the tiers below it (fast < main < full; default: full, every test)",
+    )
 
 
 def _mark_problems(item: pytest.Item) -> list[str]:
     marks = {m.name for m in item.iter_markers()}
     problems = []
+    if "fast" in marks:
+        problems.append("`fast` is this file's, set on each test of the fast tier: a fast test carries no cost mark")
     if "minors" in marks and "torchrl" not in marks:
         problems.append("`minors` replays a TorchRL path under older minors: mark it `torchrl` too")
     if "shipped" in marks and "full" in marks:
@@ -82,27 +97,79 @@ def _mark_problems(item: pytest.Item) -> list[str]:
 LONGEST_FIRST = ("tests/core/test_protocol_interleavings.py::", "tests/torchrl/test_distributed.py::")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: an expression may name `fast`
 def pytest_collection_modifyitems(config, items):
     wrong = [f"{item.nodeid}: {p}" for item in items for p in _mark_problems(item)]
     if wrong:
-        raise pytest.UsageError("marks that put a test in no tier or two:\n" + "\n".join(wrong))
-    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))  # stable: otherwise as collected
+        raise pytest.UsageError("marks that make no sense together:\n" + "\n".join(wrong))
+    highest = TIERS.index(config.getoption("tier"))
+    kept, left = [], []
+    for item in items:
+        if tier(item) == "fast":
+            item.add_marker("fast")
+        (kept if TIERS.index(tier(item)) <= highest else left).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+    kept.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))  # stable: otherwise as collected
+    items[:] = kept
 
 
-def _cpu_seconds() -> float:
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.thread_time() + children.ru_utime + children.ru_stime
+# multiprocessing's helpers, as their command lines name them (shmsync.testing tells them the same way).
+HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def _proc(pid: int, name: str) -> str:
+    try:
+        with open(f"/proc/{pid}/{name}") as f:
+            return f.read()
+    except OSError:  # gone (its time then counts in its reaper's)
+        return ""
+
+
+def _children(pid: int) -> list[int]:
+    """``pid``'s children, from each of its threads' ``children`` file: a few reads, not a scan of
+    every process on the host (psutil's walk, where the kernel keeps no such file)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    if not os.path.exists(f"/proc/{pid}/task/{tasks[0]}/children"):
+        return [p.pid for p in psutil.Process(pid).children()]
+    return [int(child) for task in tasks for child in _proc(pid, f"task/{task}/children").split()]
+
+
+def _tree_cpu_seconds() -> float:
+    """CPU seconds spent so far by this process (all its threads) and by its descendants: those
+    running, and those reaped by this process or by one of them (a forkserver reaps the processes
+    it started). multiprocessing's helpers (the forkserver, the resource tracker) outlive a test and
+    start once per session: their own time is not a test's, the processes they reaped are."""
+    own = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = time.process_time() + own.ru_utime + own.ru_stime
+    stack = [(child, True) for child in _children(os.getpid())]
+    while stack:
+        pid, direct = stack.pop()
+        stat = _proc(pid, "stat").rsplit(")", 1)[-1].split()  # after the command's name: the state, ...
+        if len(stat) < 15:
+            continue
+        utime, stime, reaped_utime, reaped_stime = (int(x) * TICK_S for x in stat[11:15])
+        helper = direct and any(h in _proc(pid, "cmdline") for h in HELPERS)
+        total += reaped_utime + reaped_stime + (0.0 if helper else utime + stime)
+        stack += [(child, False) for child in _children(pid)]
+    return total
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    cpu, wall = _cpu_seconds(), time.monotonic()
+    if tier(item) != "fast":
+        return (yield)
+    before = _tree_cpu_seconds()
     result = yield
-    cpu, wall = _cpu_seconds() - cpu, time.monotonic() - wall
-    if (cpu > FAST_CPU_S or wall > FAST_WALL_S) and tier(item) == "fast":
+    cpu = _tree_cpu_seconds() - before
+    if cpu > FAST_CPU_S:
         pytest.fail(
-            f"this fast-tier test spent {cpu:.1f} s of CPU and {wall:.1f} s in all (the fast tier allows "
-            f"{FAST_CPU_S:.0f} and {FAST_WALL_S:.0f}): mark it slow (or make it cheaper)",
+            f"this fast-tier test's processes spent {cpu:.1f} s of CPU (the fast tier allows {FAST_CPU_S:.0f}): "
+            "mark it slow (or make it cheaper)",
             pytrace=False,
         )
     return result

@@ -7,13 +7,11 @@ package. docs/architecture.md draws the layers.
 
 import ast
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.commands import CHECKOUT
+from tests.commands import BIN, CHECKOUT, python, run_command
 
 ROOT = CHECKOUT
 
@@ -87,7 +85,7 @@ def test_the_import_graph_has_no_circle():
             visit(node, [])
 
 
-LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+LINT_IMPORTS = BIN / "lint-imports"
 
 
 @pytest.mark.slow
@@ -98,10 +96,11 @@ def test_the_contracts_fail_on_an_upward_import(tmp_path):
     shutil.copytree(ROOT / "shmsync", tmp_path / "shmsync", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     (tmp_path / "shmsync" / "core" / "upward.py").write_text("from shmsync.torchrl import compat\n")
-    env = {"PYTHONPATH": str(tmp_path), "PATH": str(Path(sys.executable).parent)}
-    run = subprocess.run([LINT_IMPORTS], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode != 0, run.stdout[-3000:]
-    assert "BROKEN" in run.stdout and "shmsync.core.upward -> shmsync.torchrl.compat" in run.stdout, run.stdout[-3000:]
+    env = {"PYTHONPATH": str(tmp_path), "PATH": str(BIN)}
+    lint = run_command([str(LINT_IMPORTS)], cwd=tmp_path, env=env, timeout=120)
+    assert lint.returncode != 0, lint.stdout[-3000:]
+    said = lint.stdout[-3000:]
+    assert "BROKEN" in lint.stdout and "shmsync.core.upward -> shmsync.torchrl.compat" in lint.stdout, said
 
 
 MAX_COMPLEXITY = 15
@@ -126,7 +125,7 @@ def test_store_and_reader_import_without_torchrl():
         "import sys; from shmsync import WeightStore, WeightReader; "
         "assert not [m for m in sys.modules if m.startswith('torchrl')], 'torchrl imported'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    run_command(python("-c", code), check=True, timeout=120)
 
 
 # The modules whose tests are not in a test module of their name, and where they are: small

@@ -16,14 +16,13 @@ import importlib.util
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import shmsync
-from tests.commands import CHECKOUT
+from tests.commands import BIN, CHECKOUT, run_command
 
 pytestmark = pytest.mark.shipped
 
@@ -104,13 +103,12 @@ def test_the_version_is_the_distributions():
 
 
 def test_the_shmsync_command_runs():
-    command = shutil.which("shmsync") or str(Path(sys.executable).parent / "shmsync")
+    command = shutil.which("shmsync") or str(BIN / "shmsync")
     if INSTALLED == "sdist":  # installed beside the wheel's with --target: its script is in its own bin/
         command = str(Path(shmsync.__file__).resolve().parents[1] / "bin" / "shmsync")
-    run = subprocess.run([command, "--help"], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0 and run.stdout.startswith("usage: shmsync"), run.stderr[-2000:]
-    run = subprocess.run([command, "ls"], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr[-2000:]
+    said = run_command([command, "--help"])
+    assert said.returncode == 0 and said.stdout.startswith("usage: shmsync"), said.stderr[-2000:]
+    run_command([command, "ls"], check=True)
 
 
 def test_the_pytest_plugin_is_registered(pytestconfig):

@@ -29,3 +29,8 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+# Seconds after which a call that returns at once when things work is stuck: a deadline that only
+# a hang reaches, on a host as loaded as the suite's (where the same call takes a second at most).
+STUCK_S = 60.0

@@ -216,21 +216,20 @@ def test_a_header_word_that_turns_bad_later_is_refused_where_it_is_used(store_fa
 
 def test_a_layout_holding_more_lists_than_its_tensors_could_is_refused_before_it_is_parsed():
     """30 MiB of ``[],`` would be ten million lists (751 MiB and 10 s to parse): refused at once."""
-    import time
     import tracemalloc
 
     from shmsync.store.layout import Layout
 
     raw = b'{"destinations":null,"entries":[' + b"[]," * (10 << 20) + b"[]]}"
     tracemalloc.start()
-    began = time.perf_counter()
     try:
         with pytest.raises(StoreCorruptError, match=r"10485762 lists; a layout of at most 131072 tensors"):
             Layout.from_json(raw, "a peer's layout")
-        took, (_, peak) = time.perf_counter() - began, tracemalloc.get_traced_memory()
+        _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert took < 1.0 and peak < len(raw) + (8 << 20), (took, peak)
+    # Counted, not parsed: parsing would hold ten million lists, hundreds of MB beyond the raw bytes.
+    assert peak < len(raw) + (8 << 20), peak
 
 
 def test_a_layout_past_one_tebibyte_is_refused_naming_the_entry():

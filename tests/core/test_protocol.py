@@ -2,8 +2,6 @@
 plain list of header words, without torch or processes (see shmsync/core/protocol.py)."""
 
 import itertools
-import subprocess
-import sys
 import threading
 import time
 
@@ -27,6 +25,7 @@ from shmsync.core.header import (
 )
 from shmsync.core.protocol import LocalLocks, ReaderRows, Words, initialize
 from shmsync.errors import ReloadTimeoutError, ShmSyncError
+from tests.commands import python, run_command
 from tests.core.parties import Party, WriterParty
 
 # The host bank's words, as these tests poke them.
@@ -462,7 +461,7 @@ def test_with_two_slots_a_lease_being_decided_and_a_pin_never_make_the_writer_wa
 
 def test_the_protocol_needs_no_torch():
     code = "import sys, shmsync.core.protocol, shmsync.core.fences; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    run_command(python("-c", code), check=True)
 
 
 # -- memory given back ---------------------------------------------------------------------------------

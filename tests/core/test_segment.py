@@ -5,8 +5,6 @@ import os
 import re
 import socket
 import stat
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ import torch
 from shmsync import WeightStore
 from shmsync.errors import StoreUntrustedError
 from shmsync.relay.raw_versions import create_from_bytes
+from tests.commands import python, run_command
 from tests.core.descriptors import open_fds
 
 
@@ -142,12 +141,7 @@ def test_a_default_store_name_says_which_program_and_process_made_it(tmp_path):
         "name = default_name('torchrl')\n"
         "print(name == validate_name(name), name.startswith(f'train-my-policy-torchrl-{os.getpid()}-'))\n"
     )
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    proc = run_command(python(str(script)))
     assert proc.stdout.split() == ["True", "True"], proc.stderr
-    proc = subprocess.run(
-        [sys.executable, "-c", "from shmsync.core.segment import default_name; print(default_name())"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_command(python("-c", "from shmsync.core.segment import default_name; print(default_name())"))
     assert re.fullmatch(r"python-\d+-[0-9a-f]{6}\n", proc.stdout), proc.stdout + proc.stderr

@@ -20,7 +20,6 @@ import random
 import select
 import signal
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -46,6 +45,7 @@ from shmsync.core.written_pages import (
     unavailable_reason,
 )
 from shmsync.errors import ArgumentTypeError, InvalidArgumentError, ShmSyncError, WriteTrackingError
+from tests.commands import python, run_command, start_command
 from tests.core.descriptors import open_fds
 
 P = mmap.PAGESIZE
@@ -545,9 +545,7 @@ class IoVec(ctypes.Structure):
 @needs_tracking
 @pytest.mark.timeout(60)
 def test_another_process_writing_with_process_vm_writev_is_seen():
-    child = subprocess.Popen(
-        [sys.executable, "-c", TRACKING_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+    child = start_command(python("-c", TRACKING_CHILD), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         address = int(child.stdout.readline())
         data = ctypes.create_string_buffer(b"\x2a", 1)
@@ -677,17 +675,10 @@ SECCOMP_CHILD = textwrap.dedent(
 
 
 def _under_seccomp(*args: object) -> str:
-    run = subprocess.run(
-        [sys.executable, "-c", SECCOMP_CHILD, *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, ENV: "1"},
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    if run.stdout.strip() == "no seccomp":
+    child = run_command(python("-c", SECCOMP_CHILD, *map(str, args)), env={**os.environ, ENV: "1"}, check=True)
+    if child.stdout.strip() == "no seccomp":
         pytest.skip("this process may not install a seccomp filter")
-    return run.stdout
+    return child.stdout
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the filter names x86-64's system call numbers")
@@ -723,9 +714,8 @@ def test_importing_and_asking_never_raise_elsewhere():
         "import platform; platform.machine = lambda: 'vax'; "
         "from shmsync.core.written_pages import unavailable_reason; print(unavailable_reason())"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "not built for vax" in run.stdout
+    child = run_command(python("-c", code), check=True)
+    assert "not built for vax" in child.stdout
 
 
 def test_the_probe_is_made_once_per_process(monkeypatch):

@@ -5,12 +5,10 @@ when it is a test, with nothing defined for it; the API reference names every pu
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.commands import CHECKOUT
+from tests.commands import CHECKOUT, python, run_command
 
 ROOT = CHECKOUT
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -34,6 +32,8 @@ def _marks(code: str) -> list:
     # Each block runs in an interpreter of its own (seconds to import torch), and many start
     # workers: slow.
     marks = [pytest.mark.slow]
+    if re.search(r"\btorchrl\b", code):
+        marks.append(pytest.mark.torchrl)  # a TorchRL call path: replayed under the nightly
     if re.search(r"\bray\b|Distributed|RelaySender", code):
         marks.append(pytest.mark.distributed)
     if re.search(r"DistributedSyncCollector|DistributedCollector|RayCollector", code):
@@ -70,13 +70,13 @@ def test_a_block_runs_as_written(request, tmp_path, page, title, code):
     if re.search(r"^def test_", code, flags=re.M):
         path = tmp_path / "test_block.py"
         path.write_text(code)
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)]
+        cmd = python("-m", "pytest", "-q", "-p", "no:cacheprovider", str(path))
     else:
         path = tmp_path / "block.py"
         path.write_text(code)
-        cmd = [sys.executable, str(path)]
+        cmd = python(str(path))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the suite's
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=280, env=env)
+    proc = run_command(cmd, cwd=tmp_path, timeout=280, env=env)
     assert proc.returncode == 0, f"{page}, {title!r}: the block failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "was never shut down" not in proc.stderr, f"{page}, {title!r}: a collector left running:\n{proc.stderr}"
     shown = SHOWS.get((page, title))

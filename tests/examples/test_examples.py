@@ -4,14 +4,14 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.commands import CHECKOUT, run_script
+from tests.commands import CHECKOUT, cli, python, run_script, start_command
 
+# Each runs an interpreter of its own (seconds); those marked `torchrl` run a TorchRL example.
 pytestmark = [pytest.mark.slow]
 
 
@@ -31,6 +31,7 @@ def test_quickstart():
         assert seen == sorted(set(seen)) and seen[-1] == 8, f"worker {worker} loaded {seen}"
 
 
+@pytest.mark.torchrl
 @pytest.mark.timeout(300)
 # The default, and the other collector with the other reload (the scheme's own tests cover
 # each alone); `--scheme torchrl` runs TorchRL's own scheme, which the example only times.
@@ -76,6 +77,7 @@ def test_train_cartpole_tiny_budget(mode, tmp_path):
         assert "private copies" in out
 
 
+@pytest.mark.torchrl
 @pytest.mark.timeout(240)
 def test_train_with_workers_tiny_budget():
     out = run_script(
@@ -96,11 +98,10 @@ def test_train_with_workers_tiny_budget():
 def _start_demo(optim_steps_per_batch: int, *extra: str) -> subprocess.Popen:
     """The demo with --keep-running, in its own process group: a terminal's Ctrl-C reaches the
     demo and its workers together."""
-    cmd = [sys.executable, "examples/train_cartpole.py", "--keep-running", "--frames-per-batch", "128", *extra]
+    cmd = python("examples/train_cartpole.py", "--keep-running", "--frames-per-batch", "128", *extra)
     cmd += ["--optim-steps-per-batch", str(optim_steps_per_batch), "--eval-every", "2", "--eval-episodes", "1"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    return start_command(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, new_session=True)
 
 
 def _kill_demo(proc: subprocess.Popen) -> None:
@@ -110,6 +111,7 @@ def _kill_demo(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
+@pytest.mark.torchrl
 @pytest.mark.timeout(180)
 def test_the_demo_says_how_to_watch_it_and_keeps_running_until_ctrl_c():
     # --keep-running trains past any frame budget: here one of 256 frames, two batches.
@@ -122,8 +124,7 @@ def test_the_demo_says_how_to_watch_it_and_keeps_running_until_ctrl_c():
         progress = [proc.stdout.readline() for _ in range(4)]  # three evaluations (and TorchRL's one line)
         frames = [int(m.group(1)) for m in map(re.compile(r"frames +(\d+) until Ctrl-C").search, progress) if m]
         assert frames and max(frames) > 256, progress
-        listing = subprocess.run([sys.executable, "-m", "shmsync", "ls", name], capture_output=True, text=True,
-                                 timeout=60)  # fmt: skip
+        listing = cli("ls", name)
         assert listing.stdout.startswith(f"{name}: version ") and ", 2 readers on 1 host" in listing.stdout
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
@@ -152,6 +153,7 @@ def _demo_with_a_ctrl_c(delay: float) -> tuple[int, str]:
 # Seconds after the demo said it started: from inside the collector's start to training well under
 # way (the loss, the optimizer step, an evaluation). `make test` presses at 2 of them (the demo's
 # --keep-running test presses once more, mid-training), `make test-full` at all 20.
+@pytest.mark.torchrl
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "delays",
@@ -169,6 +171,7 @@ def test_a_ctrl_c_pressed_at_any_point_ends_the_demo_with_its_summary(delays):
     assert not failed, f"{len(failed)} of {len(delays)} runs failed:\n" + "\n\n".join(failed)
 
 
+@pytest.mark.torchrl
 @pytest.mark.full  # the scheme's tests cover its collector; the demo's default run stays
 @pytest.mark.timeout(300)
 def test_train_async_tiny_budget():
@@ -190,6 +193,7 @@ def test_train_async_tiny_budget():
     assert 0 <= staleness <= 12, out
 
 
+@pytest.mark.torchrl
 @pytest.mark.timeout(240)
 def test_frozen_backbone_copies_what_changed_and_runs_exact_versions():
     out = run_script(

@@ -201,6 +201,7 @@ def test_what_a_reader_copies_from_where_it_cannot_prove(store_factory, monkeypa
     assert reader.unchanged_proof == "comparison"
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 def test_a_gpu_module_copies_every_tensor(store_factory):
     """A GPU module loading from the host slots copies all of it at every reload: no proof on the

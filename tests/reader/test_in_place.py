@@ -11,6 +11,7 @@ from torch import nn
 from shmsync import SharedWeightsWrittenError, WeightReader, WeightStore
 from shmsync.testing import hold_table_lock, slot_views
 from tests.processes import lease_and_hang, poll_in_place, write_through_view, writer, zero_copy_reader
+from tests.waiting import STUCK_S
 from tests.weights import STRESS_SIZES, ParamBlob, blob_weights, mixed_values
 
 SMALL = {"a": 1000, "b": 24}
@@ -229,20 +230,19 @@ def test_a_thread_stuck_in_one_stores_table_lock_stalls_no_other_store(store_fac
     def hold_a():
         with hold_table_lock(a):
             holding.set()
-            release.wait(30)
+            release.wait()  # until the test ends: a reader that waited on the lock would hang
 
     holder = threading.Thread(target=hold_a)
     holder.start()
     try:
         assert holding.wait(10)
-        began = time.monotonic()
         reader = WeightReader(b, ParamBlob(SMALL), zero_copy=True)
         assert reader.poll() and reader.viewing, "a reload of another store waited on this store's lock"
-        assert time.monotonic() - began < 1
+        began = time.monotonic()
         # In the busy store itself, claiming a row gives up after a bound and the reader copies.
         stuck = WeightReader(a, module := ParamBlob(SMALL), zero_copy=True)
         assert stuck.poll() and not stuck.viewing and mixed_values(module) == {1.0}
-        assert time.monotonic() - began < 10
+        assert time.monotonic() - began < STUCK_S
     finally:
         release.set()
         holder.join(10)
@@ -259,20 +259,18 @@ def test_a_frozen_reader_costs_one_slot_while_frozen_and_nothing_once_it_moves_o
     assert child.expect("loaded") == (True, 0)
     os.kill(child.pid, signal.SIGSTOP)
     try:
-        version, end, slowest = 0, time.monotonic() + frozen_s, 0.0
+        version, end = 0, time.monotonic() + frozen_s
         while time.monotonic() < end:
             version += 1
-            began = time.monotonic()
-            store.publish(blob_weights(sizes, float(version)))  # never waits for the frozen reader
-            slowest = max(slowest, time.monotonic() - began)
+            store.publish(blob_weights(sizes, float(version)))  # never waits for the frozen reader (or hangs)
             store.flush()  # the give-backs, on the store's thread
             # the latest, the next write's, and the version the frozen reader holds
             assert store.memory.resident_bytes() <= head + 3 * slot, f"after version {version}"
             time.sleep(0.005)
-        assert slowest < 5.0 and store.readers()[0].version == 0
+        assert store.readers()[0].version == 0
     finally:
         os.kill(child.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + STUCK_S
     while store.readers()[0].version < version or store.memory.resident_bytes() > head + 2 * slot:
         assert time.monotonic() < deadline, (store.readers()[0].version, version, store.memory.resident_bytes())
         version += 1

@@ -23,7 +23,7 @@ from tests.relay.fakes import FakeTrainer, admit, chain, description, relay_agai
 from tests.relay.peers import SECRET, host_dirs, weights_digest
 from tests.waiting import wait_for
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(240)]
 
 SIZES = {"backbone": 1 << 20, "head": 16_384, "norm": 4}  # 4 MiB frozen, 64 KiB trained, a buffer
 HEAD_BYTES = SIZES["head"] * 4

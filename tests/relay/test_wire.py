@@ -14,7 +14,7 @@ import pytest
 from shmsync.errors import AuthenticationError, ProtocolError
 from shmsync.relay import wire
 from tests.relay.peers import server_handshake
-from tests.waiting import wait_for
+from tests.waiting import STUCK_S, wait_for
 
 SECRET = b"thirty-two bytes or more of relay secret"
 PAYLOAD = b"the weights of version seven, in clear: " * 100
@@ -264,8 +264,8 @@ def test_a_silent_peer_is_dropped_at_the_handshake_deadline():
     server, client = _pair()
     began = time.monotonic()
     with pytest.raises(ProtocolError, match="in time"):
-        server_handshake(server, SECRET, 0.3)
-    assert time.monotonic() - began < 2
+        server_handshake(server, SECRET, 0.3)  # the peer stays silent: without the deadline, a hang
+    assert time.monotonic() - began < STUCK_S
     client.close()
 
 
@@ -334,10 +334,10 @@ def test_a_peer_that_stops_reading_leaves_the_rest_of_a_frame_kept_and_then_take
     big = os.urandom(32 << 20)  # more than both socket buffers hold
     began = time.monotonic()
     assert not client.send_or_keep(b"DATA", big), "a peer that reads nothing took 32 MB"
-    assert 0.15 < time.monotonic() - began < 5 and client.kept is not None
+    assert 0.15 < time.monotonic() - began < STUCK_S and client.kept is not None
     assert len(client.kept) < len(big) + 16
     got = _run(lambda: (server.recv_frame({b"DATA": len(big)}, 10), server.recv_payload(10))[1])
-    assert client.flush_kept(time.monotonic() + 10)
+    assert client.flush_kept(time.monotonic() + STUCK_S)
     assert got() == big and client.kept is None
 
 

@@ -6,14 +6,13 @@ import json
 import os
 import signal
 import socket
-import sys
 import time
 
 import pytest
 import torch
 
 from shmsync import WeightReader, WeightStore
-from tests.commands import cli
+from tests.commands import cli, python
 from tests.processes import use_store_dir
 from tests.relay.peers import SECRET
 
@@ -195,9 +194,8 @@ def test_watch_redraws_in_a_terminal_until_ctrl_c(store_dir):
             # whatever an earlier test left in this process (an ignored or blocked SIGINT is inherited).
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-            os.execve(
-                sys.executable, [sys.executable, "-m", "shmsync", "ls", "policy", "--watch", "0.2"], _env(store_dir)
-            )
+            command = python("-m", "shmsync", "ls", "policy", "--watch", "0.2")
+            os.execve(command[0], command, _env(store_dir))
         try:
             seen, deadline = b"", time.monotonic() + 60
             while seen.count(b"Ctrl-C to stop") < 3:

@@ -3,12 +3,9 @@ collector and the fix, and exits (shmsync shuts that collector down), where it w
 hang without a word. A collector that was shut down gets no line: every collector block of the
 docs checks that (tests/docs/test_blocks.py)."""
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.commands import with_tests_importable
+from tests.commands import python, run_command, with_tests_importable
 
 SCRIPT = """
 from torchrl.collectors import MultiSyncCollector
@@ -36,10 +33,7 @@ if __name__ == "__main__":
 def test_a_collector_left_running_is_named_and_shut_down_at_exit(tmp_path):
     script = tmp_path / "forgot_shutdown.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=with_tests_importable(), capture_output=True, text=True,
-        timeout=280,
-    )  # fmt: skip
+    proc = run_command(python(str(script)), cwd=tmp_path, env=with_tests_importable(), timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1] == "the last line", proc.stdout
     store = proc.stdout.splitlines()[-2].removeprefix("stores: ")

@@ -2,14 +2,12 @@
 imported, whichever of the two comes first; ``import shmsync`` alone changes nothing in TorchRL)
 and the Hydra config entry of config-driven trainers."""
 
-import subprocess
-import sys
-
 import pytest
 
 from shmsync.torchrl.compat import TORCHRL_VERSION
+from tests.commands import python, run_command
 
-pytestmark = [pytest.mark.torchrl, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.torchrl, pytest.mark.timeout(180)]
 
 
 @pytest.mark.minors  # its outcome depends on TorchRL's release: it runs under every older minor too
@@ -23,7 +21,7 @@ def test_from_backend_builds_the_scheme_whichever_is_imported_first(first):
         "; assert type(s) is ShmWeightSyncScheme, type(s)"
         "; assert s.settings.num_slots == 5 and s.settings.zero_copy, vars(s)"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    run_command(python("-c", code), check=True, timeout=120)
 
 
 @pytest.mark.skipif(TORCHRL_VERSION < (0, 14), reason="TorchRL's backend registry came in 0.14")
@@ -33,7 +31,7 @@ def test_import_shmsync_alone_adds_no_backend():
         "; assert 'shmsync' not in w._WEIGHT_SYNC_SCHEMES, sorted(w._WEIGHT_SYNC_SCHEMES)"
         "; assert not [m for m in sys.modules if m.startswith('shmsync.torchrl')], 'shmsync.torchrl imported'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    run_command(python("-c", code), check=True, timeout=120)
 
 
 @pytest.mark.shipped
@@ -51,14 +49,7 @@ def test_a_config_driven_trainer_selects_shmsync_by_an_override(tmp_path):
     app = Path(__file__).resolve().parent / "hydra_app" / "train.py"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     override = "+weight_sync_scheme@collector.weight_sync_schemes.policy=shmsync"
-    proc = subprocess.run(
-        [sys.executable, str(app), f"hydra.run.dir={tmp_path}", override],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
+    proc = run_command(python(str(app), f"hydra.run.dir={tmp_path}", override), cwd=tmp_path, env=env, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["schemes"] == {"policy": "ShmWeightSyncScheme"}

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +26,11 @@ import torch
 import torchrl
 
 from shmsync.torchrl import compat
-from tests.commands import CHECKOUT, with_tests_importable
+from tests.commands import CHECKOUT, python, run_command, start_command, with_tests_importable
 from tests.torchrl import collectors
 from tests.weights import fill
 
-pytestmark = [pytest.mark.torchrl]
+pytestmark = [pytest.mark.slow, pytest.mark.torchrl]
 ROOT = CHECKOUT
 EDITS = Path(__file__).resolve().parent / "torchrl_edits"
 TORCHRL = Path(torchrl.__file__).resolve().parent
@@ -63,7 +62,7 @@ def test_an_entry_found_otherwise_names_itself_the_torchrl_and_the_versions_that
 )
 def test_a_torchrl_outside_the_tested_range_is_refused_at_import_with_a_clear_message(version, advice):
     code = f"import torchrl; torchrl.__version__ = {version!r}; import shmsync.torchrl.scheme"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = run_command(python("-c", code), timeout=120)
     assert proc.returncode != 0
     assert (
         f"shmsync supports torchrl 0.11 to 0.15 (and torchrl-nightly from 2026.10.27); this is torchrl {version}."
@@ -244,7 +243,7 @@ _TORCHRL_MODULES = ["torchrl.collectors", "torchrl.collectors.distributed", "tor
 @functools.cache
 def _torchrl_state(first: tuple[str, ...]) -> dict:
     code = f"MODULES = {list(first) + _TORCHRL_MODULES!r}\n" + _SNAPSHOT
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    proc = run_command(python("-c", code), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -543,13 +542,13 @@ def _play(play: str, env: dict, folder: Path) -> tuple[dict, str]:
 
     out = folder / "play.out"
     with open(out, "w") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", f"from tests.torchrl.plays import play; play({play!r})"],
+        proc = start_command(
+            python("-c", f"from tests.torchrl.plays import play; play({play!r})"),
             cwd=folder,
             env=env,
             stdout=sink,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            new_session=True,
         )
         try:
             proc.wait(PLAY_TIMEOUT)

@@ -31,14 +31,15 @@ from tests.torchrl.collectors import (
     make_scaled_policy,
     write_rollout_count,
 )
+from tests.waiting import STUCK_S
 from tests.weights import fill
 
-# Each test builds collectors (slow); those marked torchrl also run under every torchrl minor.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
-LEG = pytest.mark.torchrl
+# Each test builds collectors and drives TorchRL's calls through the scheme: the main tier, replayed
+# under TorchRL's nightly and (make test-full) every older minor.
+pytestmark = [pytest.mark.slow, pytest.mark.torchrl, pytest.mark.timeout(180)]
 # Marked `minors` too: a path whose outcome depends on TorchRL's release (the boundary's entries,
-# TorchRL's own calls), run under every older minor. The other LEG tests drive shmsync's own
-# fallbacks, which do not change with the minor: the newest in `make test`, every minor in `make test-full`.
+# TorchRL's own calls), replayed under every older minor by `make test`. The others drive shmsync's
+# own fallbacks, which do not change with the minor.
 
 COLLECTORS = [functools.partial(MultiSyncCollector, cat_results="stack"), MultiAsyncCollector]
 IDS = ["sync", "async"]
@@ -109,7 +110,6 @@ def test_init_on_sender_before_the_collector(how, cls):
 
 
 @pytest.mark.minors
-@LEG
 def test_init_on_sender_without_anything_to_build_from_raises():
     with pytest.raises(ValueError, match="needs the collector"):
         ShmWeightSyncScheme().init_on_sender()
@@ -140,7 +140,6 @@ def test_policy_factory_without_policy():
 
 
 @pytest.mark.minors
-@LEG
 def test_policy_factory_that_makes_no_module_raises():
     from torchrl.modules import RandomPolicy
 
@@ -282,7 +281,6 @@ def test_hook_setters_keep_the_poll_and_the_tag(cls):
 # The sync collector: the async one reports through the same tracker, and its updates while it
 # collects are checked below.
 @pytest.mark.minors
-@LEG
 def test_track_policy_version_reports_the_loaded_version():
     def build():
         return _collector(MultiSyncCollector, [make_env] * 2, make_policy(), track_policy_version=True)
@@ -325,7 +323,6 @@ def _table_versions(scheme):
     return {row.worker: row.version for row in scheme.readers()}
 
 
-@LEG
 @pytest.mark.skipif(TORCHRL_VERSION < (0, 15), reason="worker_policy_versions() came in torchrl 0.15")
 def test_worker_policy_versions_come_from_the_table_while_a_worker_is_frozen():
     # TorchRL asks each worker over its pipe (pausing asynchronous collection): a frozen worker
@@ -347,7 +344,7 @@ def test_worker_policy_versions_come_from_the_table_while_a_worker_is_frozen():
         collector.update_policy_weights_()
         started = time.monotonic()
         versions = collector.worker_policy_versions()
-        assert time.monotonic() - started < 10, "the query waited for the frozen worker"
+        assert time.monotonic() - started < STUCK_S, "the query waited for the frozen worker"
         assert versions[1] == 1 and versions[0] in (1, 2) and set(versions) == {0, 1}
         assert versions[0] <= _table_versions(scheme)[0]
     finally:
@@ -361,7 +358,6 @@ FORMS = ["implicit", "module", "policy_kwarg", "tensordict", "state_dict", "weig
 
 
 @pytest.mark.minors
-@LEG
 def test_every_worker_holds_the_trainers_weights_after_an_update_in_every_form():
     """One collector, updated in each form TorchRL accepts, each with weights of its own."""
     policy = make_scaled_policy()
@@ -406,7 +402,6 @@ def test_every_worker_holds_the_trainers_weights_after_an_update_in_every_form()
 
 
 # -- update_policy_weights_ while an asynchronous collection runs ---------------------------------------
-@LEG
 def test_update_while_collecting_in_the_background():
     """The asynchronous collection TorchRL runs in a background thread (``start()``)."""
     cls = MultiAsyncCollector
@@ -442,7 +437,6 @@ def test_update_while_collecting_in_the_background():
 
 
 @pytest.mark.minors
-@LEG
 def test_a_single_process_collector_says_the_scheme_has_nothing_to_do():
     from torchrl.collectors import Collector
 

@@ -21,7 +21,13 @@ from tests.waiting import wait_for
 from tests.weights import fill
 
 # TorchRL's distributed collectors, on every minor (before 0.14 they must refuse shmsync's local leg).
-pytestmark = [pytest.mark.torchrl, pytest.mark.minors, pytest.mark.distributed, pytest.mark.timeout(240)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.torchrl,
+    pytest.mark.minors,
+    pytest.mark.distributed,
+    pytest.mark.timeout(240),
+]
 needs_0_14 = pytest.mark.skipif(TORCHRL_VERSION < (0, 14), reason="shmsync's local scheme needs torchrl >= 0.14")
 
 

@@ -10,7 +10,7 @@ from shmsync.torchrl.compat import TORCHRL_VERSION
 from tests.torchrl.collectors import make_env, make_loss, make_policy, make_trainer
 
 # TorchRL's own hook and trainer, on every minor: each test's outcome depends on TorchRL's release.
-pytestmark = [pytest.mark.torchrl, pytest.mark.minors]
+pytestmark = [pytest.mark.slow, pytest.mark.torchrl, pytest.mark.minors]
 
 
 def _trainer(batches=4, frames_per_batch=20, optim_steps=3):

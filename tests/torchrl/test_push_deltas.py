@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from shmsync.errors import ShmSyncError
 from shmsync.torchrl.push_deltas import LEAVES_KEY, NodeLeaves, TrainerLeaves, _names_digest, leaf_keys, parse_list
 
-pytestmark = [pytest.mark.torchrl]
+pytestmark = [pytest.mark.slow, pytest.mark.torchrl]
 
 
 def weights():

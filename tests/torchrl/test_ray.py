@@ -20,6 +20,7 @@ from tests.weights import fill
 ray = pytest.importorskip("ray")
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.torchrl,
     pytest.mark.distributed,
     pytest.mark.usefixtures("one_ray_cluster"),

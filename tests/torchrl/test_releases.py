@@ -1,12 +1,10 @@
 """Which TorchRL releases shmsync supports (shmsync/torchrl/releases.py), told from a version
 string alone, and the one place the tested nightly is written."""
 
-import subprocess
-
 import pytest
 
 from shmsync.torchrl import releases
-from tests.commands import CHECKOUT
+from tests.commands import CHECKOUT, run_command
 
 
 @pytest.mark.parametrize("version", ["0.11.1", "0.12.0", "0.13.2", "0.14.1", "0.15.0", "0.15.0rc1+cpu"])
@@ -31,12 +29,10 @@ def test_a_nightly_counts_as_the_next_minor_from_the_tested_date_on():
 
 def test_the_makefile_installs_the_nightly_named_here():
     """NIGHTLY is written in releases.py alone: the Makefile's nightly leg reads it from there."""
-    run = subprocess.run(
+    make = run_command(
         ["make", "-s", "-f", "Makefile", "-f", "-", "print-nightly"],
         input="print-nightly:\n\t@echo $(TORCHRL_NIGHTLY)\n",
         cwd=CHECKOUT,
-        capture_output=True,
-        text=True,
-        timeout=60,
+        check=True,
     )
-    assert run.returncode == 0 and run.stdout.strip() == releases.NIGHTLY, run.stdout + run.stderr
+    assert make.stdout.strip() == releases.NIGHTLY, make.stdout + make.stderr

@@ -18,7 +18,7 @@ from shmsync import (
     WeightStore,
     staleness,
 )
-from tests.commands import cli
+from tests.commands import cli, python, run_command, with_tests_importable
 from tests.torchrl.collectors import (
     TIE,
     make_env,
@@ -33,8 +33,9 @@ from tests.torchrl.collectors import (
 )
 from tests.weights import fill
 
-# Each test builds collectors (slow); those marked torchrl also run under every torchrl minor.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+# Each test builds collectors and drives TorchRL's calls through the scheme: the main tier, replayed
+# under TorchRL's nightly; those marked `minors` also under every older minor in `make test`.
+pytestmark = [pytest.mark.slow, pytest.mark.torchrl, pytest.mark.timeout(180)]
 
 
 def _is_tie(actions):
@@ -201,7 +202,6 @@ def test_the_store_leaves_the_host_once_every_worker_attached_and_shutdown_frees
         scheme.version  # noqa: B018  (the property is what is tested)
 
 
-@pytest.mark.torchrl
 def test_a_scheme_no_collector_set_up_says_so_rather_than_listing_no_worker():
     scheme = ShmWeightSyncScheme()
     for call in (scheme.readers, scheme.send, lambda: scheme.version):
@@ -318,16 +318,9 @@ def test_cuda_worker_policies():
 
 
 def test_fork_start_method():
-    import subprocess
-    import sys
-
-    from tests.commands import with_tests_importable
-
-    proc = subprocess.run(
-        [sys.executable, "-c", "from tests.torchrl.collectors import fork_collector_check; fork_collector_check()"],
+    proc = run_command(
+        python("-c", "from tests.torchrl.collectors import fork_collector_check; fork_collector_check()"),
         env=with_tests_importable(),
-        capture_output=True,
-        text=True,
         timeout=150,
     )
     assert proc.returncode == 0 and "fork ok" in proc.stdout, proc.stderr[-3000:]
@@ -350,7 +343,6 @@ def test_update_policy_weights_with_a_version_tags_frames_with_it():
         collector.shutdown()
 
 
-@pytest.mark.torchrl
 @pytest.mark.minors  # its outcome depends on TorchRL's release: it runs under every older minor too
 @pytest.mark.parametrize("name", ["MultiSyncDataCollector", "MultiaSyncDataCollector"])
 def test_the_older_collector_names_tag_frames_with_published_versions(name):

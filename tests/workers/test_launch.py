@@ -2,8 +2,6 @@
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
@@ -14,10 +12,11 @@ from shmsync.core import segment
 from shmsync.errors import StoreNotFoundError
 from shmsync.workers.launch import launch
 from shmsync.workers.policies import make_env, mlp_policy
-from tests.waiting import wait_for
+from tests.commands import cli, python, run_command
+from tests.waiting import START_S, wait_for
 from tests.workers.pools import pool_parent
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.torchrl, pytest.mark.timeout(180)]
 
 
 def _zero_(module):
@@ -87,15 +86,18 @@ def test_a_worker_that_cannot_start_fails_the_pool_fast(store_factory, problem, 
         assert type(info.value).__name__ == error, f"{problem}: got {info.value!r}"
     assert message in str(info.value), f"{problem}: {info.value}"
     assert any("in the worker process" in note for note in getattr(info.value, "__notes__", [])), problem
-    assert took < 60, f"{problem}: the pool took {took:.0f}s to say so"
+    assert took < START_S, f"{problem}: the pool took {took:.0f}s to say so"
 
 
 def test_a_missing_store_is_named_before_any_worker_starts(tmp_path, monkeypatch):
     monkeypatch.setattr(segment, "SHM_DIR", str(tmp_path))  # no store at all: the hint says to wait
-    start = time.monotonic()
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("the pool started its workers before it looked")
+
+    monkeypatch.setattr(torch.multiprocessing, "get_context", no_workers)  # the context the pool starts them from
     with pytest.raises(StoreNotFoundError, match="no store named 'no-such-store'.*trainer has not created it yet"):
         launch("no-such-store", 2)
-    assert time.monotonic() - start < 5, "the pool started its workers before it looked"
 
 
 @pytest.mark.parametrize(
@@ -108,8 +110,8 @@ def test_a_missing_store_is_named_before_any_worker_starts(tmp_path, monkeypatch
 )
 def test_the_launch_command_fails_in_one_line_with_its_exit_code(store_factory, args, code, message):
     store = store_factory(mlp_policy(make_env("CartPole-v1")))
-    cmd = [sys.executable, "-m", "shmsync.workers.launch", "--store", store.name, "--batches", "1", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    command = python("-m", "shmsync.workers.launch", "--store", store.name, "--batches", "1", *args)
+    proc = run_command(command, timeout=120)
     assert proc.returncode == code, proc.stderr[-2000:]
     assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr + proc.stdout
@@ -128,11 +130,10 @@ def test_a_worker_that_dies_mid_run_is_reported_at_once(store_factory, queued):
             # tensors only it could hand over, are then still waiting in it.
             wait_for(pool.queue.full, timeout=60, what="the queue to fill")
         os.kill(pool.pids[1], signal.SIGKILL)
-        start = time.monotonic()
+        # Worker 0 still produces batches: a pool that missed the death would hand all of them out.
         with pytest.raises(RuntimeError, match=r"worker 1 \(pid \d+\) died with signal SIGKILL"):
-            for _ in range(10_000):  # worker 0 still produces batches
+            for _ in range(10_000):
                 next(batches)
-        assert time.monotonic() - start < 10
 
 
 def test_workers_exit_when_their_parent_dies(start):
@@ -143,9 +144,7 @@ def test_workers_exit_when_their_parent_dies(start):
     gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=3)
     assert not alive, f"workers outlived their parent: {[p.pid for p in alive]}"
     # The dead trainer's store is garbage now: gc removes it.
-    out = subprocess.run(
-        [sys.executable, "-m", "shmsync", "gc", name, "--json"], capture_output=True, text=True, timeout=60
-    ).stdout
+    out = cli("gc", name, "--json").stdout
     assert name in out
     assert name not in segment.list_names()
 
@@ -153,24 +152,8 @@ def test_workers_exit_when_their_parent_dies(start):
 def test_launcher_command_line(store_factory):
     policy = mlp_policy(make_env("CartPole-v1"))
     store = store_factory(policy)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shmsync.workers.launch",
-            "--store",
-            store.name,
-            "--num-workers",
-            "2",
-            "--frames-per-batch",
-            "50",
-            "--batches",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
+    args = ["--store", store.name, "--num-workers", "2", "--frames-per-batch", "50", "--batches", "4"]
+    proc = run_command(python("-m", "shmsync.workers.launch", *args), timeout=150)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("frames, versions [0]") == 4
     assert "exit codes {0: 0, 1: 0}" in proc.stdout
@@ -190,6 +173,6 @@ def test_installed_workers_live_under_shmsync(tmp_path):
         "import importlib.util, shmsync.workers.launch as launch; "
         "print(importlib.util.find_spec('workers'), launch.WorkerPool.__name__)"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    proc = run_command(python("-c", code), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["None", "WorkerPool"], "a bare `workers` package is on the import path"

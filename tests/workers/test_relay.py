@@ -7,19 +7,19 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 
 import pytest
 
 from shmsync.relay import RelaySender, wire
+from tests.commands import python, run_command, start_command
 from tests.relay import peers
 from tests.relay.fakes import FakeTrainer, admit, description, send_version
 from tests.relay.peers import SECRET, SIZES
 from tests.waiting import START_S, wait_for
 from tests.weights import blob_weights
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(120)]
 
 
 @pytest.mark.timeout(START_S + 120)
@@ -31,8 +31,7 @@ def test_the_relay_command_follows_the_trainer_until_it_closes(store_factory, ho
     env["SHMSYNC_RELAY_SECRET"] = SECRET
     with RelaySender(store, "127.0.0.1", 0, secret=SECRET) as sender:
         connect = f"127.0.0.1:{sender.port}"
-        cmd = [sys.executable, "-m", "shmsync.workers.relay", "--connect", connect, "--store", "policy"]
-        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+        proc = start_command(_relay("--connect", connect, "--store", "policy"), env=env, stderr=subprocess.PIPE)
         try:
             linked = lambda: sender.relays.get(1) == 3  # noqa: E731
             wait_for(linked, START_S, "the relay command to link", alive=lambda: proc.poll() is None)
@@ -44,7 +43,7 @@ def test_the_relay_command_follows_the_trainer_until_it_closes(store_factory, ho
     assert "closed its sender after 1 versions" in err
 
 
-@pytest.mark.slow
+@pytest.mark.torchrl
 @pytest.mark.timeout(START_S + 180)
 def test_workers_launched_with_a_relay_run_the_trainers_versions_and_stop_with_it(store_factory, start, host):
     from torchrl.envs import GymEnv
@@ -75,10 +74,14 @@ def test_workers_launched_with_a_relay_run_the_trainers_versions_and_stop_with_i
     assert not os.listdir(host), "the host's store outlived its relay"
 
 
+def _relay(*args):
+    """The relay command's command line."""
+    return python("-m", "shmsync.workers.relay", *args)
+
+
 def _command(port, host, *extra):
     env = {**os.environ, "SHMSYNC_DIR": host, "SHMSYNC_RELAY_SECRET": SECRET}
-    cmd = [sys.executable, "-m", "shmsync.workers.relay", "--connect", f"127.0.0.1:{port}", "--store", "policy"]
-    return subprocess.run([*cmd, "--timeout", "3", *extra], env=env, capture_output=True, text=True, timeout=60)
+    return run_command(_relay("--connect", f"127.0.0.1:{port}", "--store", "policy", "--timeout", "3", *extra), env=env)
 
 
 @pytest.mark.parametrize(
@@ -125,26 +128,17 @@ def test_the_relay_command_never_takes_a_secret_on_its_command_line(host):
     proc = _command(1, host, "--secret", "a secret typed where everyone sees it")
     assert proc.returncode == 2 and "a secret typed" not in proc.stderr + proc.stdout
     assert "--secret-file" in proc.stderr
-    short = subprocess.run(
-        [sys.executable, "-m", "shmsync.workers.relay", "--connect", "127.0.0.1:1", "--store", "policy"],
+    short = run_command(
+        _relay("--connect", "127.0.0.1:1", "--store", "policy"),
         env={**os.environ, "SHMSYNC_RELAY_SECRET": "passwordpassword"},
-        capture_output=True,
-        text=True,
-        timeout=60,
     )
     assert short.returncode == 2 and "32 to 4096 random bytes" in short.stderr
     assert "passwordpassword" not in short.stderr
 
 
-def _relay_command(*args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "shmsync.workers.relay", *args], env=env, capture_output=True, text=True, timeout=60
-    )
-
-
 def test_the_relay_command_without_a_secret_says_how_to_give_one():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHMSYNC_RELAY_SECRET")}
-    proc = _relay_command("--connect", "127.0.0.1:1", "--store", "policy", env=env)
+    proc = run_command(_relay("--connect", "127.0.0.1:1", "--store", "policy"), env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert "--secret-file FILE" in line and "$SHMSYNC_RELAY_SECRET" in line and "secret=" not in line
@@ -152,8 +146,6 @@ def test_the_relay_command_without_a_secret_says_how_to_give_one():
 
 @pytest.mark.parametrize("command", ["relay", "launch"])
 def test_each_commands_help_describes_it_in_whole_sentences(command):
-    proc = subprocess.run(
-        [sys.executable, "-m", f"shmsync.workers.{command}", "--help"], capture_output=True, text=True, timeout=60
-    )
+    proc = run_command(python("-m", f"shmsync.workers.{command}", "--help"))
     description = " ".join(proc.stdout.split("\n\n")[1].split())  # after the usage lines
     assert proc.returncode == 0 and description.endswith(".") and ":mod:" not in description, description

@@ -12,7 +12,11 @@ from shmsync import WeightReader
 from shmsync.testing import page_locked
 from tests.writer.cuda_readers import cuda_layers, cuda_reader
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 
 def _net(device="cpu"):
