@@ -13,7 +13,7 @@ from tests.commands import CHECKOUT
 RETIRED = {
     r"reclaim": "give back (StoreMemory.give_back: a slot's pages returned to the system; a dead reader's row freed)",
     r"cuda[ _-]publisher": "CUDA writer (shmsync/writer/cuda.py's CudaWriter)",
-    r"pinned d2h cop(y|ies)": "host fill (a device slot copied into a host slot, chunk by chunk)",
+    r"pinned d2h cop(y|ies)": "page-locked device-to-host copy (docs/results/gpu_bench.md)",
 }
 WHERE = ["shmsync", "docs", "tests", "examples", "benchmarks", "README.md"]
 NOT_SOURCES = {"__pycache__", "_build", ".pytest_cache"}  # what a build or a run writes there

@@ -76,7 +76,7 @@ What it cannot see
   CUDA copy into a ``pin_memory()`` tensor), ``O_DIRECT`` or ``io_uring`` reads in flight across a
   look, RDMA. They write the physical page, not through the page table. Do not track page-locked
   tensors.
-* Pages given back with ``MADV_DONTNEED`` (or ``MADV_FREE``, once reclaimed) read as zeros
+* Pages given back with ``MADV_DONTNEED`` (or ``MADV_FREE``, once the kernel took them back) read as zeros
   afterwards, and on Linux 6.18 the scan does not report them. Allocators do this only to memory
   they hold free, never under a live tensor.
 * The tracker tracks addresses, not tensors. Memory freed and reused at the same address within a
