@@ -135,7 +135,13 @@ class StoreGroup:
 
     @property
     def version(self) -> int:
-        """The newest version sent to any of the stores (published, or promised by a copy still landing)."""
+        """The newest complete version of any of the stores: published, so workers can load it."""
+        return max(s.version for s in self.stores)
+
+    @property
+    def promised(self) -> int:
+        """The newest promised version of any of the stores: a publish begun whose copy may still be
+        in flight (from CUDA, or in the background); :attr:`version` once it landed."""
         return max(s.promised for s in self.stores)
 
     def publish_keys(self, weights: dict[str, Any], worker_ids: Any = None, version: int | None = None) -> int:

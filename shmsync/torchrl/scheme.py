@@ -226,7 +226,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
 
     @property
     def version(self) -> int:
-        """Sender: the newest version sent to any store (a background copy may still be landing it).
+        """Sender: the newest complete version of any store (published: workers can load it).
         Receiver: the version loaded in this worker. Once the collector shut down, the last version
         its stores held.
 
@@ -234,6 +234,21 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             NotAttachedError: the scheme has no stores, as for :meth:`readers` and :meth:`send`
                 (no collector set it up, or the scheme itself was shut down): a number would read
                 as a version that workers run.
+        """
+        if self._receiver is not None:
+            return self._receiver.version
+        if self.group is None and self._remote_kind is None:
+            raise NotAttachedError(self._why_unattached("it has no version"))
+        return max((s.version for s in self.stores), default=-1)
+
+    @property
+    def promised(self) -> int:
+        """Sender: the newest promised version of any store, that of the last update (its copy may
+        still be in flight, from CUDA or in the background); :attr:`version` once it landed.
+        Receiver: the version loaded in this worker, as :attr:`version`.
+
+        Raises:
+            NotAttachedError: as :attr:`version`.
         """
         if self._receiver is not None:
             return self._receiver.version
@@ -254,8 +269,8 @@ class ShmWeightSyncScheme(WeightSyncScheme):
 
     @property
     def versions(self) -> list[int]:
-        """Sender: the last version sent to each store (one per worker with ``per_worker_weights``)."""
-        return [s.promised for s in self.stores]
+        """Sender: the newest complete version of each store (one per worker with ``per_worker_weights``)."""
+        return [s.version for s in self.stores]
 
     def readers(self, *, processes: bool = True) -> ReaderTable:
         """The readers' table (:mod:`shmsync.store.reader_table`): on the trainer, every worker (each
@@ -270,7 +285,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         Examples:
             >>> scheme = ShmWeightSyncScheme()
             >>> scheme.init_on_sender(model=nn.Linear(3, 1), devices=["cpu"] * 2, model_id="policy")
-            >>> len(scheme.readers()), scheme.readers().latest  # no worker attached yet
+            >>> len(scheme.readers()), scheme.readers().version  # no worker attached yet
             (0, 0)
             >>> scheme.shutdown()
             >>> scheme.readers()
@@ -282,9 +297,9 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         if unattached and self._receiver is None and self._remote_kind is None:
             raise NotAttachedError(self._why_unattached("it has no workers to list"))
         tables = [store.readers(processes=processes) for store in self.stores if not store.closed]
-        latest = max((t.latest for t in tables), default=self.version)
+        version = max((t.version for t in tables), default=self.version)
         # The nodes' or actors' reports, on the trainer's side of a distributed or Ray collector.
-        remote = assemble(getattr(self, "model_id", None) or "policy", latest, [], [], self.remote_rows)
+        remote = assemble(getattr(self, "model_id", None) or "policy", version, [], [], self.remote_rows)
         return merge([*tables, remote])
 
     def _why_unattached(self, what: str) -> str:

@@ -50,6 +50,7 @@ from shmsync.errors import (
     ShmSyncError,
     WriterBusyError,
     WrittenWhileCopiedError,
+    warn_deprecated,
 )
 from shmsync.store.copies import Copier, copy_all
 from shmsync.store.layout import Layout
@@ -602,12 +603,14 @@ class WeightStore:
 
     @property
     def version(self) -> int:
-        """The last completed version (monotonic; 0 is the weights given to :meth:`create`)."""
+        """The newest complete version: published, so readers can load it (it only goes up; 0 is
+        the weights given to :meth:`create`)."""
         return self.memory.header[W_VERSION]
 
     @property
     def promised(self) -> int:
-        """The newest version published or promised (a CUDA publish lands it a little later)."""
+        """The newest promised version: that of the last publish begun, whose copy may still be in
+        flight (from CUDA, or in the background); :attr:`version` once it landed, never below it."""
         return max(self.memory.header[W_VERSION], self.memory.header[W_PROMISED])
 
     @property
@@ -915,20 +918,18 @@ class WeightStore:
     @property
     def table(self) -> ReaderRows:
         """Deprecated: :attr:`rows` (renamed in 0.2.0, removed in 0.3.0)."""
-        warnings.warn("WeightStore.table is deprecated: use WeightStore.rows", DeprecationWarning, stacklevel=2)
+        warn_deprecated("WeightStore.table", "WeightStore.rows", "0.3.0")
         return self.rows
 
     @property
     def reader(self) -> SlotReader:
         """Deprecated: :attr:`slot_reader` (renamed in 0.2.0, removed in 0.3.0)."""
-        warnings.warn("WeightStore.reader is deprecated: use WeightStore.slot_reader", DeprecationWarning, stacklevel=2)
+        warn_deprecated("WeightStore.reader", "WeightStore.slot_reader", "0.3.0")
         return self.slot_reader
 
     def publisher_alive(self) -> bool:
         """Deprecated: :meth:`writer_alive` (renamed in 0.2.0, removed in 0.3.0)."""
-        warnings.warn(
-            "WeightStore.publisher_alive() is deprecated: use writer_alive()", DeprecationWarning, stacklevel=2
-        )
+        warn_deprecated("WeightStore.publisher_alive()", "WeightStore.writer_alive()", "0.3.0")
         return self.writer_alive()
 
     # -- reading --------------------------------------------------------------------------------
@@ -968,9 +969,9 @@ class WeightStore:
             [(0, 0, 'zero-copy')]
         """
         mapped = self.memory
-        latest, alive = mapped.header[W_VERSION], mapped.locks.rows_alive
-        live, gone = local_rows(self.name, mapped.header, alive, latest, processes=processes, memory=memory)
-        return assemble(self.name, latest, live, gone, self.remote_rows)
+        version, alive = mapped.header[W_VERSION], mapped.locks.rows_alive
+        live, gone = local_rows(self.name, mapped.header, alive, version, processes=processes, memory=memory)
+        return assemble(self.name, version, live, gone, self.remote_rows)
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
