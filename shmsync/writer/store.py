@@ -111,7 +111,7 @@ class StoreWriter:
                 self.memory.check_open()  # raises
             tensors = self._matcher.match(source, self._what)
             if version is not None:
-                self.check_version(version)
+                check_version(version, self.promised, self.name)
             if not self.holding:
                 self.acquire()
             self.steps.tensors = tensors  # optimizers holding them count from now on
@@ -326,7 +326,7 @@ class StoreWriter:
         """See :meth:`WeightStore.publish_bytes`."""
         with self.lock:
             self.memory.check_open()
-            self.check_version(version)
+            check_version(version, self.promised, self.name)
             if not self.holding:
                 self.acquire()
             self.flush()
@@ -348,7 +348,7 @@ class StoreWriter:
         with self.lock:
             memory = self.memory
             memory.check_open()
-            self.check_version(version)
+            check_version(version, self.promised, self.name)
             changed = check_delta(memory.layout.entries, data, leaves, self.name)
             if not self.holding:
                 self.acquire()
@@ -411,11 +411,12 @@ class StoreWriter:
         """See :meth:`WeightStore.check`."""
         self._matcher.match(source, f"weights for store {self.name!r}")
         if version is not None:
-            self.check_version(version)
+            check_version(version, self.promised, self.name)
 
-    def check_version(self, version: Any) -> None:
-        """Raise unless ``version`` is an int higher than every version published or promised."""
-        check_version(version, max(self.memory.header[W_VERSION], self.memory.header[W_PROMISED]), self.name)
+    @property
+    def promised(self) -> int:
+        """The newest promised version (see :attr:`WeightStore.promised`): a new one must be higher."""
+        return max(self.memory.header[W_VERSION], self.memory.header[W_PROMISED])
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the writes this process handed to the copier landed, and the give-backs after
@@ -611,7 +612,7 @@ class WeightStore:
     def promised(self) -> int:
         """The newest promised version: that of the last publish begun, whose copy may still be in
         flight (from CUDA, or in the background); :attr:`version` once it landed, never below it."""
-        return max(self.memory.header[W_VERSION], self.memory.header[W_PROMISED])
+        return self.writer.promised
 
     @property
     def steps(self) -> int:
@@ -1029,8 +1030,9 @@ def _bytes_tensor(data: Any) -> torch.Tensor:
 
 
 def check_version(version: Any, last: int, store: str = "") -> None:
-    """Raise unless ``version`` is an int higher than ``last`` (the last version published or
-    promised; -1 for a store's first version)."""
+    """Raise unless ``version`` is an int higher than ``last`` (the store's newest promised
+    version, :attr:`StoreWriter.promised`; -1 for a store's first version): the one check of a
+    version a caller names."""
     where = f"store {store!r}: " if store else ""
     if isinstance(version, bool) or not isinstance(version, int):
         raise ArgumentTypeError(f"{where}version must be an int, got {type(version).__name__}")
