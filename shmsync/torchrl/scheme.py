@@ -23,7 +23,7 @@ from tensordict import TensorDictBase
 from torch import nn
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 
-from shmsync.errors import InvalidArgumentError, NotAttachedError, NotSupportedError, ShmSyncError
+from shmsync.errors import InvalidArgumentError, NotAttachedError, NotSupportedError, ShmSyncError, warn_deprecated
 from shmsync.store.reader_table import ReaderTable, RemoteSources, assemble, merge
 from shmsync.torchrl import compat
 from shmsync.torchrl.publishing import Publisher, StoreGroup, group_before_collector, publisher_and_group
@@ -80,6 +80,11 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             :class:`~shmsync.watch.alarm.StaleEvent`, or None for no alarm.
         strategy: TorchRL's weight-extraction strategy name (weights always travel as tensors).
 
+    Attributes:
+        runs_sent_weights_next: its collector's next batch runs the weights an update sent
+            (``MultiSyncCollector``), so each worker waits at a rollout's start for a version the
+            trainer promised; copied into each worker's copy of the scheme.
+
     Examples:
         >>> from torchrl.collectors import MultiSyncCollector  # doctest: +SKIP
         >>> collector = MultiSyncCollector(
@@ -125,7 +130,8 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             per_worker_weights=per_worker_weights,
             alarm=SchemeSettings.alarm_of(stale_after, max_lag, on_stale),
         )
-        self.exact = False  # its collector's next batch runs the weights sent: workers wait for promises
+        # Its collector's next batch runs the weights sent (MultiSyncCollector): workers wait for promises.
+        self.runs_sent_weights_next = False
         self._store_names: list[str] = []
         self._expected_readers: int | None = None
         self.group: StoreGroup | None = None  # trainer side: the stores of this scheme's key
@@ -179,7 +185,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
                 self, context, (lambda: make_pushes(kind, context, model_id, upstream)) if kind else None
             )
             self._awaiting_collector = False
-            self.exact = compat.runs_sent_weights_next(context)
+            self.runs_sent_weights_next = compat.runs_sent_weights_next(context)
         self._store_names = self.group.store_names
         self._expected_readers = self.group.expected_readers()
         self.group.start_alarm(self.settings.alarm)
@@ -255,6 +261,12 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         if self.group is None and self._remote_kind is None:
             raise NotAttachedError(self._why_unattached("it has no version"))
         return max((s.promised for s in self.stores), default=-1)
+
+    @property
+    def exact(self) -> bool:
+        """Deprecated: :attr:`runs_sent_weights_next` (renamed in 0.3.0, removed in 0.4.0)."""
+        warn_deprecated("ShmWeightSyncScheme.exact", "ShmWeightSyncScheme.runs_sent_weights_next", "0.4.0")
+        return self.runs_sent_weights_next
 
     @property
     def steps(self) -> int:
