@@ -352,30 +352,24 @@ class Publisher:
         if not groups:
             self._refuse_if_shut_down(weights)
             return
-        if pushes is None:
-            self._to_groups(groups, weights, worker_ids, given)
-            return
-        try:  # a push the trainer did not number is refused (take() raises), never guessed
-            newest = self._to_groups(groups, weights, worker_ids, given if given is not None else pushes.take())
+        try:
+            # A push the trainer did not number is refused (take() raises), never guessed.
+            version = given if given is not None or pushes is None else pushes.take()
+            if len(groups) == 1:
+                newest = groups[0].publish_keys(weights, worker_ids, version)
+            else:  # one version in several groups: all checked before any is written
+                parts = [(g, {k: w for k, w in weights.items() if k in g.keys}) for g in groups]
+                check_all([pair for g, w in parts for pair in g.prepare(w, worker_ids)], version)
+                newest = max(g.publish_keys(w, worker_ids, version) for g, w in parts)
+            if self.report_version is not None:  # TorchRL's tracker told
+                self.report_version([s.promised for g in self.groups if not g.closed for s in g.stores])
         except BaseException as error:
+            if pushes is None:
+                raise
             pushes.failed(error)
             return
-        pushes.applied(newest)
-
-    def _to_groups(
-        self, groups: list[StoreGroup], weights: dict[str, Any], worker_ids: Any, version: int | None
-    ) -> int:
-        """One version in ``groups`` (several: all checked before any is written); the tracker told.
-        Returns the newest version published."""
-        if len(groups) == 1:
-            newest = groups[0].publish_keys(weights, worker_ids, version)
-        else:
-            parts = [(g, {k: w for k, w in weights.items() if k in g.keys}) for g in groups]
-            check_all([pair for g, w in parts for pair in g.prepare(w, worker_ids)], version)
-            newest = max(g.publish_keys(w, worker_ids, version) for g, w in parts)
-        if self.report_version is not None:
-            self.report_version([s.promised for g in self.groups if not g.closed for s in g.stores])
-        return newest
+        if pushes is not None:
+            pushes.applied(newest)
 
     def publish_changed(self, keys: set[str]) -> tuple[list[int], list[str]]:
         """Publish the models of ``keys`` into each group's stores where they changed since its

@@ -107,16 +107,9 @@ class StoreWriter:
         ``unsafe_background`` overrides the store's setting. Returns the version."""
         with self.lock:  # a publishing thread beside the trainer's: one version after the other
             start = time.perf_counter()
-            if self.memory.closed:
-                self.memory.check_open()  # raises
             tensors = self._matcher.match(source, self._what)
-            if version is not None:
-                check_version(version, self.promised, self.name)
-            if not self.holding:
-                self.acquire()
+            self._begin(version)
             self.steps.tensors = tensors  # optimizers holding them count from now on
-            if self.copier.pending:
-                self.flush()  # one write open at a time: the one in flight (and its give-backs) first
             if self.cuda is not None or any(t.is_cuda for t in tensors):
                 self.deltas.clear()
                 version = self._cuda(tensors).enqueue(tensors, version)
@@ -155,15 +148,32 @@ class StoreWriter:
         with self.lock:
             return any(self._compare(source, only)[1])
 
+    def _begin(self, version: int | None) -> None:
+        """How every write begins, under the lock: the store still open here, ``version`` (when one
+        is named) higher than every version promised, the writer role held, and the write in flight,
+        with its give-backs, landed (one write open at a time).
+
+        Raises:
+            ClosedError: this process closed the store.
+            InvalidArgumentError, ArgumentTypeError: ``version`` is not an int above the last one.
+            WriterBusyError: another live process holds the writer role.
+            ShmSyncError: the write in flight failed (its error is the cause).
+        """
+        if self.memory.closed:  # one word read on the trainer's path: the call only to raise
+            self.memory.check_open()
+        if version is not None:
+            check_version(version, self.promised, self.name)
+        if not self.holding:
+            self.acquire()
+        if self.copier.pending:
+            self.flush()
+
     def _compare(self, source: Any, only: Collection[str] | None) -> tuple[list[torch.Tensor], list[bool]]:
         """``source``'s tensors (the newest version's outside ``only``), and per leaf whether it
         differs from the newest version. Takes the writer role, and waits for the write in flight."""
-        self.memory.check_open()
         tensors = self._matcher.match(source, self._what)
-        if not self.holding:
-            self.acquire()
+        self._begin(None)  # the write in flight landed: the newest version is whole in its slot
         self.steps.tensors = tensors
-        self.flush()  # the write in flight landed: the newest version is whole in its slot
         newest = self._newest_views()
         if newest is not None and only is not None:
             tensors = self._keep_others(tensors, newest, only)
@@ -325,11 +335,7 @@ class StoreWriter:
     def write_bytes(self, fill: Callable[[memoryview, Write], None], version: int) -> int:
         """See :meth:`WeightStore.publish_bytes`."""
         with self.lock:
-            self.memory.check_open()
-            check_version(version, self.promised, self.name)
-            if not self.holding:
-                self.acquire()
-            self.flush()
+            self._begin(version)
             self.deltas.clear()
             write = self.slot_writer.begin_write(version, steps=-1)  # bytes from elsewhere: no training seen here
 
@@ -347,12 +353,8 @@ class StoreWriter:
         """See :meth:`WeightStore.publish_delta`."""
         with self.lock:
             memory = self.memory
-            memory.check_open()
-            check_version(version, self.promised, self.name)
             changed = check_delta(memory.layout.entries, data, leaves, self.name)
-            if not self.holding:
-                self.acquire()
-            self.flush()
+            self._begin(version)
             h, host = memory.header, memory.host
             if base < 0 or base != h[host.version]:
                 raise InvalidArgumentError(
