@@ -263,7 +263,7 @@ def _tell(remote_schemes: list[Any], collector: Any) -> None:
     """Right before the nodes start: each local scheme learns where the trainer's push store listens."""
     addresses = [compat.push_address(scheme) for scheme in compat.schemes_of(collector).values()]
     for scheme in remote_schemes:
-        scheme.upstream = addresses[0] if addresses else None
+        scheme.sender_side.upstream = addresses[0] if addresses else None
 
 
 def _stop(nodes: list[Any] | None) -> None:

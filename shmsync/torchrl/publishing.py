@@ -595,7 +595,9 @@ class SchemeOfKey(Protocol):
 
     model_id: str
     settings: SchemeSettings
-    group: StoreGroup | None
+
+    @property
+    def group(self) -> StoreGroup | None: ...
 
 
 def publisher_and_group(
