@@ -357,12 +357,10 @@ class Publisher:
             version = given if given is not None or pushes is None else pushes.take()
             if len(groups) == 1:
                 newest = groups[0].publish_keys(weights, worker_ids, version)
-            else:  # one version in several groups: all checked before any is written
-                parts = [(g, {k: w for k, w in weights.items() if k in g.keys}) for g in groups]
-                check_all([pair for g, w in parts for pair in g.prepare(w, worker_ids)], version)
-                newest = max(g.publish_keys(w, worker_ids, version) for g, w in parts)
+            else:
+                newest = _to_several(groups, weights, worker_ids, version)
             if self.report_version is not None:  # TorchRL's tracker told
-                self.report_version([s.promised for g in self.groups if not g.closed for s in g.stores])
+                self.report_version(_promised(self.groups))
         except BaseException as error:
             if pushes is None:
                 raise
@@ -385,7 +383,7 @@ class Publisher:
             except WrittenWhileCopiedError:
                 written += sorted(mine)
         if published and self.report_version is not None:
-            self.report_version([s.promised for g in self.live_groups() for s in g.stores])
+            self.report_version(_promised(self.groups))
         return published, written
 
     def differs(self, keys: set[str]) -> bool:
@@ -580,6 +578,18 @@ class CollectorPatches:
                 yield batch
         finally:
             batches.close()
+
+
+def _promised(groups: list[StoreGroup]) -> list[int]:
+    """The newest promised version of each store of the live ``groups`` (what TorchRL's tracker is told)."""
+    return [s.promised for g in groups if not g.closed for s in g.stores]
+
+
+def _to_several(groups: list[StoreGroup], weights: dict[str, Any], worker_ids: Any, version: int | None) -> int:
+    """One version in several groups, all checked before any is written; the newest published."""
+    parts = [(g, {k: w for k, w in weights.items() if k in g.keys}) for g in groups]
+    check_all([pair for g, w in parts for pair in g.prepare(w, worker_ids)], version)
+    return max(g.publish_keys(w, worker_ids, version) for g, w in parts)
 
 
 def _bind(method: Callable, original: Callable) -> Callable:
