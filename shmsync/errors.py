@@ -1,6 +1,9 @@
-"""Exceptions raised by shmsync, and the one warning category of its own."""
+"""Exceptions raised by shmsync, the one warning category of its own, and the one way a deprecated
+name says so."""
 
 from __future__ import annotations
+
+import warnings
 
 
 class ShmSyncError(RuntimeError):
@@ -168,3 +171,23 @@ class FreshnessWarning(UserWarning):
     in the same loop (say, a ``MultiAsyncCollector`` whose trainer updates before it trains). Said
     once per collector; the message names the call and the fix. Every frame still ran exactly
     the version on its tag."""
+
+
+def warn_deprecated(old: str, new: str, removed_in: str) -> None:
+    """Say that ``old`` is deprecated for ``new`` (a :class:`DeprecationWarning` pointing at the
+    caller of the alias): every deprecated alias calls this, and docs/api.md lists them.
+
+    Args:
+        old: the deprecated name, as the user wrote it (``"WeightStore.table"``).
+        new: the name to use instead.
+        removed_in: the release that removes ``old``.
+
+    Examples:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_deprecated("Thing.old", "Thing.new", "0.3.0")
+        >>> str(caught[0].message)
+        'Thing.old is deprecated (removed in 0.3.0): use Thing.new'
+    """
+    warnings.warn(f"{old} is deprecated (removed in {removed_in}): use {new}", DeprecationWarning, stacklevel=3)

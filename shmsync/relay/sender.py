@@ -103,7 +103,7 @@ class RelaySender:
                 file=sys.stderr,
             )
         self._server.deltas = bool(deltas)
-        self._server.book = ReportBook(store.name, write_file=True, latest=lambda: store.version)
+        self._server.book = ReportBook(store.name, write_file=True, version=lambda: store.version)
         store.remote_rows.add(self._server.book)  # store.readers() lists the readers on every host
         self._server.set_store(store)
         self._server.start(store.memory.layout_description, [], fanout)

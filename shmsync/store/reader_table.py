@@ -22,7 +22,7 @@ Examples:
     ...     _ = store.publish(policy)
     ...     table = store.readers()
     ...     (row,) = table
-    ...     row.worker, row.version, row.behind, table.latest
+    ...     row.worker, row.version, row.behind, table.version
     (0, 0, 1, 1)
 """
 
@@ -60,6 +60,7 @@ from shmsync.core.header import (
 from shmsync.core.pages import human_bytes
 from shmsync.core.processes import process_state, process_uss
 from shmsync.core.protocol import steps_of
+from shmsync.errors import warn_deprecated
 
 log = logging.getLogger("shmsync.table")
 
@@ -213,7 +214,8 @@ class ReaderTable:
 
     Attributes:
         store: the store's name.
-        latest: the newest version published (the trainer's, for remote rows).
+        version: the store's newest complete version (the trainer's, for remote rows): each
+            row's ``behind`` counts from it.
         rows: the live readers, worst lagging first.
         gone: rows left by readers that died.
         hosts: what each other host last reported.
@@ -221,7 +223,7 @@ class ReaderTable:
     """
 
     store: str
-    latest: int
+    version: int
     rows: list[ReaderRow]
     gone: list[ReaderRow] = field(default_factory=list)
     hosts: list[HostReport] = field(default_factory=list)
@@ -240,6 +242,12 @@ class ReaderTable:
         return bool(self.rows)
 
     @property
+    def latest(self) -> int:
+        """Deprecated: :attr:`version` (renamed in 0.3.0, removed in 0.4.0)."""
+        warn_deprecated("ReaderTable.latest", "ReaderTable.version", "0.4.0")
+        return self.version
+
+    @property
     def max_behind(self) -> int:
         """The most versions any live reader is behind (0 with none)."""
         return max((r.behind for r in self.rows if r.behind is not None), default=0)
@@ -247,7 +255,7 @@ class ReaderTable:
     def summary(self) -> str:
         """One line: how many readers on how many hosts, how many are behind, the worst one."""
         hosts = {r.host for r in self.rows}
-        head = f"{self.store}: version {self.latest}, {_count(len(self.rows), 'reader')}"
+        head = f"{self.store}: version {self.version}, {_count(len(self.rows), 'reader')}"
         head += f" on {_count(len(hosts), 'host')}" if self.rows else ""
         return "; ".join([head, *self._troubles()])
 
@@ -282,7 +290,7 @@ class ReaderTable:
         """The table as plain JSON types (``shmsync ls NAME --json``)."""
         return {
             "store": self.store,
-            "latest": self.latest,
+            "version": self.version,
             "taken_ns": self.taken_ns,
             "readers": [r.as_dict() for r in self.rows],
             "gone": [r.as_dict() for r in self.gone],
@@ -315,14 +323,15 @@ def local_rows(
     store: str,
     h: Any,
     alive: Callable[[list[int]], set[int]],
-    latest: int,
+    store_version: int,
     *,
     processes: bool = False,
     memory: bool | None = None,
     now_ns: int | None = None,
 ) -> tuple[list[ReaderRow], list[ReaderRow]]:
     """The live and the gone readers in header words ``h`` (a memoryview, or words read with
-    ``pread``), ``alive(rows)`` telling which rows' readers still hold their lock. With
+    ``pread``), ``alive(rows)`` telling which rows' readers still hold their lock, each row behind
+    ``store_version`` (the store's newest complete version) by what it says. With
     ``processes``, each row's process state is looked up (one read of ``/proc/PID/stat``), and
     with ``memory`` (default: as ``processes``) its private memory; the docs' Performance page
     has what each costs."""
@@ -336,7 +345,7 @@ def local_rows(
     for row, w in rows:
         is_alive = row in living
         state, uss = _process_facts(w, is_alive, processes, memory) if processes or not is_alive else ("", None)
-        (live if is_alive else gone).append(_row(store, w, latest, now, state, uss, steps(w[R_VERSION])))
+        (live if is_alive else gone).append(_row(store, w, store_version, now, state, uss, steps(w[R_VERSION])))
     return live, gone
 
 
@@ -345,25 +354,25 @@ class _StepsBehind:
     writer's step count now, less the version's count in the steps ring (None where it has none)."""
 
     def __init__(self, h: Any) -> None:
-        self.h, self.now, self.latest = h, h[W_STEPS], h[W_VERSION]
+        self.h, self.now, self.version = h, h[W_STEPS], h[W_VERSION]
         self.known: dict[int, int | None] = {}
 
     def __call__(self, version: int) -> int | None:
         if version not in self.known:
-            then = steps_of(self.h, version, self.latest)
+            then = steps_of(self.h, version, self.version)
             self.known[version] = max(0, self.now - then) if then is not None and self.now >= 0 else None
         return self.known[version]
 
 
-def rebase(rows: Sequence[ReaderRow], latest: int, age_s: float, **changes: Any) -> list[ReaderRow]:
-    """Rows of a report ``age_s`` old, as seen now against ``latest``: behind recomputed, their
+def rebase(rows: Sequence[ReaderRow], store_version: int, age_s: float, **changes: Any) -> list[ReaderRow]:
+    """Rows of a report ``age_s`` old, as seen now against ``store_version``: behind recomputed, their
     reload ages and report age moved on by ``age_s``."""
     out = []
     for r in rows:
         out.append(
             replace(
                 r,
-                behind=max(0, latest - r.version) if r.version >= 0 else None,
+                behind=max(0, store_version - r.version) if r.version >= 0 else None,
                 since_reload_s=None if r.since_reload_s is None else r.since_reload_s + age_s,
                 report_age_s=(r.report_age_s or 0.0) + age_s,
                 **changes,
@@ -383,7 +392,7 @@ def _process_facts(w: list[int], is_alive: bool, processes: bool, memory: bool) 
 
 
 def _row(
-    store: str, w: list[int], latest: int, now: int, state: str, uss: int | None, steps_behind: int | None
+    store: str, w: list[int], store_version: int, now: int, state: str, uss: int | None, steps_behind: int | None
 ) -> ReaderRow:
     """A row of this host's table from its header words ``w``."""
     version, stamp, flags = w[R_VERSION], w[R_RELOAD_NS], w[R_FLAGS]
@@ -394,7 +403,7 @@ def _row(
         w[R_WORKER] - 1 if 0 < w[R_WORKER] <= MAX_WORKER else None,
         w[R_PID],
         version,
-        (latest - version if latest > version else 0) if loaded else None,
+        (store_version - version if store_version > version else 0) if loaded else None,
         ((now - stamp) / 1e9 if now > stamp else 0.0) if stamp > 0 and loaded else None,
         w[R_RELOADS] if w[R_RELOADS] > 0 else 0,
         Mode.of_row(flags, w[R_LEASE], w[R_DEVICE_LEASE]).value,
@@ -413,11 +422,11 @@ class RemoteRows(Protocol):
     a distributed collector)."""
 
     @property
-    def latest(self) -> int:
-        """The newest version it knows the trainer published (-1: none)."""
+    def version(self) -> int:
+        """The newest complete version it knows the trainer published (-1: none)."""
 
-    def remote_rows(self, latest: int) -> tuple[list[HostReport], list[ReaderRow]]:
-        """The other hosts' reports and their rows, seen now against ``latest``."""
+    def remote_rows(self, store_version: int) -> tuple[list[HostReport], list[ReaderRow]]:
+        """The other hosts' reports and their rows, seen now against ``store_version``."""
 
 
 class RemoteSources:
@@ -452,7 +461,7 @@ class RemoteSources:
 
 def assemble(
     store: str,
-    latest: int,
+    version: int,
     live: list[ReaderRow],
     gone: list[ReaderRow],
     sources: Iterable[RemoteRows] = (),
@@ -460,16 +469,17 @@ def assemble(
     hosts: Sequence[HostReport] = (),
     remote: Sequence[ReaderRow] = (),
 ) -> ReaderTable:
-    """A table of local rows, with the rows of ``sources`` (other hosts) and those given."""
+    """A table of local rows at the store's newest complete ``version``, with the rows of
+    ``sources`` (other hosts) and those given."""
     hosts, remote, sources = list(hosts), list(remote), list(sources)
-    latest = max([latest, *(source.latest for source in sources)])
+    version = max([version, *(source.version for source in sources)])
     for source in sources:
-        more_hosts, more_rows = source.remote_rows(latest)
+        more_hosts, more_rows = source.remote_rows(version)
         hosts += more_hosts
         remote += more_rows
     rows = sort_rows([*live, *(r for r in remote if r.state not in ("lost", "gone"))])
     gone = [*gone, *(r for r in remote if r.state in ("lost", "gone"))]
-    return ReaderTable(store, latest, rows, gone, hosts, time.time_ns())
+    return ReaderTable(store, version, rows, gone, hosts, time.time_ns())
 
 
 def merge(tables: Sequence[ReaderTable]) -> ReaderTable:
@@ -479,7 +489,7 @@ def merge(tables: Sequence[ReaderTable]) -> ReaderTable:
         return tables[0]
     return ReaderTable(
         _names(tables),
-        max((t.latest for t in tables), default=-1),
+        max((t.version for t in tables), default=-1),
         sort_rows(r for t in tables for r in t.rows),
         [r for t in tables for r in t.gone],
         [h for t in tables for h in t.hosts],

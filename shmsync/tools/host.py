@@ -13,7 +13,6 @@ import contextlib
 import difflib
 import os
 import time
-import warnings
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
@@ -33,7 +32,7 @@ from shmsync.core.header import (
     check_words,
     reader_rows,
 )
-from shmsync.errors import ShmSyncError, StoreNotFoundError, StoreUntrustedError
+from shmsync.errors import ShmSyncError, StoreNotFoundError, StoreUntrustedError, warn_deprecated
 from shmsync.store.reader_table import ReaderTable, assemble, local_rows
 from shmsync.watch.remote_rows import read_report_file
 
@@ -69,7 +68,7 @@ class StoreStatus:
     @property
     def publisher_alive(self) -> bool:
         """Deprecated: :attr:`writer_alive` (renamed in 0.2.0, removed in 0.3.0)."""
-        warnings.warn("StoreStatus.publisher_alive is deprecated: use writer_alive", DeprecationWarning, stacklevel=2)
+        warn_deprecated("StoreStatus.publisher_alive", "StoreStatus.writer_alive", "0.3.0")
         return self.writer_alive
 
     def as_dict(self) -> dict:
@@ -174,12 +173,12 @@ def table(name: str, *, processes: bool = True) -> ReaderTable:
             def alive(rows: list[int], fd: int = fd) -> set[int]:
                 return segment.locked_rows(fd, rows)
 
-            latest = h[W_VERSION]
-            live, gone = local_rows(name, h, alive, latest, processes=processes)
+            version = h[W_VERSION]
+            live, gone = local_rows(name, h, alive, version, processes=processes)
         finally:
             os.close(fd)
-        hosts, remote = read_report_file(name, latest) if path is None else ([], [])
-        return assemble(name, latest, live, gone, hosts=hosts, remote=remote)
+        hosts, remote = read_report_file(name, version) if path is None else ([], [])
+        return assemble(name, version, live, gone, hosts=hosts, remote=remote)
     raise StoreNotFoundError(_not_found(name))
 
 

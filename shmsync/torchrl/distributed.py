@@ -84,16 +84,16 @@ class _NumberedPushes:
             send = functools.partial(_bound, self.push, store, leaves.get(id(scheme)))
             compat.wrap_push(scheme, send)
         self.ranks = list(range(1, collector.num_workers + 1))
-        self.book = ReportBook(latest=lambda: self.count)
+        self.book = ReportBook(version=lambda: self.count)
         self._seen: dict[int, int] = {}  # rank -> the number of its last report taken
         self._looked = 0.0
 
     # -- the nodes' readers ---------------------------------------------------------------------------
     @property
-    def latest(self) -> int:
+    def version(self) -> int:
         return self.count
 
-    def remote_rows(self, latest: int) -> tuple[list[HostReport], list[ReaderRow]]:
+    def remote_rows(self, store_version: int) -> tuple[list[HostReport], list[ReaderRow]]:
         """The nodes' last reports (``shmsync.store.reader_table.RemoteRows``): read from the TCPStore, where each
         node rewrites its table about once a second, at most twice a second; never a message to a node."""
         now = time.monotonic()
@@ -112,7 +112,7 @@ class _NumberedPushes:
                 if self._seen.get(rank) != seq:
                     self._seen[rank] = seq
                     self.book.heard(entries[0].node if entries else f"rank{rank}", f"node {rank}", entries)
-        return self.book.remote_rows(latest)
+        return self.book.remote_rows(store_version)
 
     def push(
         self,
@@ -263,7 +263,7 @@ def _tell(remote_schemes: list[Any], collector: Any) -> None:
     """Right before the nodes start: each local scheme learns where the trainer's push store listens."""
     addresses = [compat.push_address(scheme) for scheme in compat.schemes_of(collector).values()]
     for scheme in remote_schemes:
-        scheme.upstream = addresses[0] if addresses else None
+        scheme.sender_side.upstream = addresses[0] if addresses else None
 
 
 def _stop(nodes: list[Any] | None) -> None:
@@ -320,7 +320,7 @@ class RayCollector(torchrl_distributed.RayCollector):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._shmsync_schemes = claim_remote_schemes(kwargs.get("collector_kwargs"), "ray", "RayCollector")
         self._shmsync_pushes = 0
-        self._shmsync_book = ReportBook(latest=lambda: self._shmsync_pushes)
+        self._shmsync_book = ReportBook(version=lambda: self._shmsync_pushes)
         for scheme in self._shmsync_schemes:  # scheme.readers() lists every actor's workers
             scheme.remote_rows.add(self._shmsync_book)
         super().__init__(*args, **kwargs)

@@ -9,12 +9,14 @@ theirs.
 A :class:`Publisher` is made when TorchRL gives a scheme its collector (``init_on_sender(context=
 collector)``), or by a scheme initialized before any collector. Every publish goes through
 :meth:`Publisher.route`, whichever entry point the user calls: TorchRL's loop calls each
-scheme's ``send()``, and ``update_policy_weights_`` is wrapped on the collector's instance so that
-the keys one call names are published as one version (TorchRL offers no hook around one update
-call, and drops unknown keywords such as ``version=``). Three more public methods are wrapped on
-that one instance, each over a path that stays correct without it: ``shutdown`` (frees the stores
-at once; else they go with the schemes), ``load_state_dict`` (republishes under the restored
-versions) and ``iterator`` (gives each batch ``("next", key)`` where a worker could not tag it).
+scheme's ``send()``, and the collector's :class:`CollectorPatches` wrap ``update_policy_weights_``
+on its instance so that the keys one call names are published as one version (TorchRL offers no
+hook around one update call, and drops unknown keywords such as ``version=``). Three more public
+methods are wrapped on that one instance, each over a path that stays correct without it:
+``shutdown`` (frees the stores at once; else they go with the schemes), ``load_state_dict``
+(republishes under the restored versions) and ``iterator`` (publishes again at each hand-out of
+work what training changed since, and gives each batch ``("next", key)`` where a worker could not
+tag it); a fifth, ``worker_policy_versions``, on torchrl 0.15.
 
 A publish's version is, in order: the one given (``update_policy_weights_(version=n)``); on a
 collector that is another process's remote node (a node, a Ray actor), the trainer's number of the
@@ -135,7 +137,13 @@ class StoreGroup:
 
     @property
     def version(self) -> int:
-        """The newest version sent to any of the stores (published, or promised by a copy still landing)."""
+        """The newest complete version of any of the stores: published, so workers can load it."""
+        return max(s.version for s in self.stores)
+
+    @property
+    def promised(self) -> int:
+        """The newest promised version of any of the stores: a publish begun whose copy may still be
+        in flight (from CUDA, or in the background); :attr:`version` once it landed."""
         return max(s.promised for s in self.stores)
 
     def publish_keys(self, weights: dict[str, Any], worker_ids: Any = None, version: int | None = None) -> int:
@@ -275,8 +283,10 @@ class StoreGroup:
 
 
 class Publisher:
-    """The stores, versions and instance wrappers of one collector (or of one scheme initialized
-    before any collector: then ``collector`` is None and nothing is wrapped).
+    """The route of every publish of one collector (or of one scheme initialized before any
+    collector: then ``collector`` is None): its groups of stores, the versions they publish under,
+    and TorchRL's tracker told of each. What is wrapped on the collector is its
+    :class:`CollectorPatches`' job.
 
     Args:
         collector: the TorchRL collector, or None.
@@ -291,26 +301,8 @@ class Publisher:
         self.unchecked: list[StoreGroup] = []  # groups whose workers are still to be seen attached
         self.version_keys: list[str] = []
         self.num_workers = getattr(collector, "num_workers", None)
-        self.report_version = None
-        # Keys an update with no weights named since the collector last handed out work, and the
-        # thread that named them: at the next hand-out on that thread they are published again
-        # where training changed them (see hand_out).
-        self.fresh: dict[str, int] = {}
-        self.numbered: dict[str, int] = {}  # likewise, but under a version the caller numbered
-        self.marks = threading.Lock()  # another thread may update while this one hands out
-        self.handing_out = 0  # the thread inside TorchRL's iterator, which updates before it hands out
-        self.warned = False  # FreshnessWarning: once per collector
-        self.hands_out = collector is not None and self.pushes is None  # a remote node's pushes are the trainer's
-        self.numbered_checked = False
-        if collector is not None:
-            self.report_version = compat.version_setter(collector)  # checked now, before any worker starts
-            methods = ["update_policy_weights_", "shutdown", "load_state_dict", "iterator"]
-            if compat.has_worker_versions(collector):
-                methods.append("worker_policy_versions")
-            for method in methods:
-                compat.wrap_on_instance(collector, method, functools.partial(_bind, getattr(self, _WRAPPERS[method])))
-            _PUBLISHERS[collector] = self
-            at_exit.watch(self)  # left running at exit: named on stderr, then shut down
+        # TorchRL's policy-version tracker: checked now, before any worker starts.
+        self.report_version = compat.version_setter(collector) if collector is not None else None
 
     @classmethod
     def of(cls, collector: Any) -> Publisher | None:
@@ -322,6 +314,12 @@ class Publisher:
         """The group ``collector`` already made for ``key`` (with its other shmsync keys), if any."""
         publisher = _PUBLISHERS.get(collector)
         return next((g for g in publisher.groups if key in g.keys), None) if publisher is not None else None
+
+    def serve(self) -> None:
+        """Be its collector's publisher (:meth:`of` finds it), once its patches are on the collector;
+        left running at exit, the collector is named on stderr, then shut down."""
+        _PUBLISHERS[self.collector] = self
+        at_exit.watch(self)
 
     @property
     def collector(self) -> Any:
@@ -349,36 +347,107 @@ class Publisher:
         trainer is told how it went (an error goes to it, not up this stack)."""
         pushes = self.pushes
         if self.unchecked and pushes is None:  # a remote node applies pushes while still being built
-            self._check_attached()
+            self.check_attached()
         groups = [g for g in self.groups if not g.closed and any(k in g.keys for k in weights)]
         if not groups:
             self._refuse_if_shut_down(weights)
             return
-        if pushes is None:
-            self._to_groups(groups, weights, worker_ids, given)
-            return
-        try:  # a push the trainer did not number is refused (take() raises), never guessed
-            newest = self._to_groups(groups, weights, worker_ids, given if given is not None else pushes.take())
+        try:
+            # A push the trainer did not number is refused (take() raises), never guessed.
+            version = given if given is not None or pushes is None else pushes.take()
+            if len(groups) == 1:
+                newest = groups[0].publish_keys(weights, worker_ids, version)
+            else:
+                newest = _to_several(groups, weights, worker_ids, version)
+            if self.report_version is not None:  # TorchRL's tracker told
+                self.report_version(_promised(self.groups))
         except BaseException as error:
+            if pushes is None:
+                raise
             pushes.failed(error)
             return
-        pushes.applied(newest)
+        if pushes is not None:
+            pushes.applied(newest)
 
-    def _to_groups(
-        self, groups: list[StoreGroup], weights: dict[str, Any], worker_ids: Any, version: int | None
-    ) -> int:
-        """One version in ``groups`` (several: all checked before any is written); the tracker told.
-        Returns the newest version published."""
-        if len(groups) == 1:
-            newest = groups[0].publish_keys(weights, worker_ids, version)
-        else:
-            parts = [(g, {k: w for k, w in weights.items() if k in g.keys}) for g in groups]
-            check_all([pair for g, w in parts for pair in g.prepare(w, worker_ids)], version)
-            newest = max(g.publish_keys(w, worker_ids, version) for g, w in parts)
-        if self.report_version is not None:
-            self.report_version([s.promised for g in self.groups if not g.closed for s in g.stores])
-        return newest
+    def publish_changed(self, keys: set[str]) -> tuple[list[int], list[str]]:
+        """Publish the models of ``keys`` into each group's stores where they changed since its
+        newest version (the hand-out's route: see :class:`CollectorPatches`); the tracker told.
+        Returns the versions published, and the keys of the groups whose models another thread kept
+        writing while they were copied (those published nothing)."""
+        published: list[int] = []
+        written: list[str] = []
+        for group in self.live_groups():
+            mine = keys.intersection(group.keys)
+            try:
+                published += group.publish_if_changed(mine) if mine else []
+            except WrittenWhileCopiedError:
+                written += sorted(mine)
+        if published and self.report_version is not None:
+            self.report_version(_promised(self.groups))
+        return published, written
 
+    def differs(self, keys: set[str]) -> bool:
+        """Whether the models of ``keys`` differ from what their stores hold now (read only)."""
+        return any(g.differs(keys.intersection(g.keys)) for g in self.live_groups() if keys.intersection(g.keys))
+
+    def _refuse_if_shut_down(self, weights: dict[str, Any]) -> None:
+        """An update of keys whose stores this collector closed (it was shut down) raises
+        :class:`~shmsync.errors.ClosedError`, or, on a remote node, reports it to the trainer:
+        doing nothing would leave the caller believing its workers got the weights."""
+        keys = sorted(k for k in weights if k in self.keys)
+        if not keys:
+            return
+        error = ClosedError(
+            f"the collector is shut down: its shmsync stores are closed, so the update of {keys} reaches no "
+            "worker (build a new collector)"
+        )
+        if self.pushes is None:
+            raise error
+        self.pushes.failed(error)
+
+    def check_attached(self) -> None:
+        """Once per group: every worker's reader attached (TorchRL set the scheme up in each)."""
+        while self.unchecked:
+            self.unchecked.pop().check_workers_attached()
+
+
+class CollectorPatches:
+    """shmsync's wrappers on one collector's instance, each over a public method of TorchRL's
+    (TorchRL's class is left alone; see the module's docstring for why each is wrapped): the update
+    call goes to its :class:`Publisher`'s route, and each hand-out of work publishes again what
+    training changed since an update that named no weights.
+
+    Args:
+        publisher: the collector's publisher, the route of every publish.
+        collector: the TorchRL collector.
+    """
+
+    # The methods wrapped, each by the method of the same name here (``worker_policy_versions``
+    # where the collector has it: torchrl 0.15).
+    WRAPPED = ("update_policy_weights_", "shutdown", "load_state_dict", "iterator", "worker_policy_versions")
+
+    def __init__(self, publisher: Publisher, collector: Any) -> None:
+        self.publisher = publisher
+        self._collector = weakref.ref(collector)
+        # Keys an update with no weights named since the collector last handed out work, and the
+        # thread that named them: at the next hand-out on that thread they are published again
+        # where training changed them (see hand_out).
+        self.fresh: dict[str, int] = {}
+        self.numbered: dict[str, int] = {}  # likewise, but under a version the caller numbered
+        self.marks = threading.Lock()  # another thread may update while this one hands out
+        self.handing_out = 0  # the thread inside TorchRL's iterator, which updates before it hands out
+        self.warned = False  # FreshnessWarning: once per collector
+        self.hands_out = publisher.pushes is None  # a remote node's pushes are the trainer's
+        self.numbered_checked = False
+
+    def install(self) -> None:
+        """Wrap each method of :attr:`WRAPPED` the collector has on its instance."""
+        collector = self._collector()
+        for method in self.WRAPPED:
+            if method != "worker_policy_versions" or compat.has_worker_versions(collector):
+                compat.wrap_on_instance(collector, method, functools.partial(_bind, getattr(self, method)))
+
+    # -- the hand-out -----------------------------------------------------------------------------
     def hand_out(self) -> None:
         """The collector is about to hand its workers their next work: publish again, where they
         changed, the models an update named without weights since the last hand-out, so that the
@@ -396,7 +465,7 @@ class Publisher:
             self.fresh, self.numbered = {}, {}
         if numbered and not self.numbered_checked:
             self.numbered_checked = True  # compared once: a loop that changes nothing pays it once
-            if self._changed_since(numbered):
+            if self.publisher.differs(numbered):
                 self._warn(
                     f"update_policy_weights_(version=...) published {sorted(numbered)} before the weights were "
                     "changed again, and a version the caller numbers cannot be published once more at the next "
@@ -410,67 +479,39 @@ class Publisher:
     def _publish_fresh(self, keys: set[str]) -> None:
         """The hand-out's publish of ``keys``, where their models changed; said once where the
         workers ran older weights than TorchRL's default would have given them."""
-        published = []
-        for group in self.live_groups():
-            mine = keys.intersection(group.keys)
-            try:
-                published += group.publish_if_changed(mine) if mine else []
-            except WrittenWhileCopiedError:
-                self._warn(
-                    f"the weights of {sorted(mine)} were being written by another thread each time shmsync copied "
-                    "them as the collector handed out work: its workers run the snapshot update_policy_weights_() "
-                    "took. Publish from the thread that writes them, or pass them: update_policy_weights_(weights)"
-                )
-        if published and self.report_version is not None:
-            self.report_version([s.promised for g in self.live_groups() for s in g.stores])
-        if published and not compat.runs_sent_weights_next(self.collector):
+        published, written = self.publisher.publish_changed(keys)
+        if written:
             self._warn(
-                f"{type(self.collector).__name__}'s workers collect while the trainer trains: the training done after "
+                f"the weights of {written} were being written by another thread each time shmsync copied "
+                "them as the collector handed out work: its workers run the snapshot update_policy_weights_() "
+                "took. Publish from the thread that writes them, or pass them: update_policy_weights_(weights)"
+            )
+        collector = self._collector()
+        if published and not compat.runs_sent_weights_next(collector):
+            self._warn(
+                f"{type(collector).__name__}'s workers collect while the trainer trains: the training done after "
                 "update_policy_weights_() reached them only now, as the next batch was asked for (TorchRL's default "
                 "scheme shows it to them at every optimizer step, unversioned). Call update_policy_weights_() after "
                 "the optimizer steps for fresher weights"
             )
-
-    def _changed_since(self, keys: set[str]) -> bool:
-        """Whether the models of ``keys`` differ from what their stores hold now (read only)."""
-        return any(g.differs(keys.intersection(g.keys)) for g in self.live_groups() if keys.intersection(g.keys))
 
     def _warn(self, message: str) -> None:
         if not self.warned:
             self.warned = True
             warnings.warn(message, FreshnessWarning, stacklevel=4)
 
-    def _refuse_if_shut_down(self, weights: dict[str, Any]) -> None:
-        """An update of keys whose stores this collector closed (it was shut down) raises
-        :class:`~shmsync.errors.ClosedError`, or, on a remote node, reports it to the trainer:
-        doing nothing would leave the caller believing its workers got the weights."""
-        keys = sorted(k for k in weights if k in self.keys)
-        if not keys:
-            return
-        error = ClosedError(
-            f"the collector is shut down: its shmsync stores are closed, so the update of {keys} reaches no "
-            "worker (build a new collector)"
-        )
-        if self.pushes is None:
-            raise error
-        self.pushes.failed(error)
-
-    def _check_attached(self) -> None:
-        """Once per group: every worker's reader attached (TorchRL set the scheme up in each)."""
-        while self.unchecked:
-            self.unchecked.pop().check_workers_attached()
-
-    # -- the wrappers -----------------------------------------------------------------------------
-    def update(self, original: Callable, *args: Any, version: int | None = None, **kwargs: Any) -> Any:
-        """``update_policy_weights_``: the shmsync keys it names, one version; the rest, TorchRL's.
+    # -- the wrappers, each named as the collector's method it wraps ------------------------------
+    def update_policy_weights_(self, original: Callable, *args: Any, version: int | None = None, **kwargs: Any) -> Any:
+        """The shmsync keys it names, one version (the publisher's route); the rest, TorchRL's.
         The keys it names without weights (the trainer's live models) are noted, with the thread
         that named them, for the next hand-out on that thread (:meth:`hand_out`); keys given
         weights keep those."""
+        keys = self.publisher.keys
         weights, worker_ids = compat.update_request(args, kwargs) if args or kwargs else ({"policy": None}, None)
-        rest = {k: w for k, w in weights.items() if k not in self.keys}
+        rest = {k: w for k, w in weights.items() if k not in keys}
         result = original(weights_dict=rest, worker_ids=worker_ids) if rest else None
-        mine = {k: w for k, w in weights.items() if k in self.keys}
-        self.route(mine, worker_ids, given=version)
+        mine = {k: w for k, w in weights.items() if k in keys}
+        self.publisher.route(mine, worker_ids, given=version)
         me = threading.get_ident()
         if self.hands_out and self.handing_out != me:  # not TorchRL's own update right before a hand-out
             with self.marks:
@@ -482,38 +523,43 @@ class Publisher:
         return result
 
     def shutdown(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        """TorchRL's shutdown, then the stores freed at once (else they go with the schemes)."""
         try:
             return original(*args, **kwargs)
         finally:
-            for g in self.live_groups():
+            for g in self.publisher.live_groups():
                 g.close()
 
     def load_state_dict(self, original: Callable, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        """TorchRL's load, then each store's newest weights republished under the restored versions."""
         result = original(state_dict, *args, **kwargs)
-        saved = [_saved_version(state_dict, i) for i in range(self.num_workers or 0)]
-        for g in self.live_groups():
+        saved = [_saved_version(state_dict, i) for i in range(self.publisher.num_workers or 0)]
+        for g in self.publisher.live_groups():
             g.relabel(saved if g.per_worker else [max((v for v in saved if v is not None), default=None)])
         return result
 
-    def worker_versions(self, original: Callable, *args: Any, **kwargs: Any) -> dict[int, int | None]:
+    def worker_policy_versions(self, original: Callable, *args: Any, **kwargs: Any) -> dict[int, int | None]:
         """``worker_policy_versions()`` (torchrl 0.15): each worker's loaded version, from the readers'
         table (no message, no pause; a frozen worker answers too); None for a worker with no reader
         attached, and for every worker without ``track_policy_version``, as TorchRL answers."""
-        if "policy" not in self.keys:  # another scheme syncs the policy: TorchRL asks the workers
+        publisher = self.publisher
+        if "policy" not in publisher.keys:  # another scheme syncs the policy: TorchRL asks the workers
             return original(*args, **kwargs)
-        workers = self.num_workers or 0  # a collector's publisher: its collector has workers
-        if self.report_version is None:  # no track_policy_version
+        workers = publisher.num_workers or 0  # a collector's publisher: its collector has workers
+        if publisher.report_version is None:  # no track_policy_version
             return dict.fromkeys(range(workers))
         loaded: dict[int, int] = {}
-        for row in merge([g.readers() for g in self.live_groups()]):
+        for row in merge([g.readers() for g in publisher.live_groups()]):
             if row.worker is not None:  # a worker runs the oldest of its keys' versions
                 loaded[row.worker] = min(row.version, loaded.get(row.worker, row.version))
         return {w: loaded.get(w) for w in range(workers)}
 
     def iterator(self, original: Callable, *args: Any, **kwargs: Any) -> Iterator[Any]:
         """Each batch of TorchRL's iterator; before TorchRL hands out work (the first, and each one
-        after the caller's code ran on a batch), :meth:`hand_out`."""
-        self._check_attached()  # before the first batch: a worker left out would run its first weights
+        after the caller's code ran on a batch), :meth:`hand_out`; each batch gets ``("next", key)``
+        where a worker could not tag it."""
+        self.publisher.check_attached()  # before the first batch: a worker left out would run its first weights
+        version_keys = self.publisher.version_keys
         batches = original(*args, **kwargs)
         try:
             while True:
@@ -525,8 +571,8 @@ class Publisher:
                     return
                 finally:
                     self.handing_out = 0
-                if self.version_keys and isinstance(batch, TensorDictBase):
-                    for key in self.version_keys:
+                if version_keys and isinstance(batch, TensorDictBase):
+                    for key in version_keys:
                         if batch.get(("next", key), None) is None and key in batch.keys():
                             tag_next(batch, key)
                 yield batch
@@ -534,13 +580,16 @@ class Publisher:
             batches.close()
 
 
-_WRAPPERS = {
-    "update_policy_weights_": "update",
-    "shutdown": "shutdown",
-    "load_state_dict": "load_state_dict",
-    "iterator": "iterator",
-    "worker_policy_versions": "worker_versions",
-}
+def _promised(groups: list[StoreGroup]) -> list[int]:
+    """The newest promised version of each store of the live ``groups`` (what TorchRL's tracker is told)."""
+    return [s.promised for g in groups if not g.closed for s in g.stores]
+
+
+def _to_several(groups: list[StoreGroup], weights: dict[str, Any], worker_ids: Any, version: int | None) -> int:
+    """One version in several groups, all checked before any is written; the newest published."""
+    parts = [(g, {k: w for k, w in weights.items() if k in g.keys}) for g in groups]
+    check_all([pair for g, w in parts for pair in g.prepare(w, worker_ids)], version)
+    return max(g.publish_keys(w, worker_ids, version) for g, w in parts)
 
 
 def _bind(method: Callable, original: Callable) -> Callable:
@@ -556,7 +605,9 @@ class SchemeOfKey(Protocol):
 
     model_id: str
     settings: SchemeSettings
-    group: StoreGroup | None
+
+    @property
+    def group(self) -> StoreGroup | None: ...
 
 
 def publisher_and_group(
@@ -594,6 +645,8 @@ def publisher_and_group(
             )
         if publisher is None:
             publisher = Publisher(collector, make_pushes() if make_pushes is not None else None)
+            CollectorPatches(publisher, collector).install()
+            publisher.serve()
         publisher.add(group, scheme.settings.version_key)
     except BaseException:
         if scheme.group is None:

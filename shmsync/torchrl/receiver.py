@@ -44,7 +44,7 @@ class Receiver:
 
     def __init__(self, scheme: Any, store_name: str, expected_readers: int | None = None) -> None:
         self.scheme = scheme
-        self.exact = bool(getattr(scheme, "exact", False))  # a collector whose next batch runs the weights sent
+        self.runs_sent_weights_next = scheme.runs_sent_weights_next  # wait for what the trainer promised
         self.store = WeightStore.attach(store_name)
         self.reader: WeightReader | None = None
         self.token = secrets.token_hex(4)
@@ -89,7 +89,7 @@ class Receiver:
         if self.collector is None and self.scheme.context is not None:
             self.bind(self.scheme.context)  # TorchRL handed the worker's collector over since
         reader = self.current()
-        reloaded = reader.poll_promised(reader.timeout) if self.exact else reader.poll()
+        reloaded = reader.poll_promised(reader.timeout) if self.runs_sent_weights_next else reader.poll()
         if reloaded and self.collector is not None:
             # The first load may come while the worker's collector is still being built.
             compat.set_policy_version(self.collector, self.version, built=False)

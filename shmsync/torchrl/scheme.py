@@ -23,12 +23,13 @@ from tensordict import TensorDictBase
 from torch import nn
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 
-from shmsync.errors import InvalidArgumentError, NotAttachedError, NotSupportedError, ShmSyncError
+from shmsync.errors import InvalidArgumentError, NotAttachedError, NotSupportedError, ShmSyncError, warn_deprecated
 from shmsync.store.reader_table import ReaderTable, RemoteSources, assemble, merge
 from shmsync.torchrl import compat
 from shmsync.torchrl.publishing import Publisher, StoreGroup, group_before_collector, publisher_and_group
 from shmsync.torchrl.receiver import Receiver
 from shmsync.torchrl.remote_nodes import make_pushes
+from shmsync.torchrl.scheme_sides import ReceiverSide, SenderSide
 from shmsync.torchrl.settings import SchemeSettings
 from shmsync.watch.alarm import STALE_AFTER, ReaderAlarm, StaleEvent
 from shmsync.writer.store import WeightStore
@@ -80,6 +81,11 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             :class:`~shmsync.watch.alarm.StaleEvent`, or None for no alarm.
         strategy: TorchRL's weight-extraction strategy name (weights always travel as tensors).
 
+    Attributes:
+        runs_sent_weights_next: its collector's next batch runs the weights an update sent
+            (``MultiSyncCollector``), so each worker waits at a rollout's start for a version the
+            trainer promised; copied into each worker's copy of the scheme.
+
     Examples:
         >>> from torchrl.collectors import MultiSyncCollector  # doctest: +SKIP
         >>> collector = MultiSyncCollector(
@@ -114,6 +120,8 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         on_stale: str | Callable[[StaleEvent], Any] | None = "warn",
         strategy: str = "tensordict",
     ) -> None:
+        self.sender_side = SenderSide()  # the trainer's (or a node's): stores, the route of a publish
+        self.receiver_side = ReceiverSide()  # what a worker's copy needs, and its receiver there
         super().__init__(strategy)
         self.settings = SchemeSettings(
             poll_every_steps=poll_every_steps,
@@ -125,24 +133,30 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             per_worker_weights=per_worker_weights,
             alarm=SchemeSettings.alarm_of(stale_after, max_lag, on_stale),
         )
-        self.exact = False  # its collector's next batch runs the weights sent: workers wait for promises
-        self._store_names: list[str] = []
-        self._expected_readers: int | None = None
-        self.group: StoreGroup | None = None  # trainer side: the stores of this scheme's key
-        self.publisher: Publisher | None = None  # trainer side: the route of every publish
-        self._awaiting_collector = False  # initialized before any collector, none handed itself over yet
-        self._receiver: Receiver | None = None
-        self._remote_kind: str | None = None  # "distributed" / "ray": the local scheme of shmsync's remote collector
-        self.upstream: tuple[str, int] | None = None  # a node's scheme: the trainer's push store
-        self.remote_rows = RemoteSources()  # a distributed or Ray collector's nodes report their workers here
 
     # -- sender ---------------------------------------------------------------------------------
+    @property
+    def group(self) -> StoreGroup | None:
+        """Sender: the stores of this scheme's key (None before initialization, and in a worker)."""
+        return self.sender_side.group
+
+    @property
+    def remote_rows(self) -> RemoteSources:
+        """Sender: where a distributed or Ray collector's nodes report their workers."""
+        return self.sender_side.remote_rows
+
+    @property
+    def runs_sent_weights_next(self) -> bool:
+        """Its collector's next batch runs the weights an update sent (``MultiSyncCollector``): each
+        worker waits at a rollout's start for a version the trainer promised (told to every worker)."""
+        return self.receiver_side.runs_sent_weights_next
+
     @property
     def initialized_on_sender(self) -> bool:
         """Whether TorchRL need not initialize it on a sender. A scheme initialized before any
         collector says no until one does: the collector then hands itself over
         (``init_on_sender(context=collector)``, see the catalogue's entry in ``compat``)."""
-        return WeightSyncScheme.initialized_on_sender.fget(self) and not getattr(self, "_awaiting_collector", False)
+        return WeightSyncScheme.initialized_on_sender.fget(self) and not self.sender_side.awaiting_collector
 
     def _init_on_sender_impl(
         self,
@@ -157,12 +171,13 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         device_map_fn: Callable[[int, TensorDictBase], TensorDictBase] | None = None,
         num_workers: int | None = None,
     ) -> None:
+        sender = self.sender_side
         if context is None:
             self.model_id = model_id if model_id is not None else "policy"
-            self.group = group_before_collector(
+            sender.group = group_before_collector(
                 self.model_id, self.settings, model, weights, params_map, devices, device_map_fn, num_workers
             )
-            self._awaiting_collector = True  # TorchRL's collector hands itself over (initialized_on_sender)
+            sender.awaiting_collector = True  # TorchRL's collector hands itself over (initialized_on_sender)
         else:
             extra = [k for k, v in dict(model=model, weights=weights, params_map=params_map, devices=devices,
                                         device_map_fn=device_map_fn).items() if v is not None]  # fmt: skip
@@ -172,23 +187,24 @@ class ShmWeightSyncScheme(WeightSyncScheme):
                 raise InvalidArgumentError("init_on_sender(context=...) needs model_id")
             self.model_id = model_id
             self.context = context
-            if self._remote_kind is not None and not hasattr(context, "num_workers"):
+            if sender.remote_kind is not None and not hasattr(context, "num_workers"):
                 return  # the trainer's single-process probe of a distributed collector: nothing to sync
-            kind, upstream = self._remote_kind, self.upstream
-            self.publisher, self.group = publisher_and_group(
+            kind, upstream = sender.remote_kind, sender.upstream
+            sender.publisher, sender.group = publisher_and_group(
                 self, context, (lambda: make_pushes(kind, context, model_id, upstream)) if kind else None
             )
-            self._awaiting_collector = False
-            self.exact = compat.runs_sent_weights_next(context)
-        self._store_names = self.group.store_names
-        self._expected_readers = self.group.expected_readers()
-        self.group.start_alarm(self.settings.alarm)
+            sender.awaiting_collector = False
+            self.receiver_side.runs_sent_weights_next = compat.runs_sent_weights_next(context)
+        group = sender.group
+        self.receiver_side.store_names = group.store_names
+        self.receiver_side.expected_readers = group.expected_readers()
+        group.start_alarm(self.settings.alarm)
 
     def _setup_connection_and_weights_on_sender_impl(self, *, worker_idx: int | None = None, weights: Any = None):
         if self.group is None:
             return  # the trainer's probe of a distributed collector
         # Initialized before any collector, and no collector handed itself over since.
-        compat.check_collector_handed_over(not self._awaiting_collector)
+        compat.check_collector_handed_over(not self.sender_side.awaiting_collector)
         if weights is not None:
             self.send(weights)  # the store already holds the initial weights: workers load them alone
 
@@ -199,20 +215,22 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         dict, or ``{worker index: weights}`` with ``per_worker_weights``; ``worker_ids`` (ints or
         devices) limits the update to those workers (``per_worker_weights``, or all of them).
         """
-        if self.group is None:
+        sender = self.sender_side
+        if sender.group is None:
             raise NotAttachedError(self._why_unattached("send() has no store to publish into"))
-        if self.publisher is None:
-            self.publisher = Publisher()  # no collector yet: the same route, nothing wrapped
-            self.publisher.add(self.group, self.settings.version_key)
-        self.publisher.route({self.model_id: weights}, worker_ids)
+        if sender.publisher is None:
+            sender.publisher = Publisher()  # no collector yet: the same route, nothing wrapped
+            sender.publisher.add(sender.group, self.settings.version_key)
+        sender.publisher.route({self.model_id: weights}, worker_ids)
 
     @property
     def stores(self) -> tuple[WeightStore, ...]:
         """Sender: every store (one, or one per worker). Receiver: this worker's store."""
         if self.group is not None:
             return tuple(self.group.stores)
-        if self._receiver is not None:
-            return (self._receiver.store,)
+        receiver = self.receiver_side.receiver
+        if receiver is not None:
+            return (receiver.store,)
         return ()
 
     @property
@@ -226,7 +244,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
 
     @property
     def version(self) -> int:
-        """Sender: the newest version sent to any store (a background copy may still be landing it).
+        """Sender: the newest complete version of any store (published: workers can load it).
         Receiver: the version loaded in this worker. Once the collector shut down, the last version
         its stores held.
 
@@ -235,11 +253,34 @@ class ShmWeightSyncScheme(WeightSyncScheme):
                 (no collector set it up, or the scheme itself was shut down): a number would read
                 as a version that workers run.
         """
-        if self._receiver is not None:
-            return self._receiver.version
-        if self.group is None and self._remote_kind is None:
+        receiver = self.receiver_side.receiver
+        if receiver is not None:
+            return receiver.version
+        if self.group is None and self.sender_side.remote_kind is None:
+            raise NotAttachedError(self._why_unattached("it has no version"))
+        return max((s.version for s in self.stores), default=-1)
+
+    @property
+    def promised(self) -> int:
+        """Sender: the newest promised version of any store, that of the last update (its copy may
+        still be in flight, from CUDA or in the background); :attr:`version` once it landed.
+        Receiver: the version loaded in this worker, as :attr:`version`.
+
+        Raises:
+            NotAttachedError: as :attr:`version`.
+        """
+        receiver = self.receiver_side.receiver
+        if receiver is not None:
+            return receiver.version
+        if self.group is None and self.sender_side.remote_kind is None:
             raise NotAttachedError(self._why_unattached("it has no version"))
         return max((s.promised for s in self.stores), default=-1)
+
+    @property
+    def exact(self) -> bool:
+        """Deprecated: :attr:`runs_sent_weights_next` (renamed in 0.3.0, removed in 0.4.0)."""
+        warn_deprecated("ShmWeightSyncScheme.exact", "ShmWeightSyncScheme.runs_sent_weights_next", "0.4.0")
+        return self.runs_sent_weights_next
 
     @property
     def steps(self) -> int:
@@ -254,8 +295,8 @@ class ShmWeightSyncScheme(WeightSyncScheme):
 
     @property
     def versions(self) -> list[int]:
-        """Sender: the last version sent to each store (one per worker with ``per_worker_weights``)."""
-        return [s.promised for s in self.stores]
+        """Sender: the newest complete version of each store (one per worker with ``per_worker_weights``)."""
+        return [s.version for s in self.stores]
 
     def readers(self, *, processes: bool = True) -> ReaderTable:
         """The readers' table (:mod:`shmsync.store.reader_table`): on the trainer, every worker (each
@@ -270,7 +311,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         Examples:
             >>> scheme = ShmWeightSyncScheme()
             >>> scheme.init_on_sender(model=nn.Linear(3, 1), devices=["cpu"] * 2, model_id="policy")
-            >>> len(scheme.readers()), scheme.readers().latest  # no worker attached yet
+            >>> len(scheme.readers()), scheme.readers().version  # no worker attached yet
             (0, 0)
             >>> scheme.shutdown()
             >>> scheme.readers()
@@ -279,16 +320,16 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             shmsync.errors.NotAttachedError: ...
         """
         unattached = self.group is None or self.group.closed
-        if unattached and self._receiver is None and self._remote_kind is None:
+        if unattached and self.receiver_side.receiver is None and self.sender_side.remote_kind is None:
             raise NotAttachedError(self._why_unattached("it has no workers to list"))
         tables = [store.readers(processes=processes) for store in self.stores if not store.closed]
-        latest = max((t.latest for t in tables), default=self.version)
+        version = max((t.version for t in tables), default=self.version)
         # The nodes' or actors' reports, on the trainer's side of a distributed or Ray collector.
-        remote = assemble(getattr(self, "model_id", None) or "policy", latest, [], [], self.remote_rows)
+        remote = assemble(getattr(self, "model_id", None) or "policy", version, [], [], self.remote_rows)
         return merge([*tables, remote])
 
     def _why_unattached(self, what: str) -> str:
-        if self._store_names:  # it had stores (they stay named): its collector or it was shut down since
+        if self.receiver_side.store_names:  # it had stores (they stay named): its collector or it was shut down since
             return f"this ShmWeightSyncScheme (or its collector) was shut down, so {what}: its stores are gone"
         return (
             f"this ShmWeightSyncScheme is not set up yet, so {what}: hand it to a collector "
@@ -307,17 +348,18 @@ class ShmWeightSyncScheme(WeightSyncScheme):
     def _init_on_receiver_impl(
         self, model_id: str, context: Any = None, model: Any = None, worker_idx: int | None = None, **kwargs: Any
     ) -> None:
-        if not self._store_names:
+        names = self.receiver_side.store_names
+        if not names:
             raise ShmSyncError("this ShmWeightSyncScheme was never initialized on a sender (no store to attach to)")
-        if len(self._store_names) > 1 and worker_idx is None:
+        if len(names) > 1 and worker_idx is None:
             raise ShmSyncError("per_worker_weights: the receiver needs its worker_idx to pick its store")
         self.model_id, self.worker_idx = model_id, worker_idx
         if model is not None:
             self.model = model
         if context is not None:
             self.context = context
-        name = self._store_names[worker_idx if worker_idx is not None and len(self._store_names) > 1 else 0]
-        self._receiver = Receiver(self, name, self._expected_readers)
+        name = names[worker_idx if worker_idx is not None and len(names) > 1 else 0]
+        self.receiver_side.receiver = Receiver(self, name, self.receiver_side.expected_readers)
 
     @property
     def context(self) -> Any | None:
@@ -327,14 +369,14 @@ class ShmWeightSyncScheme(WeightSyncScheme):
     @context.setter
     def context(self, context: Any) -> None:
         WeightSyncScheme.context.fset(self, context)
-        receiver = getattr(self, "_receiver", None)
+        receiver = self.receiver_side.receiver
         if receiver is not None and context is not None:
             receiver.bind(context)  # TorchRL hands the worker's collector over once built: poll before its rollouts
 
     @property
     def model(self) -> Any | None:
         """The module this scheme loads into (worker side) or was built from (sender side)."""
-        if getattr(self, "_receiver", None) is None and self._store_names and self.group is None:
+        if self.receiver_side.receiver is None and self.receiver_side.store_names and self.group is None:
             # A worker's copy of the scheme that TorchRL never set up: it would run its first weights forever.
             raise compat.changed(compat.WORKERS_SET_UP, "TorchRL uses the scheme in a worker it never set it up in")
         return WeightSyncScheme.model.fget(self)
@@ -352,15 +394,16 @@ class ShmWeightSyncScheme(WeightSyncScheme):
 
     def poll(self) -> bool:
         """Worker side: reload if a new version was published. True if reloaded."""
-        return self._receiver.poll() if self._receiver is not None else False
+        receiver = self.receiver_side.receiver
+        return receiver.poll() if receiver is not None else False
 
     # -- lifetime, and the copies sent to the workers (pickled, by spawn) -----------------------
     def shutdown(self) -> None:
         super().shutdown()
-        receiver, self._receiver = getattr(self, "_receiver", None), None
+        receiver, self.receiver_side.receiver = self.receiver_side.receiver, None
         if receiver is not None:
             receiver.close()
-        group, self.group = getattr(self, "group", None), None
+        group, self.sender_side.group = self.sender_side.group, None
         if group is not None:
             group.close()
 
@@ -374,9 +417,12 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         return self._clone(memo)
 
     def _state_to_send(self, check: bool = False) -> dict:
-        """What a copy of this scheme in another process gets: the trainer's module, stores and
-        publisher stay with the trainer. ``check``: refuse a scheme that no collector initialized."""
-        if check and not self._store_names and self._remote_kind is None and not self.initialized_on_receiver:
+        """What a copy of this scheme in another process gets: TorchRL's own state (as TorchRL
+        pickles it), and of this class's, by name: the settings without the trainer's module and
+        alarm function, and what each side sends (its ``SENT``); the trainer's stores, publisher
+        and receiver stay here. ``check``: refuse a scheme that no collector initialized."""
+        unset = not self.receiver_side.store_names and self.sender_side.remote_kind is None
+        if check and unset and not self.initialized_on_receiver:
             raise ShmSyncError(
                 "a ShmWeightSyncScheme that no collector initialized is being sent to another process: it is in the "
                 "collector_kwargs of one of TorchRL's remote collectors (DistributedSyncCollector, "
@@ -385,13 +431,15 @@ class ShmWeightSyncScheme(WeightSyncScheme):
                 "shmsync.torchrl.distributed.DistributedCollector or shmsync.torchrl.distributed.RayCollector: "
                 "the same classes, with each push numbered by the trainer"
             )
-        state = WeightSyncScheme.__getstate__(self)
-        state.update(group=None, publisher=None, _receiver=None, remote_rows=RemoteSources())
         alarm = self.settings.alarm
         if alarm is not None and callable(alarm["on_stale"]):
             alarm = {**alarm, "on_stale": "warn"}  # a function of the trainer's (a lambda) need not travel
-        state["settings"] = dataclasses.replace(self.settings, source=None, alarm=alarm)  # the module stays here
-        return state
+        return {
+            **WeightSyncScheme.__getstate__(self),
+            "settings": dataclasses.replace(self.settings, source=None, alarm=alarm),  # the module stays here
+            "sender_side": self.sender_side.sent(),
+            "receiver_side": self.receiver_side.sent(),
+        }
 
     def _clone(self, memo: dict | None = None) -> ShmWeightSyncScheme:
         """A copy of this scheme as a worker gets it (``memo``: a deep copy's)."""
@@ -405,7 +453,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
     def serve_remote_nodes(self, kind: str) -> None:
         """Be the local scheme of a remote collector's nodes (``kind``: ``"distributed"`` or
         ``"ray"``): each node publishes the trainer's pushes under the trainer's numbers."""
-        self._remote_kind = kind
+        self.sender_side.remote_kind = kind
 
 
 def claim_remote_schemes(collector_kwargs: Any, kind: str, collector_name: str) -> list[ShmWeightSyncScheme]:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmsync.core.processes import process_state
-from shmsync.errors import InvalidArgumentError, StaleReaderError
+from shmsync.errors import InvalidArgumentError, StaleReaderError, warn_deprecated
 from shmsync.store.reader_table import HOST, STOPPED, ReaderRow, ReaderTable
 
 log = logging.getLogger("shmsync.alarm")
@@ -60,16 +60,22 @@ class StaleEvent:
         kind: ``"stale"`` (it fell behind or froze), ``"recovered"`` (it loaded the newest
             version since) or ``"gone"`` (it left the table while stale).
         row: its row in the readers' table when found.
-        latest: the newest version published then.
+        version: the store's newest complete version then.
         behind_for_s: how long it had been behind.
         message: the log line.
     """
 
     kind: str
     row: ReaderRow
-    latest: int
+    version: int
     behind_for_s: float
     message: str
+
+    @property
+    def latest(self) -> int:
+        """Deprecated: :attr:`version` (renamed in 0.3.0, removed in 0.4.0)."""
+        warn_deprecated("StaleEvent.latest", "StaleEvent.version", "0.4.0")
+        return self.version
 
 
 class ReaderAlarm:
@@ -134,7 +140,7 @@ class ReaderAlarm:
                     since = self._since.pop(key, (row.version, now))[1]
                     if key in self._named:
                         del self._named[key]
-                        events.append(self._event("recovered", row, table.latest, now - since))
+                        events.append(self._event("recovered", row, table.version, now - since))
                     continue
                 version, since = self._since.get(key, (None, now))
                 if version != row.version:  # it loaded something since: behind at this version from now on
@@ -144,12 +150,12 @@ class ReaderAlarm:
                     continue
                 if key in self._suspect:
                     self._named[key] = row
-                    events.append(self._event("stale", row, table.latest, now - since))
+                    events.append(self._event("stale", row, table.version, now - since))
                 else:
                     suspect.add(key)
             for key in [k for k in self._named if k not in seen]:
                 row = self._named.pop(key)
-                events.append(self._event("gone", row, table.latest, now - self._since.get(key, (0, now))[1]))
+                events.append(self._event("gone", row, table.version, now - self._since.get(key, (0, now))[1]))
             self._since = {k: v for k, v in self._since.items() if k in seen}
             self._suspect = suspect
         for event in events:
@@ -167,7 +173,7 @@ class ReaderAlarm:
         state = row.state or (process_state(row.pid) if row.host == HOST and row.report_age_s is None else "")
         return state in STOPPED
 
-    def _event(self, kind: str, row: ReaderRow, latest: int, behind_for: float) -> StaleEvent:
+    def _event(self, kind: str, row: ReaderRow, version: int, behind_for: float) -> StaleEvent:
         who = f"{row.label} of store {row.store!r}"
         if kind == "recovered":
             message = f"{who} recovered: loaded version {row.version} (it was behind for {behind_for:.1f} s)"
@@ -175,13 +181,13 @@ class ReaderAlarm:
             message = f"{who}, stale since {behind_for:.1f} s ago, left the table (its process ended or its host went)"
         else:
             if row.behind is None:
-                behind = f"has loaded no version (newest {latest})"
+                behind = f"has loaded no version (newest {version})"
             else:
                 versions = f"{row.behind} version{'s' * (row.behind != 1)}"
-                behind = f"is {versions} behind (loaded {row.version}, newest {latest})"
+                behind = f"is {versions} behind (loaded {row.version}, newest {version})"
             state = row.state or (process_state(row.pid) if row.host == HOST and row.report_age_s is None else "")
             message = f"{who} {behind} for {behind_for:.1f} s" + (f"; its process is {state}" if state else "")
-        return StaleEvent(kind, row, latest, behind_for, message)
+        return StaleEvent(kind, row, version, behind_for, message)
 
     def _act(self, event: StaleEvent) -> None:
         if callable(self.on_stale):

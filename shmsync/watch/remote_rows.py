@@ -234,9 +234,9 @@ def remove_report_file(store: str) -> None:
         os.unlink(report_path(store))
 
 
-def read_report_file(store: str, latest: int) -> tuple[list[HostReport], list[ReaderRow]]:
+def read_report_file(store: str, store_version: int) -> tuple[list[HostReport], list[ReaderRow]]:
     """What the trainer last wrote of other hosts' readers for ``store`` (nothing if it wrote
-    none), aged to now and seen against ``latest``. The file is input like any other: opened as a
+    none), aged to now and seen against ``store_version``. The file is input like any other: opened as a
     store file is (no link, only this user's), bounded in size, every field checked; one that
     fails is ignored with a warning."""
     try:
@@ -271,7 +271,7 @@ def read_report_file(store: str, latest: int) -> tuple[list[HostReport], list[Re
                 raise InvalidArgumentError(f"a row entry is {str(r)[:60]}")
             host, where = _text(r[0], MAX_NAME, "a row's host"), _text(r[1], MAX_NAME, "a row's store")
             rows.append(row_from_wire(r[3], host, where, _seconds(r[2], "a row's age") or 0.0))
-        return hosts, rebase(rows, latest, age)
+        return hosts, rebase(rows, store_version, age)
     except ValueError as e:
         log.warning("shmsync: ignored %s: %s", ascii(report_path(store)), e)
         return [], []
@@ -303,10 +303,10 @@ class ReportBook:
         write_file: keep that file up to date (the trainer only).
     """
 
-    def __init__(self, store: str = "", *, write_file: bool = False, latest: Callable[[], int] = lambda: -1) -> None:
+    def __init__(self, store: str = "", *, write_file: bool = False, version: Callable[[], int] = lambda: -1) -> None:
         self.store = store
         self.write_file = write_file
-        self._latest = latest
+        self._version = version
         self._heard: dict[str, _Heard] = {}  # by the node id of the relay linked here
         self._lock = threading.Lock()
         self._written = 0.0
@@ -314,9 +314,9 @@ class ReportBook:
         self._tracked = False
 
     @property
-    def latest(self) -> int:
-        """The newest version this node knows of (:class:`shmsync.store.reader_table.RemoteRows`)."""
-        return self._latest()
+    def version(self) -> int:
+        """The newest complete version this node knows of (:class:`shmsync.store.reader_table.RemoteRows`)."""
+        return self._version()
 
     def heard(self, node: str, via: str, entries: list[HostRows]) -> None:
         """A report came from relay ``node`` (linked here as ``via``)."""
@@ -338,8 +338,8 @@ class ReportBook:
         with self._lock:
             return [e.aged(now - h.at) for h in self._heard.values() if h.lost_at is None for e in h.entries]
 
-    def remote_rows(self, latest: int) -> tuple[list[HostReport], list[ReaderRow]]:
-        """The hosts heard of and their rows, seen now against ``latest`` (see ``reader_table.RemoteRows``)."""
+    def remote_rows(self, store_version: int) -> tuple[list[HostReport], list[ReaderRow]]:
+        """The hosts heard of and their rows, seen now against ``store_version`` (see ``reader_table.RemoteRows``)."""
         now = time.monotonic()
         hosts, rows = [], []
         with self._lock:
@@ -353,7 +353,7 @@ class ReportBook:
                 via = h.via if e.node == node else f"below {h.via}"
                 hosts.append(HostReport(e.host, via, e.store, age, state, len(e.rows), e.transfer))
                 extra = {"state": "lost"} if state == "lost" else {}
-                rows += rebase(e.rows, latest, now - h.at, **extra)
+                rows += rebase(e.rows, store_version, now - h.at, **extra)
         return hosts, rows
 
     def _maybe_write(self, force: bool = False) -> None:
@@ -365,7 +365,7 @@ class ReportBook:
                 return
             self._written = now
             self._wrote_any = True
-        hosts, rows = self.remote_rows(self.latest)
+        hosts, rows = self.remote_rows(self.version)
         try:
             if write_report_file(self.store, hosts, rows) and not self._tracked:
                 # Removed by the resource tracker if this process is killed, as its store is.

@@ -50,6 +50,7 @@ from shmsync.errors import (
     ShmSyncError,
     WriterBusyError,
     WrittenWhileCopiedError,
+    warn_deprecated,
 )
 from shmsync.store.copies import Copier, copy_all
 from shmsync.store.layout import Layout
@@ -106,16 +107,9 @@ class StoreWriter:
         ``unsafe_background`` overrides the store's setting. Returns the version."""
         with self.lock:  # a publishing thread beside the trainer's: one version after the other
             start = time.perf_counter()
-            if self.memory.closed:
-                self.memory.check_open()  # raises
             tensors = self._matcher.match(source, self._what)
-            if version is not None:
-                self.check_version(version)
-            if not self.holding:
-                self.acquire()
+            self._begin(version)
             self.steps.tensors = tensors  # optimizers holding them count from now on
-            if self.copier.pending:
-                self.flush()  # one write open at a time: the one in flight (and its give-backs) first
             if self.cuda is not None or any(t.is_cuda for t in tensors):
                 self.deltas.clear()
                 version = self._cuda(tensors).enqueue(tensors, version)
@@ -154,15 +148,32 @@ class StoreWriter:
         with self.lock:
             return any(self._compare(source, only)[1])
 
+    def _begin(self, version: int | None) -> None:
+        """How every write begins, under the lock: the store still open here, ``version`` (when one
+        is named) higher than every version promised, the writer role held, and the write in flight,
+        with its give-backs, landed (one write open at a time).
+
+        Raises:
+            ClosedError: this process closed the store.
+            InvalidArgumentError, ArgumentTypeError: ``version`` is not an int above the last one.
+            WriterBusyError: another live process holds the writer role.
+            ShmSyncError: the write in flight failed (its error is the cause).
+        """
+        if self.memory.closed:  # one word read on the trainer's path: the call only to raise
+            self.memory.check_open()
+        if version is not None:
+            check_version(version, self.promised, self.name)
+        if not self.holding:
+            self.acquire()
+        if self.copier.pending:
+            self.flush()
+
     def _compare(self, source: Any, only: Collection[str] | None) -> tuple[list[torch.Tensor], list[bool]]:
         """``source``'s tensors (the newest version's outside ``only``), and per leaf whether it
         differs from the newest version. Takes the writer role, and waits for the write in flight."""
-        self.memory.check_open()
         tensors = self._matcher.match(source, self._what)
-        if not self.holding:
-            self.acquire()
+        self._begin(None)  # the write in flight landed: the newest version is whole in its slot
         self.steps.tensors = tensors
-        self.flush()  # the write in flight landed: the newest version is whole in its slot
         newest = self._newest_views()
         if newest is not None and only is not None:
             tensors = self._keep_others(tensors, newest, only)
@@ -324,11 +335,7 @@ class StoreWriter:
     def write_bytes(self, fill: Callable[[memoryview, Write], None], version: int) -> int:
         """See :meth:`WeightStore.publish_bytes`."""
         with self.lock:
-            self.memory.check_open()
-            self.check_version(version)
-            if not self.holding:
-                self.acquire()
-            self.flush()
+            self._begin(version)
             self.deltas.clear()
             write = self.slot_writer.begin_write(version, steps=-1)  # bytes from elsewhere: no training seen here
 
@@ -346,12 +353,8 @@ class StoreWriter:
         """See :meth:`WeightStore.publish_delta`."""
         with self.lock:
             memory = self.memory
-            memory.check_open()
-            self.check_version(version)
             changed = check_delta(memory.layout.entries, data, leaves, self.name)
-            if not self.holding:
-                self.acquire()
-            self.flush()
+            self._begin(version)
             h, host = memory.header, memory.host
             if base < 0 or base != h[host.version]:
                 raise InvalidArgumentError(
@@ -410,11 +413,12 @@ class StoreWriter:
         """See :meth:`WeightStore.check`."""
         self._matcher.match(source, f"weights for store {self.name!r}")
         if version is not None:
-            self.check_version(version)
+            check_version(version, self.promised, self.name)
 
-    def check_version(self, version: Any) -> None:
-        """Raise unless ``version`` is an int higher than every version published or promised."""
-        check_version(version, max(self.memory.header[W_VERSION], self.memory.header[W_PROMISED]), self.name)
+    @property
+    def promised(self) -> int:
+        """The newest promised version (see :attr:`WeightStore.promised`): a new one must be higher."""
+        return max(self.memory.header[W_VERSION], self.memory.header[W_PROMISED])
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the writes this process handed to the copier landed, and the give-backs after
@@ -603,13 +607,15 @@ class WeightStore:
 
     @property
     def version(self) -> int:
-        """The last completed version (monotonic; 0 is the weights given to :meth:`create`)."""
+        """The newest complete version: published, so readers can load it (it only goes up; 0 is
+        the weights given to :meth:`create`)."""
         return self.memory.header[W_VERSION]
 
     @property
     def promised(self) -> int:
-        """The newest version published or promised (a CUDA publish lands it a little later)."""
-        return max(self.memory.header[W_VERSION], self.memory.header[W_PROMISED])
+        """The newest promised version: that of the last publish begun, whose copy may still be in
+        flight (from CUDA, or in the background); :attr:`version` once it landed, never below it."""
+        return self.writer.promised
 
     @property
     def steps(self) -> int:
@@ -916,20 +922,18 @@ class WeightStore:
     @property
     def table(self) -> ReaderRows:
         """Deprecated: :attr:`rows` (renamed in 0.2.0, removed in 0.3.0)."""
-        warnings.warn("WeightStore.table is deprecated: use WeightStore.rows", DeprecationWarning, stacklevel=2)
+        warn_deprecated("WeightStore.table", "WeightStore.rows", "0.3.0")
         return self.rows
 
     @property
     def reader(self) -> SlotReader:
         """Deprecated: :attr:`slot_reader` (renamed in 0.2.0, removed in 0.3.0)."""
-        warnings.warn("WeightStore.reader is deprecated: use WeightStore.slot_reader", DeprecationWarning, stacklevel=2)
+        warn_deprecated("WeightStore.reader", "WeightStore.slot_reader", "0.3.0")
         return self.slot_reader
 
     def publisher_alive(self) -> bool:
         """Deprecated: :meth:`writer_alive` (renamed in 0.2.0, removed in 0.3.0)."""
-        warnings.warn(
-            "WeightStore.publisher_alive() is deprecated: use writer_alive()", DeprecationWarning, stacklevel=2
-        )
+        warn_deprecated("WeightStore.publisher_alive()", "WeightStore.writer_alive()", "0.3.0")
         return self.writer_alive()
 
     # -- reading --------------------------------------------------------------------------------
@@ -969,9 +973,9 @@ class WeightStore:
             [(0, 0, 'zero-copy')]
         """
         mapped = self.memory
-        latest, alive = mapped.header[W_VERSION], mapped.locks.rows_alive
-        live, gone = local_rows(self.name, mapped.header, alive, latest, processes=processes, memory=memory)
-        return assemble(self.name, latest, live, gone, self.remote_rows)
+        version, alive = mapped.header[W_VERSION], mapped.locks.rows_alive
+        live, gone = local_rows(self.name, mapped.header, alive, version, processes=processes, memory=memory)
+        return assemble(self.name, version, live, gone, self.remote_rows)
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -1029,8 +1033,9 @@ def _bytes_tensor(data: Any) -> torch.Tensor:
 
 
 def check_version(version: Any, last: int, store: str = "") -> None:
-    """Raise unless ``version`` is an int higher than ``last`` (the last version published or
-    promised; -1 for a store's first version)."""
+    """Raise unless ``version`` is an int higher than ``last`` (the store's newest promised
+    version, :attr:`StoreWriter.promised`; -1 for a store's first version): the one check of a
+    version a caller names."""
     where = f"store {store!r}: " if store else ""
     if isinstance(version, bool) or not isinstance(version, int):
         raise ArgumentTypeError(f"{where}version must be an int, got {type(version).__name__}")

@@ -56,7 +56,7 @@ def test_each_reader_has_a_row_with_its_worker_version_lag_mode_and_state(store_
     assert children[0].expect("loaded") == (3,)
 
     table = store.readers(processes=True)
-    assert table.latest == 3 and len(table) == 3
+    assert table.version == 3 and len(table) == 3
     by_worker = {r.worker: r for r in table}
     assert {w: (r.pid, r.version, r.behind) for w, r in by_worker.items()} == {
         0: (children[0].pid, 3, 0),
@@ -119,7 +119,7 @@ def test_a_table_of_a_thousand_readers_stays_readable(store_factory):
     assert set(shown[:10]) == {str(i) for i in range(990, 1000)}, "readers that never loaded come first"
     assert set(shown[10:]) == {str(i) for i in range(980, 990)}
     doc = json.loads(json.dumps(table.as_dict()))
-    assert len(doc["readers"]) == 1000 and doc["latest"] == 1
+    assert len(doc["readers"]) == 1000 and doc["version"] == 1
 
 
 def _row(**changes):
@@ -220,7 +220,7 @@ def test_the_report_file_round_trips_and_ages(store_dir):
     write_report_file("policy", hosts, rows)
     assert oct(os.stat(report_path("policy")).st_mode & 0o777) == "0o600"
     assert segment.list_entries() == [], "a report file is never taken for a store"
-    got_hosts, got_rows = read_report_file("policy", latest=6)
+    got_hosts, got_rows = read_report_file("policy", store_version=6)
     assert [(h.host, h.via, h.state, h.readers) for h in got_hosts] == [("host-b", "relay 1", "reporting", 1)]
     (row,) = got_rows
     assert (row.host, row.pid, row.version, row.behind) == ("host-b", 99, 4, 2)
@@ -236,7 +236,7 @@ def test_what_each_hosts_versions_cost_round_trips_and_shows_in_the_table(store_
     assert back.transfer == transfer
     hosts = [HostReport("host-b", "relay 1", "policy", 0.5, "reporting", 0, transfer)]
     write_report_file("policy", hosts, [])
-    got_hosts, _ = read_report_file("policy", latest=12)
+    got_hosts, _ = read_report_file("policy", store_version=12)
     assert [h.transfer for h in got_hosts] == [transfer]
     text = ReaderTable("policy", 12, [], hosts=got_hosts).format()
     lines = text.splitlines()
@@ -262,7 +262,7 @@ def test_a_report_file_that_is_not_ours_or_not_right_is_ignored(store_dir, caplo
             f.truncate(17 << 20)
     os.chmod(path, 0o600, follow_symlinks=False) if how != "link" else None
     with caplog.at_level(logging.WARNING, logger="shmsync.store.reader_table"):
-        assert read_report_file("policy", latest=1) == ([], [])
+        assert read_report_file("policy", store_version=1) == ([], [])
     if how != "link":  # a link is not even opened
         assert "ignored" in caplog.text
 

@@ -89,7 +89,7 @@ def test_distributed_sync_collector_with_shmsync_as_each_nodes_local_leg():
                 wait_for(lambda: len(scheme.readers()) == 4, timeout=20, what="every node's workers in the table")
                 table = scheme.readers()
                 assert sorted(h.via for h in table.hosts) == ["node 1", "node 2"], table
-                assert sorted(r.worker for r in table) == [0, 0, 1, 1] and table.latest >= 1
+                assert sorted(r.worker for r in table) == [0, 0, 1, 1] and table.version >= 1
             assert batch.shape == (2, 64)
             # Two nodes, two environments: their halves of a batch differ (TorchRL's receive
             # buffer alone would hold one node's frames twice).

@@ -129,7 +129,7 @@ def test_every_frame_carries_the_trainers_version_and_no_store_is_left(cluster):
             # Each actor answers a push with its readers' table: every worker of every actor.
             table = scheme.readers()
             assert sorted(h.readers for h in table.hosts) == sorted(workers) and len(table) == sum(workers), table
-            assert table.latest == i + 1 and all(r.report_age_s is not None for r in table), table
+            assert table.version == i + 1 and all(r.report_age_s is not None for r in table), table
             assert sorted(r.worker for r in table) == sorted(w for n in workers for w in range(n))
     finally:
         collector.shutdown()
