@@ -174,7 +174,6 @@ import collections
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, MutableSequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, NamedTuple
@@ -223,7 +222,7 @@ from shmsync.core.header import (
     slot_index,
 )
 from shmsync.core.processes import own_start_ns, pid_stopped
-from shmsync.errors import ReloadTimeoutError, ShmSyncError
+from shmsync.errors import ReloadTimeoutError, ShmSyncError, warn_deprecated
 
 CopyFn = Callable[[int], None]  # copies out of (or into) the slot with that index
 KEPT_STEPS = 4096  # versions whose optimizer steps a writer keeps in its own memory
@@ -484,11 +483,10 @@ class ReaderRows:
     ) -> None:
         self._bank: Leases | None = None  # for 0.2.0's calls of a bank's lease methods on the rows
         if isinstance(h, Words):  # 0.2.0 made the rows from a bank's words
-            warnings.warn(
-                "ReaderRows(words, locks) is deprecated: rows are the store's (ReaderRows(words.h, locks)), "
-                "leases a bank's (Leases(words, locks))",
-                DeprecationWarning,
-                stacklevel=2,
+            warn_deprecated(
+                "ReaderRows(words, locks)",
+                "ReaderRows(words.h, locks) for the rows, Leases(words, locks) for a bank's leases",
+                "0.4.0",
             )
             self._bank, h = Leases(h, locks), h.h
         self.h = h
@@ -500,11 +498,7 @@ class ReaderRows:
     def __getattr__(self, name: str) -> Any:
         """Deprecated: a bank's lease methods, called on the rows as in 0.2.0 (use :class:`Leases`)."""
         if name in _LEASE_METHODS:
-            warnings.warn(
-                f"ReaderRows.{name} is deprecated: use Leases.{name} (WeightStore.leases)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
+            warn_deprecated(f"ReaderRows.{name}", f"Leases.{name} (WeightStore.leases)", "0.4.0")
             bank = getattr(self, "_bank", None)  # None: made from the header words, as now
             return getattr(bank or Leases(Words(self.h), self.locks), name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

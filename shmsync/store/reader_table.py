@@ -32,7 +32,6 @@ import logging
 import math
 import socket
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -134,11 +133,7 @@ class ReaderRow:
     def zero_copy(self) -> bool:
         """Deprecated: whether its module views a host slot in place (``mode == "zero-copy"``); use
         :attr:`viewing` (``zero_copy`` names a reader's wish to run in place where it can)."""
-        warnings.warn(
-            "ReaderRow.zero_copy is deprecated: use ReaderRow.viewing (or mode == 'zero-copy')",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warn_deprecated("ReaderRow.zero_copy", "ReaderRow.viewing (or mode == 'zero-copy')", "0.4.0")
         return self.mode == Mode.IN_PLACE
 
     @property
