@@ -25,7 +25,7 @@ trains, then updates), it is tracked over that stretch alone, so the hand-out pr
 without reading it.
 
 A copy made while another thread may write the source is checked the same way once it is done
-(:meth:`SourceChanges.unchanged_since`): every leaf, after every leaf was copied. If each leaf
+(:meth:`SourceChanges.written_since`): every leaf, after every leaf was copied. If each leaf
 still holds the bytes it was copied with, no write reached any leaf between its copy and its
 check, and all those windows contain the moment between the last copy and the first check: the
 slot holds the source's memory as it was at that moment. A comparison cannot see a write that
@@ -183,21 +183,28 @@ class SourceChanges:
         self._found, self._last_moment = found, moment
         return found
 
-    def unchanged_since(self, source: list[torch.Tensor], copied: list[torch.Tensor]) -> bool:
-        """After a copy of ``source`` into ``copied`` (right after :meth:`find`): whether every leaf
-        still holds what was copied, no write having reached it meanwhile."""
+    def written_since(self, source: list[torch.Tensor], copied: list[torch.Tensor]) -> list[int]:
+        """After a copy of ``source`` into ``copied`` (right after :meth:`find`, or after the last
+        check of a copy that failed): the leaves a write reached meanwhile, which no longer hold
+        what ``copied`` holds of them. Empty: the copy holds one moment of the source.
+
+        A leaf written since :meth:`find` found it unchanged is in the slot as it was before that
+        write (it was not copied), so the caller copies it at its next attempt: this check looks
+        only at what was written since the one before it.
+        """
         looked = self._look(source)
-        unchanged = True
+        written = []
         for i, (leaf, s, c) in enumerate(zip(self.leaves, source, copied)):
             spans = looked.get(i)
             if leaf.tracked is not None and spans is not None:
                 leaf.dirty = leaf.dirty or bool(spans)  # the look cleared their record: keep it here
-                written = bool(spans) and not _spans_equal(s, c, spans)
+                differs = bool(spans) and not _spans_equal(s, c, spans)
             else:
                 leaf.dirty = leaf.dirty or i in looked
-                written = not same_bytes(s, c)
-            unchanged = unchanged and not written
-        return unchanged
+                differs = not same_bytes(s, c)
+            if differs:
+                written.append(i)
+        return written
 
     def published(self, version: int, before: int) -> None:
         """The source, as :meth:`find` last saw it, is ``version`` now (``before``: the newest version

@@ -2,6 +2,7 @@
 newest version's, by the pages written or by comparison, whatever wrote it; a publish copies what
 changed, and a copy checked after it was made holds one moment of a source another thread writes."""
 
+import sys
 import threading
 
 import pytest
@@ -214,3 +215,42 @@ def test_two_publishes_while_readers_hold_the_replaced_version_copy_only_what_ch
             store.flush()  # the give-backs of idle slots, landed
     info = store.info()
     assert info["copied_bytes"] < 1 << 16 and info["skipped_bytes"] >= 4 << 20, info
+
+
+def test_a_copy_retried_after_a_write_copies_what_that_write_changed(store_factory, proof):
+    """A leaf found unchanged, not copied (the slot held it already) and then written before the
+    copy was checked (here from this thread, through a profile hook: the same moment every time)
+    is copied by the next attempt, whatever slot it writes: the version holds the source as it
+    stands, never that leaf's bytes from before the write beside another leaf's from after it."""
+    sizes = {"a": 1 << 17, "b": 1 << 17, "c": 1 << 17}  # 512 KB each: tracked where the kernel can
+    module = ParamBlob(sizes)
+    store = store_factory(module)
+    fill(module, 1.0)
+    assert store.publish_if_changed(module) is not None
+    reader = WeightReader(store, ParamBlob(sizes), zero_copy=True)
+    for k in range(2, 6):  # only a changes: the slots come to hold b and c as they are
+        with torch.no_grad():
+            module.a.fill_(float(k))
+        assert store.publish_if_changed(module) is not None
+        if k in (3, 5):  # its lease keeps version 3's slot from being given back, then lets it go
+            assert reader.poll()
+    with torch.no_grad():
+        module.a.fill_(6.0)
+    written = []
+
+    def write_b_before_the_first_check(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "written_since" and not written:
+            written.append(True)
+            with torch.no_grad():
+                module.b.fill_(7.0)
+                module.a.fill_(8.0)  # {a: 8, b: 1} never was: b was 7 by then
+
+    sys.setprofile(write_b_before_the_first_check)
+    try:
+        version = store.publish_if_changed(module)
+    finally:
+        sys.setprofile(None)
+    assert written and version == store.version
+    reader.close()
+    weights = store.snapshot().weights
+    assert {k: weights[k].unique().tolist() for k in sizes} == {"a": [8.0], "b": [7.0], "c": [1.0]}
