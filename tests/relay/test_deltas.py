@@ -21,7 +21,7 @@ from tests.commands import cli
 from tests.relay import peers
 from tests.relay.fakes import FakeTrainer, admit, chain, description, relay_against, send_delta, send_version
 from tests.relay.peers import SECRET, host_dirs, weights_digest
-from tests.waiting import wait_for
+from tests.waiting import STUCK_S, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -223,8 +223,12 @@ def test_a_tree_of_relays_sends_what_changed_and_every_host_holds_the_trainers_b
             hosts = store.readers(processes=False).hosts
             return [(h.transfer.version, h.transfer.last_delta) for h in hosts if h.state == "reporting" and h.transfer]
 
-        wait_for(lambda: reported() == [(11, True)] * 4, timeout=15, what="every host's report of version 11")
-        wait_for(lambda: "SENT AS" in cli("ls", store.name).stdout, timeout=15, what="the hosts' costs in `shmsync ls`")
-        text = cli("ls", store.name).stdout
-        assert text.count("delta") >= 4 and "LAST VERSION" in text, text
+        wait_for(lambda: reported() == [(11, True)] * 4, timeout=STUCK_S, what="every host's report of version 11")
+        listed = [""]
+
+        def every_host_listed() -> bool:  # the reports as they stand when `ls` reads them
+            listed[0] = cli("ls", store.name).stdout
+            return listed[0].count("delta") >= 4 and "LAST VERSION" in listed[0]
+
+        wait_for(every_host_listed, timeout=STUCK_S, what="the hosts' costs in `shmsync ls`")
         hosts.stop()
