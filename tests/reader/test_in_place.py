@@ -206,7 +206,7 @@ def test_a_reader_without_a_row_in_a_full_table_copies_instead_of_leasing(store_
     from shmsync.core.header import MAX_READERS
 
     store = store_factory(blob_weights(SMALL, 3.0), num_slots=4)
-    fillers = [WeightReader(store, ParamBlob(SMALL)) for _ in range(MAX_READERS)]
+    fillers = [WeightReader(store, ParamBlob(SMALL), zero_copy=False) for _ in range(MAX_READERS)]  # rows alone
     assert len(store.readers()) == MAX_READERS
     module = ParamBlob(SMALL)
     reader = WeightReader(store, module, zero_copy=True)
