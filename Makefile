@@ -213,7 +213,9 @@ test-wheel: $(WHEEL_VENV)/.installed
 		code=$$?; rm -rf $(SHIPPED_ROOT)-wheel; exit $$code
 
 # The sdist, built and installed as pip installs one (its fence compiled), into a folder of its
-# own put first on the path of the wheel venv's interpreter (which holds its dependencies).
+# own put first on the path of the wheel venv's interpreter (which holds its dependencies). pip
+# installs it by building a wheel from it, the same files as the wheel's leg tests: this leg runs
+# tests/test_shipped.py (what was installed, compiled and registered, and that it works).
 test-sdist: $(WHEEL_VENV)/.installed
 	rm -rf $(SHIPPED_ROOT)-sdist && mkdir -p $(SHIPPED_ROOT)-sdist && cp -r tests pyproject.toml $(SHIPPED_ROOT)-sdist/
 	PIP_CONSTRAINT=/dev/null $(WHEEL_VENV)/bin/python -m pip install -q --no-deps --target $(SHIPPED_ROOT)-sdist/site \
@@ -221,7 +223,7 @@ test-sdist: $(WHEEL_VENV)/.installed
 	@echo "== the sdist, on Python $(WHEEL_PYTHON), installed into $(SHIPPED_ROOT)-sdist/site"
 	cd $(SHIPPED_ROOT)-sdist && SHMSYNC_INSTALLED=sdist SHMSYNC_SITE=$(SHIPPED_ROOT)-sdist/site \
 		PYTHONPATH=$(SHIPPED_ROOT)-sdist/site SHMSYNC_CHECKOUT=$(CURDIR) $(CURDIR)/$(WHEEL_VENV)/bin/python \
-		-m pytest -p no:xdist -p no:cacheprovider --tier main -m shipped tests; \
+		-m pytest -p no:xdist -p no:cacheprovider --tier main -m shipped tests/test_shipped.py; \
 		code=$$?; rm -rf $(SHIPPED_ROOT)-sdist; exit $$code
 
 # make test-full: every test on another torch release (TORCH_VERSION), the rest from .venv.
