@@ -81,11 +81,6 @@ class ShmWeightSyncScheme(WeightSyncScheme):
             :class:`~shmsync.watch.alarm.StaleEvent`, or None for no alarm.
         strategy: TorchRL's weight-extraction strategy name (weights always travel as tensors).
 
-    Attributes:
-        runs_sent_weights_next: its collector's next batch runs the weights an update sent
-            (``MultiSyncCollector``), so each worker waits at a rollout's start for a version the
-            trainer promised; copied into each worker's copy of the scheme.
-
     Examples:
         >>> from torchrl.collectors import MultiSyncCollector  # doctest: +SKIP
         >>> collector = MultiSyncCollector(

@@ -220,10 +220,10 @@ class StoreWriter:
             base, written = write.slot * len(found), write.version
             for i in lacks:  # inside the write: its sequence number covers them as it covers the bytes
                 records[base + i] = written if found[i] else at[i] if at[i] >= 0 else before
-            written = changes.written_since(tensors, dst) if checked else ()
-            for i in written:  # changed since found unchanged: the next attempt copies them too
+            reached = changes.written_since(tensors, dst) if checked else []
+            for i in reached:  # changed since found unchanged: the next attempt copies them too
                 found[i] = True
-            if written:
+            if reached:
                 raise WrittenWhileCopiedError(
                     f"store {self.name!r}: the weights were written while they were being copied, "
                     f"{COPY_ATTEMPTS} times in a row; nothing was published"
