@@ -157,7 +157,10 @@ def _demo_with_a_ctrl_c(delay: float) -> tuple[int, str]:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "delays",
-    [pytest.param([0.0, 3.5], id="2"), pytest.param([0.35 * i for i in range(20)], id="20", marks=pytest.mark.full)],
+    [  # make test presses Ctrl-C once, in test_the_demo_says_how_to_watch_it_and_keeps_running_until_ctrl_c
+        pytest.param([0.0, 3.5], id="2", marks=pytest.mark.full),
+        pytest.param([0.35 * i for i in range(20)], id="20", marks=pytest.mark.full),
+    ],
 )
 def test_a_ctrl_c_pressed_at_any_point_ends_the_demo_with_its_summary(delays):
     """Wherever the press lands, the demo stops after the batch at hand, prints its summary, says it
