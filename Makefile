@@ -41,10 +41,10 @@ LEGS_PYTEST_ARGS ?= $(PYTEST_ARGS)
 # installed into a venv of that Python with no editable install anywhere, on the torch release a
 # new user of that Python installs (CURRENT_TORCH, or the newest with a build for it), with the
 # newest torchrl, and the tests run from a copy outside the checkout, where `import shmsync` is
-# site-packages'. In `make test` that leg runs the tests marked `shipped` and the `minors` set
-# (what can differ between torch releases and Pythons: each way of running a collector, end to
-# end) but for its torch.distributed groups (on a CUDA build of torch each of their processes pays
-# for loading it); the fast tier and those groups run there in `make test-full`, on every Python. Those torch releases are CUDA builds of a few GB on PyPI (TORCH_PIP_ARGS can name the CPU
+# site-packages'. In `make test` that leg runs the tests marked `shipped`: what was installed,
+# compiled and registered, and a collector and TorchRL's config-driven trainer on it, end to end
+# (on a CUDA build of torch each process a test starts pays for loading it: make test has two
+# cores for 12 minutes); `make test-full` runs every test there, on every Python. Those torch releases are CUDA builds of a few GB on PyPI (TORCH_PIP_ARGS can name the CPU
 # index), so each is installed once into a cache outside the checkout, keyed by what it installs,
 # and reused (made again where it is absent). Its installs empty PIP_CONSTRAINT: a pip
 # configured to cap torch (some CI images are) would refuse the release asked for.
@@ -56,7 +56,7 @@ TORCH_FOR_3.11 ?= 2.14.1
 torch_for = $(or $(TORCH_FOR_$(1)),$(CURRENT_TORCH))
 WHEEL_PYTHON ?= $(NEWEST_PYTHON)
 SHIPPED_TIER ?= main
-SHIPPED_MARK ?= shipped or (minors and not distributed)
+SHIPPED_MARK ?= shipped
 SHIPPED_ROOT := $(shell mktemp -d -u $${TMPDIR:-/tmp}/shmsync-shipped-XXXXXX)
 CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/shmsync
 MACHINE := $(shell uname -m)
