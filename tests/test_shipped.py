@@ -1,9 +1,10 @@
 """shmsync as users get it: what ``pip install`` puts in site-packages, not the checkout.
 
-``make test`` runs these (with the fast tier and the rest marked ``shipped``) three times: against
-the checkout's editable install (the main tier), and from a copy of the tests outside the checkout
-against the wheel (``SHMSYNC_INSTALLED=wheel``) and against the sdist's install
-(``SHMSYNC_INSTALLED=sdist``). Each check is something a user would otherwise meet at their first
+``make test`` runs these three times: against the checkout's editable install (the main tier), and
+from a copy of the tests outside the checkout against the wheel (``SHMSYNC_INSTALLED=wheel``, with
+the rest marked ``shipped``) and against the sdist's install (``SHMSYNC_INSTALLED=sdist``). They are
+in the main tier: several start an interpreter that imports torch, which on a CUDA build of torch
+(the wheel's leg) takes seconds of CPU. Each check is something a user would otherwise meet at their first
 import: a module left out of the wheel, a command or a plugin not registered, a version that
 disagrees with the distribution's.
 """
@@ -24,7 +25,7 @@ import pytest
 import shmsync
 from tests.commands import BIN, CHECKOUT, run_command
 
-pytestmark = pytest.mark.shipped
+pytestmark = [pytest.mark.shipped, pytest.mark.slow]
 
 INSTALLED = os.environ.get("SHMSYNC_INSTALLED")  # "wheel", "sdist", or None: the checkout's editable install
 as_installed = pytest.mark.skipif(INSTALLED is None, reason="the shipped legs check the wheel and the sdist")
@@ -143,7 +144,6 @@ def test_a_store_and_a_reader_round_trip():
         reader.close()
 
 
-@pytest.mark.slow
 @pytest.mark.torchrl
 @pytest.mark.timeout(180)
 def test_a_torchrl_collector_runs_on_the_installed_package():
