@@ -78,6 +78,7 @@ def test_train_cartpole_tiny_budget(mode, tmp_path):
 
 
 @pytest.mark.torchrl
+@pytest.mark.full  # make test runs standalone workers in docs/getting-started.md's block and tests/workers
 @pytest.mark.timeout(240)
 def test_train_with_workers_tiny_budget():
     out = run_script(

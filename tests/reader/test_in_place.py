@@ -206,16 +206,17 @@ def test_a_reader_without_a_row_in_a_full_table_copies_instead_of_leasing(store_
     from shmsync.core.header import MAX_READERS
 
     store = store_factory(blob_weights(SMALL, 3.0), num_slots=4)
-    fillers = [WeightReader(store, ParamBlob(SMALL), zero_copy=False) for _ in range(MAX_READERS)]  # rows alone
-    assert len(store.readers()) == MAX_READERS
+    taken = [store.rows.claim_row() for _ in range(MAX_READERS)]  # every row claimed, as each reader claims its own
+    assert -1 not in taken and len(store.readers()) == MAX_READERS
     module = ParamBlob(SMALL)
     reader = WeightReader(store, module, zero_copy=True)
     assert reader.poll() and not reader.viewing, "a reader with no row must not lease: its lease is invisible"
     assert mixed_values(module) == {3.0}
     _publish(store, 4.0)
     assert reader.poll() and not reader.viewing and mixed_values(module) == {4.0}
-    for f in fillers:
-        f.close()
+    reader.close()
+    for row in taken:
+        store.rows.release_row(row)
 
 
 @pytest.mark.slow

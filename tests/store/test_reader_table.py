@@ -99,28 +99,27 @@ def test_reading_the_table_writes_nothing_and_takes_no_lock(store_factory):
     assert header_bytes(store) == before
 
 
-@pytest.mark.slow  # a thousand rows claimed and read: seconds of CPU
-def test_a_table_of_a_thousand_readers_stays_readable(store_factory):
+def test_a_table_of_many_readers_stays_readable(store_factory):
     store = store_factory(torch.nn.Linear(2, 2))
     # Copying readers: the table is the point here, not where they run (each in place maps the store).
-    readers = [WeightReader(store, torch.nn.Linear(2, 2), worker=i, zero_copy=False) for i in range(1000)]
-    for r in readers[:990]:
+    readers = [WeightReader(store, torch.nn.Linear(2, 2), worker=i, zero_copy=False) for i in range(250)]
+    for r in readers[:240]:
         r.poll()
     store.publish(torch.nn.Linear(2, 2))
-    for r in readers[:980]:
+    for r in readers[:230]:
         r.poll()
     table = store.readers()
-    assert len(table) == 1000
+    assert len(table) == 250
     text = table.format(limit=20)
     lines = text.splitlines()
-    assert lines[0].startswith(f"{store.name}: version 1, 1000 readers on 1 host; 10 readers behind (worst: 1 version")
+    assert lines[0].startswith(f"{store.name}: version 1, 250 readers on 1 host; 10 readers behind (worst: 1 version")
     assert lines[0].endswith("; 10 readers not loaded yet")
-    assert len(lines) == 1 + 1 + 20 + 1 and lines[-1].startswith("... and 980 more")
+    assert len(lines) == 1 + 1 + 20 + 1 and lines[-1].startswith("... and 230 more")
     shown = [line.split()[1] for line in lines[2:22]]
-    assert set(shown[:10]) == {str(i) for i in range(990, 1000)}, "readers that never loaded come first"
-    assert set(shown[10:]) == {str(i) for i in range(980, 990)}
+    assert set(shown[:10]) == {str(i) for i in range(240, 250)}, "readers that never loaded come first"
+    assert set(shown[10:]) == {str(i) for i in range(230, 240)}
     doc = json.loads(json.dumps(table.as_dict()))
-    assert len(doc["readers"]) == 1000 and doc["version"] == 1
+    assert len(doc["readers"]) == 250 and doc["version"] == 1
 
 
 def _row(**changes):
