@@ -312,6 +312,10 @@ class ReportBook:
         self._written = 0.0
         self._wrote_any = False
         self._tracked = False
+        # The report file's writes and its removal, one at a time: a write a receiving thread began
+        # before close() would otherwise land after the removal, and leave the file behind.
+        self._file_lock = threading.Lock()
+        self._closed = False
 
     @property
     def version(self) -> int:
@@ -366,18 +370,23 @@ class ReportBook:
             self._written = now
             self._wrote_any = True
         hosts, rows = self.remote_rows(self.version)
-        try:
-            if write_report_file(self.store, hosts, rows) and not self._tracked:
-                # Removed by the resource tracker if this process is killed, as its store is.
-                self._tracked = segment.track_file(self.store + REPORT_SUFFIX, register=True)
-        except OSError:
-            pass  # the table in this process has them; `shmsync ls NAME` shows local readers only
+        with self._file_lock:
+            if self._closed:
+                return
+            try:
+                if write_report_file(self.store, hosts, rows) and not self._tracked:
+                    # Removed by the resource tracker if this process is killed, as its store is.
+                    self._tracked = segment.track_file(self.store + REPORT_SUFFIX, register=True)
+            except OSError:
+                pass  # the table in this process has them; `shmsync ls NAME` shows local readers only
 
     def close(self) -> None:
-        if self._wrote_any:
-            remove_report_file(self.store)
-        if self._tracked:
-            self._tracked = not segment.track_file(self.store + REPORT_SUFFIX, register=False)
+        with self._file_lock:
+            self._closed = True
+            if self._wrote_any:
+                remove_report_file(self.store)
+            if self._tracked:
+                self._tracked = not segment.track_file(self.store + REPORT_SUFFIX, register=False)
 
 
 def own_rows(store_name: str, node: str, rows: list[ReaderRow], transfer: Transfer | None = None) -> HostRows:
