@@ -10,14 +10,33 @@ fields a copy in another process gets; every other field starts afresh there.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from shmsync.store.reader_table import RemoteSources
 from shmsync.torchrl.publishing import Publisher, StoreGroup
 from shmsync.torchrl.receiver import Receiver
 
+_S = TypeVar("_S", bound="Side")
 
-class SenderSide:
+
+class Side:
+    """What both sides share: ``SENT`` names the constructor's arguments a copy in another process
+    gets (a pickle, or :meth:`sent`); every other field starts afresh there."""
+
+    SENT: tuple[str, ...] = ()
+
+    def sent(self: _S) -> _S:
+        """A copy of what crosses a pickle (``SENT``), every other field afresh."""
+        return type(self)(**self.__getstate__())
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.SENT}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+
+class SenderSide(Side):
     """The trainer's side of a scheme (a node's, on a remote collector's node or actor).
 
     Args:
@@ -51,18 +70,8 @@ class SenderSide:
         self.awaiting_collector = False
         self.remote_rows = RemoteSources()
 
-    def sent(self) -> SenderSide:
-        """A copy of what crosses a pickle (``SENT``), every other field afresh."""
-        return type(self)(**self.__getstate__())
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.SENT}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(**state)  # type: ignore[misc]
-
-
-class ReceiverSide:
+class ReceiverSide(Side):
     """What a worker's copy of a scheme needs from the trainer's, and the worker's receiver.
 
     Args:
@@ -95,13 +104,3 @@ class ReceiverSide:
         self.expected_readers = expected_readers
         self.runs_sent_weights_next = runs_sent_weights_next
         self.receiver: Receiver | None = None
-
-    def sent(self) -> ReceiverSide:
-        """A copy of what crosses a pickle (``SENT``), every other field afresh."""
-        return type(self)(**self.__getstate__())
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.SENT}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(**state)  # type: ignore[misc]
