@@ -13,6 +13,8 @@ slot lacks from this host's newest version (:meth:`~shmsync.WeightStore.publish_
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,16 +131,8 @@ def _receive_into_store(relay: Any, link: wire.Link, version: int, sealed: Seale
         fwd = None
         if relay.server is not None and relay.store is not None:
             fwd = relay.server.begin(version, len(buffer), write, sealed)
-        try:
+        with _forwarding(relay, fwd):
             _fill(relay, link, buffer, fwd, sealed)
-        except Cancelled:
-            raise
-        except BaseException:
-            if fwd is not None:
-                relay.server.end(fwd, complete=False)
-            raise
-        if fwd is not None:
-            relay.server.end(fwd, complete=True)
 
     try:
         if relay.store is None:
@@ -162,18 +156,29 @@ def _receive_delta(relay: Any, link: wire.Link, version: int, sealed: SealedVers
     if relay.server is not None:
         fwd = relay.server.begin(version, delta.nbytes, None, sealed, delta, payload)
     try:
-        with memoryview(payload) as view:
-            _fill(relay, link, view, fwd, sealed)
-        relay.store.publish_delta(payload, version=version, base=delta.base, leaves=delta.leaves)
+        with _forwarding(relay, fwd):
+            with memoryview(payload) as view:
+                _fill(relay, link, view, fwd, sealed)
+            relay.store.publish_delta(payload, version=version, base=delta.base, leaves=delta.leaves)
     except Cancelled:
         return False
+    return True
+
+
+@contextmanager
+def _forwarding(relay: Any, fwd: Forwarding | None) -> Iterator[None]:
+    """End the forwarding of a version to the relays below (``fwd``; None: none) as its receipt
+    ends: whole, or not on an error; on a cancel it is left as it stands."""
+    try:
+        yield
+    except Cancelled:
+        raise
     except BaseException:
         if fwd is not None:
             relay.server.end(fwd, complete=False)
         raise
     if fwd is not None:
         relay.server.end(fwd, complete=True)
-    return True
 
 
 def _fill(
