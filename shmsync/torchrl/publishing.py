@@ -25,12 +25,14 @@ push being applied (:mod:`shmsync.torchrl.remote_nodes`), never a guess; else th
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -51,7 +53,7 @@ from shmsync.torchrl.settings import SchemeSettings
 from shmsync.torchrl.trainer_weights import models_of, models_without_collector, per_store
 from shmsync.watch.alarm import ReaderAlarm
 from shmsync.watch.frames import tag_next
-from shmsync.writer.store import WeightStore
+from shmsync.writer.store import WeightStore, check_version
 
 ATTACH_PATIENCE = 5.0  # seconds the first check waits for workers still attaching
 _PUBLISHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # collector -> its publisher
@@ -185,16 +187,28 @@ class StoreGroup:
             if wanted is not None and int(wanted) > store.promised:
                 store.publish(store.snapshot().weights, version=int(wanted))
 
-    def publish_if_changed(self, keys: Collection[str]) -> list[int]:
-        """The models of ``keys`` into each store where they differ from its newest version, the
-        other keys keeping theirs (see :meth:`~shmsync.WeightStore.publish_if_changed`). Returns
-        the versions published (none where nothing changed).
+    def publish_models(
+        self, keys: Collection[str], *, version: int | None = None, if_changed: bool = False
+    ) -> list[int]:
+        """The models of ``keys`` into each store as a new version, the other keys keeping theirs,
+        copied checked: other threads may write the models meanwhile (see
+        :meth:`~shmsync.WeightStore.publish` and :meth:`~shmsync.WeightStore.publish_if_changed`).
+        ``if_changed``: only into the stores where they differ from the newest version. Returns
+        the versions published.
 
         Raises:
+            StaleReaderError: the alarm (``on_stale="raise"``) found a stale worker; nothing published.
             WrittenWhileCopiedError: another thread kept writing the models; that store published nothing.
         """
-        published = (store.publish_if_changed(models, only=keys) for store, models in zip(self.stores, self.models))
-        return [v for v in published if v is not None]
+        if self.alarm is not None and self.alarm.pending:
+            self.alarm.raise_pending()
+        if if_changed:
+            published = [store.publish_if_changed(models, only=keys) for store, models in zip(self.stores, self.models)]
+            return [v for v in published if v is not None]
+        return [
+            store.publish(models, version=version, only=keys, checked=True)
+            for store, models in zip(self.stores, self.models)
+        ]
 
     def differs(self, keys: Collection[str]) -> bool:
         """Whether the models of ``keys`` differ from what some store of the group holds now."""
@@ -369,22 +383,50 @@ class Publisher:
         if pushes is not None:
             pushes.applied(newest)
 
-    def publish_changed(self, keys: set[str]) -> tuple[list[int], list[str]]:
-        """Publish the models of ``keys`` into each group's stores where they changed since its
-        newest version (the hand-out's route: see :class:`CollectorPatches`); the tracker told.
-        Returns the versions published, and the keys of the groups whose models another thread kept
-        writing while they were copied (those published nothing)."""
+    def publish_models(
+        self, keys: set[str], *, version: int | None = None, if_changed: bool = False
+    ) -> tuple[list[int], list[str]]:
+        """Publish the models of ``keys`` into each group's stores (the hand-out's route: see
+        :class:`CollectorPatches`), each a new version (under ``version`` if given), or, with
+        ``if_changed``, only where they changed since its newest version; the tracker told.
+        Returns the versions published, and the keys of the groups whose models another thread
+        kept writing while they were copied (those published nothing)."""
         published: list[int] = []
         written: list[str] = []
         for group in self.live_groups():
             mine = keys.intersection(group.keys)
             try:
-                published += group.publish_if_changed(mine) if mine else []
+                published += group.publish_models(mine, version=version, if_changed=if_changed) if mine else []
             except WrittenWhileCopiedError:
                 written += sorted(mine)
         if published and self.report_version is not None:
             self.report_version(_promised(self.groups))
         return published, written
+
+    def promised(self, keys: Collection[str]) -> int:
+        """The newest promised version of the stores holding ``keys`` (-1 if none)."""
+        groups = [g for g in self.live_groups() if any(k in keys for k in g.keys)]
+        return max((s.promised for g in groups for s in g.stores), default=-1)
+
+    def tell_tracker(self, version: int) -> None:
+        """TorchRL's tracker told ``version``: the one an update waiting for its hand-out will carry."""
+        if self.report_version is not None:
+            self.report_version([*_promised(self.groups), version])
+
+    def check_update(self, keys: Collection[str], version: int | None) -> None:
+        """Raise now what publishing the models of ``keys`` under ``version`` later would raise
+        for them, writing nothing: the collector shut down, a stale worker the alarm found, a
+        version not above the last (see :class:`CollectorPatches`' deferred updates)."""
+        groups = [g for g in self.live_groups() if any(k in g.keys for k in keys)]
+        if not groups:
+            self._refuse_if_shut_down(dict.fromkeys(keys))
+            return
+        for group in groups:
+            if group.alarm is not None and group.alarm.pending:
+                group.alarm.raise_pending()
+            if version is not None:
+                for store in group.stores:
+                    check_version(version, store.promised, store.name)
 
     def differs(self, keys: set[str]) -> bool:
         """Whether the models of ``keys`` differ from what their stores hold now (read only)."""
@@ -411,11 +453,32 @@ class Publisher:
             self.unchecked.pop().check_workers_attached()
 
 
+@dataclass
+class Due:
+    """An update waiting for its thread's next hand-out: the keys it named, the version it will
+    carry, and whether the caller named that version (else it is the one after the last)."""
+
+    keys: set[str]
+    version: int
+    numbered: bool
+
+
 class CollectorPatches:
     """shmsync's wrappers on one collector's instance, each over a public method of TorchRL's
     (TorchRL's class is left alone; see the module's docstring for why each is wrapped): the update
-    call goes to its :class:`Publisher`'s route, and each hand-out of work publishes again what
-    training changed since an update that named no weights.
+    call goes to its :class:`Publisher`'s route, and the weights an update named without passing
+    them reach the workers' next work as they are when that work is handed out.
+
+    When updates are published (:meth:`hand_out` has the reasons):
+
+    * an update with no weights, on the thread iterating a collector whose workers wait between
+      batches (``MultiSyncCollector``), is published when the collector hands out the next batch:
+      no worker runs the weights before that, and TorchRL's default scheme shows them the
+      trainer's weights as they are then. One copy per batch, whichever order the loop updates
+      and trains in;
+    * any other update (weights passed, ``worker_ids``, another thread, workers that collect all
+      along) is published before the call returns; where it named no weights, the next hand-out on
+      its thread publishes again what training changed since.
 
     Args:
         publisher: the collector's publisher, the route of every publish.
@@ -424,20 +487,33 @@ class CollectorPatches:
 
     # The methods wrapped, each by the method of the same name here (``worker_policy_versions``
     # where the collector has it: torchrl 0.15).
-    WRAPPED = ("update_policy_weights_", "shutdown", "load_state_dict", "iterator", "worker_policy_versions")
+    WRAPPED = (
+        "update_policy_weights_",
+        "shutdown",
+        "state_dict",
+        "load_state_dict",
+        "iterator",
+        "worker_policy_versions",
+    )
 
     def __init__(self, publisher: Publisher, collector: Any) -> None:
         self.publisher = publisher
         self._collector = weakref.ref(collector)
-        # Keys an update with no weights named since the collector last handed out work, and the
-        # thread that named them: at the next hand-out on that thread they are published again
+        # Per thread, the keys of its updates to be published at its next hand-out (deferred), and
+        # the version they named (None: each store's next).
+        self.due: dict[int, Due] = {}
+        # Keys an update published with no weights since the collector last handed out work, and
+        # the thread that named them: at the next hand-out on that thread they are published again
         # where training changed them (see hand_out).
         self.fresh: dict[str, int] = {}
         self.numbered: dict[str, int] = {}  # likewise, but under a version the caller numbered
         self.marks = threading.Lock()  # another thread may update while this one hands out
         self.handing_out = 0  # the thread inside TorchRL's iterator, which updates before it hands out
+        self.iterating: collections.Counter[int] = collections.Counter()  # threads with a live iterator
         self.warned = False  # FreshnessWarning: once per collector
         self.hands_out = publisher.pushes is None  # a remote node's pushes are the trainer's
+        # Its workers wait between batches: an update is published at the next hand-out.
+        self.defers = self.hands_out and compat.runs_sent_weights_next(collector)
         self.numbered_checked = False
 
     def install(self) -> None:
@@ -449,16 +525,20 @@ class CollectorPatches:
 
     # -- the hand-out -----------------------------------------------------------------------------
     def hand_out(self) -> None:
-        """The collector is about to hand its workers their next work: publish again, where they
-        changed, the models an update named without weights since the last hand-out, so that the
-        work runs the trainer's weights as they are now, as with TorchRL's default scheme (which
-        lets workers read the trainer's live weights). Nothing changed: nothing is published.
+        """The collector is about to hand its workers their next work. Publish the updates made on
+        this thread since the last hand-out: those deferred (one new version of the trainer's
+        models as they are now, copied checked), and, where an update was published already
+        with no weights, what training changed since (nothing changed: nothing published). The
+        work then runs the trainer's weights as they are now, as with TorchRL's default scheme
+        (which lets workers read the trainer's live weights).
 
-        Only updates made on this thread, the one that iterates the collector, are published again:
+        Only updates made on this thread, the one that iterates the collector, are published here:
         an update from another thread marks where that thread's writes stand whole, and its
         snapshot stays what the workers run (a copy taken here could catch that thread in the
-        middle of writing the weights, where no copy can tell it is)."""
+        middle of writing the weights, where no copy can tell it is). A copy taken here is
+        checked, all the same: a write another thread makes while it is taken is caught."""
         me = threading.get_ident()
+        self._publish_due(me)
         with self.marks:
             fresh = {k for k, thread in self.fresh.items() if thread == me}
             numbered = {k for k, thread in self.numbered.items() if thread == me}
@@ -476,10 +556,31 @@ class CollectorPatches:
         if fresh:
             self._publish_fresh(fresh)
 
+    def _publish_due(self, thread: int) -> None:
+        """Publish the update ``thread`` made that waits for a hand-out (if any): one new version of
+        its keys' models, said where another thread's writes kept every copy from being whole (the
+        workers then run the newest version there is). Called at the hand-out, when the iteration
+        ends (nothing is handed out on that thread any more), and before the workers' weights are
+        read (``state_dict``)."""
+        with self.marks:
+            due = self.due.pop(thread, None)
+        if due is None:
+            return
+        # The number noted, unless another thread published past it meanwhile and none was given.
+        number = due.version if due.numbered else max(due.version, self.publisher.promised(due.keys) + 1)
+        _, written = self.publisher.publish_models(due.keys, version=number)
+        if written:
+            self._warn(
+                f"the weights of {written} were being written by another thread each time shmsync copied "
+                "them as the collector handed out work, so the update_policy_weights_() made before published "
+                "nothing: its workers run the newest version there was. Publish from the thread that writes "
+                "them, or pass them: update_policy_weights_(weights)"
+            )
+
     def _publish_fresh(self, keys: set[str]) -> None:
         """The hand-out's publish of ``keys``, where their models changed; said once where the
         workers ran older weights than TorchRL's default would have given them."""
-        published, written = self.publisher.publish_changed(keys)
+        published, written = self.publisher.publish_models(keys, if_changed=True)
         if written:
             self._warn(
                 f"the weights of {written} were being written by another thread each time shmsync copied "
@@ -502,17 +603,47 @@ class CollectorPatches:
 
     # -- the wrappers, each named as the collector's method it wraps ------------------------------
     def update_policy_weights_(self, original: Callable, *args: Any, version: int | None = None, **kwargs: Any) -> Any:
-        """The shmsync keys it names, one version (the publisher's route); the rest, TorchRL's.
-        The keys it names without weights (the trainer's live models) are noted, with the thread
-        that named them, for the next hand-out on that thread (:meth:`hand_out`); keys given
-        weights keep those."""
+        """The shmsync keys it names, one version (the publisher's route, or at the next hand-out:
+        see the class); the rest, TorchRL's."""
         keys = self.publisher.keys
         weights, worker_ids = compat.update_request(args, kwargs) if args or kwargs else ({"policy": None}, None)
         rest = {k: w for k, w in weights.items() if k not in keys}
         result = original(weights_dict=rest, worker_ids=worker_ids) if rest else None
         mine = {k: w for k, w in weights.items() if k in keys}
-        self.publisher.route(mine, worker_ids, given=version)
         me = threading.get_ident()
+        if mine and self._deferred(mine, worker_ids, me):
+            self._defer(set(mine), version, me)
+        else:
+            self._publish_now(mine, worker_ids, version, me)
+        return result
+
+    def _defer(self, keys: set[str], version: int | None, me: int) -> None:
+        """Note an update of ``keys`` for the next hand-out on this thread, under the version it
+        will carry (``version``, else the one after the last; the batch it reaches is tagged so,
+        and TorchRL's tracker is told so now). What publishing it would refuse is refused now."""
+        with self.marks:
+            due = self.due.get(me)
+            last = due.version if due is not None else self.publisher.promised(keys)
+            if version is not None:
+                check_version(version, last)
+            number = version if version is not None else last + 1
+            self.publisher.check_update(keys, number)
+            if due is None:
+                self.due[me] = due = Due(set(), number, numbered=False)
+            due.keys |= keys
+            due.version, due.numbered = number, due.numbered or version is not None
+            for key in keys:
+                self.fresh.pop(key, None)
+                self.numbered.pop(key, None)
+        self.publisher.tell_tracker(number)
+
+    def _publish_now(self, mine: dict[str, Any], worker_ids: Any, version: int | None, me: int) -> None:
+        """Publish the update before returning (see the class), after an update this thread made
+        before that still waits for its hand-out; note the keys it named without weights for the
+        next hand-out on this thread (:meth:`hand_out`), keys given weights keep those."""
+        if self.handing_out != me:
+            self._publish_due(me)
+        self.publisher.route(mine, worker_ids, given=version)
         if self.hands_out and self.handing_out != me:  # not TorchRL's own update right before a hand-out
             with self.marks:
                 for key, w in mine.items():
@@ -520,15 +651,35 @@ class CollectorPatches:
                     self.numbered.pop(key, None)
                     if w is None:
                         (self.fresh if version is None else self.numbered)[key] = me
-        return result
+
+    def _deferred(self, mine: dict[str, Any], worker_ids: Any, me: int) -> bool:
+        """Whether this update is published at the next hand-out rather than now: no weights, no
+        ``worker_ids``, on a thread that iterates a collector whose workers wait between batches,
+        outside TorchRL's own iterator."""
+        return (
+            self.defers
+            and worker_ids is None
+            and self.iterating[me] > 0
+            and self.handing_out != me
+            and all(w is None for w in mine.values())
+        )
 
     def shutdown(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
-        """TorchRL's shutdown, then the stores freed at once (else they go with the schemes)."""
+        """TorchRL's shutdown, then the stores freed at once (else they go with the schemes); an
+        update waiting for a hand-out goes with the workers."""
+        with self.marks:
+            self.due = {}
         try:
             return original(*args, **kwargs)
         finally:
             for g in self.publisher.live_groups():
                 g.close()
+
+    def state_dict(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        """TorchRL's state, with an update this thread made that waits for its hand-out published
+        first: the workers report the weights and the version the trainer sent them."""
+        self._publish_due(threading.get_ident())
+        return original(*args, **kwargs)
 
     def load_state_dict(self, original: Callable, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
         """TorchRL's load, then each store's newest weights republished under the restored versions."""
@@ -557,14 +708,17 @@ class CollectorPatches:
     def iterator(self, original: Callable, *args: Any, **kwargs: Any) -> Iterator[Any]:
         """Each batch of TorchRL's iterator; before TorchRL hands out work (the first, and each one
         after the caller's code ran on a batch), :meth:`hand_out`; each batch gets ``("next", key)``
-        where a worker could not tag it."""
+        where a worker could not tag it. An update still waiting for a hand-out when the iteration
+        ends (the last batch, ``break``) is published then."""
         self.publisher.check_attached()  # before the first batch: a worker left out would run its first weights
         version_keys = self.publisher.version_keys
         batches = original(*args, **kwargs)
+        me = threading.get_ident()
+        self.iterating[me] += 1
         try:
             while True:
                 self.hand_out()
-                self.handing_out = threading.get_ident()
+                self.handing_out = me
                 try:
                     batch = next(batches)
                 except StopIteration:
@@ -577,7 +731,13 @@ class CollectorPatches:
                             tag_next(batch, key)
                 yield batch
         finally:
-            batches.close()
+            self.iterating[me] -= 1
+            try:
+                batches.close()
+            finally:
+                if self.iterating[me] <= 0:
+                    del self.iterating[me]
+                    self._publish_due(me)  # nothing is handed out on this thread any more
 
 
 def _promised(groups: list[StoreGroup]) -> list[int]:

@@ -39,6 +39,8 @@ iterates it (:meth:`shmsync.torchrl.publishing.CollectorPatches.hand_out`).
 from __future__ import annotations
 
 import ctypes
+import sys
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +89,27 @@ def same_bytes(source: torch.Tensor, held: torch.Tensor) -> bool:
         return _memcmp(source.data_ptr(), held.data_ptr(), source.numel() * source.element_size()) == 0
     a, b = _as_ints(source), _as_ints(held)
     return a is not None and b is not None and torch.equal(a, b)
+
+
+def others_may_write() -> bool:
+    """Whether a thread of this process other than the caller may write a source while the caller
+    copies it: any thread that runs Python code, or that Python's ``threading`` knows of, but the
+    caller and shmsync's own (each named ``shmsync-...``; they read sources, never write them).
+    Torch's own worker threads write only for an operation some such thread started. Where this
+    says False, a copy made by the caller is a snapshot without a check.
+
+    Examples:
+        >>> import threading
+        >>> done = threading.Event()
+        >>> writer = threading.Thread(target=done.wait)
+        >>> writer.start()
+        >>> others_may_write()
+        True
+        >>> done.set(); writer.join()
+    """
+    me = threading.get_ident()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return any(i != me and not names.get(i, "").startswith("shmsync-") for i in {*names, *sys._current_frames()})
 
 
 def _span_of(t: torch.Tensor) -> tuple[int, int]:

@@ -57,7 +57,7 @@ from shmsync.store.layout import Layout
 from shmsync.store.memory import RECHECK_EMPTY_S, StoreMemory
 from shmsync.store.reader_table import ReaderTable, RemoteSources, assemble, local_rows
 from shmsync.store.sources import SourceMatcher, as_tensordict
-from shmsync.writer.changes import Delta, SourceChanges
+from shmsync.writer.changes import Delta, SourceChanges, others_may_write
 from shmsync.writer.steps import OptimizerSteps
 
 KEPT_DELTAS = 8  # versions whose delta a writer keeps: a relay sends the newest, the one it just took
@@ -102,51 +102,61 @@ class StoreWriter:
         self._what = f"weights published to store {memory.name!r}"
         self._empty: dict[int, float] = {}  # slots seen holding no pages, and when
 
-    def write(self, source: Any, version: int | None = None, unsafe_background: bool | None = None) -> int:
-        """Match ``source``, then copy it into a slot and commit it (see :meth:`WeightStore.publish`);
-        ``unsafe_background`` overrides the store's setting. Returns the version."""
+    def write(
+        self,
+        source: Any,
+        version: int | None = None,
+        unsafe_background: bool | None = None,
+        *,
+        only: Collection[str] | None = None,
+        checked: bool = False,
+        if_changed: bool = False,
+    ) -> int | None:
+        """Match ``source``, then copy what changed of it into a slot and commit it (see
+        :meth:`WeightStore.publish`); ``unsafe_background`` overrides the store's setting, ``only``
+        keeps the newest version's weights for the other destinations, ``checked`` makes sure that
+        no write by another thread reached the copy (see :meth:`_copy_checked`), ``if_changed``
+        publishes nothing (and returns None) where nothing differs from the newest version.
+        Returns the version."""
         with self.lock:  # a publishing thread beside the trainer's: one version after the other
             start = time.perf_counter()
             tensors = self._matcher.match(source, self._what)
             self._begin(version)
             self.steps.tensors = tensors  # optimizers holding them count from now on
-            if self.cuda is not None or any(t.is_cuda for t in tensors):
+            newest = self._newest_views()
+            if newest is not None and only is not None:
+                tensors = self._keep_others(tensors, newest, only)
+            background = self.unsafe_background if unsafe_background is None else unsafe_background
+            on_cuda = self.cuda is not None or any(t.is_cuda for t in tensors)
+            if on_cuda or background and not (checked or if_changed):
+                if if_changed and not any(self.changes.find(tensors, newest, "checked")):
+                    return None
                 self.deltas.clear()
-                version = self._cuda(tensors).enqueue(tensors, version)
-                self._copied_all()
-            elif self.unsafe_background if unsafe_background is None else unsafe_background:
-                self.deltas.clear()
-                version = self._in_background(tensors, version)
-                self._copied_all()
-            else:
-                h, host = self.memory.header, self.memory.host
-                newest = self.memory.slots[h[host.latest]] if h[host.version] >= 0 else None
-                found = self.changes.find(tensors, newest, "publish")
-                version = self._copy_changes(tensors, found, version)
-            self.seconds += time.perf_counter() - start
-            return version
-
-    def write_if_changed(self, source: Any, only: Collection[str] | None = None) -> int | None:
-        """See :meth:`WeightStore.publish_if_changed`."""
-        with self.lock:
-            start = time.perf_counter()
-            tensors, found = self._compare(source, only)
-            if not any(found):
-                return None
-            if self.cuda is not None or any(t.is_cuda for t in tensors):
-                # Stream order makes it a snapshot: writes enqueued after it on the stream come after.
-                self.deltas.clear()
-                version: int | None = self._cuda(tensors).enqueue(tensors, None)
+                if on_cuda:  # stream order makes it a snapshot: writes enqueued after it on the stream come after
+                    version = self._cuda(tensors).enqueue(tensors, version)
+                else:
+                    version = self._in_background(tensors, version)
                 self._copied_all()
             else:
-                version = self._copy_checked(tensors, found)
+                found = self.changes.find(tensors, newest, "checked" if checked or if_changed else "plain")
+                if if_changed and not any(found):
+                    return None
+                if checked or if_changed:
+                    version = self._copy_checked(tensors, found, version)
+                else:
+                    version = self._copy_changes(tensors, found, version)
             self.seconds += time.perf_counter() - start
             return version
 
     def differs(self, source: Any, only: Collection[str] | None = None) -> bool:
         """See :meth:`WeightStore.differs`."""
         with self.lock:
-            return any(self._compare(source, only)[1])
+            tensors = self._matcher.match(source, self._what)
+            self._begin(None)  # the write in flight landed: the newest version is whole in its slot
+            newest = self._newest_views()
+            if newest is not None and only is not None:
+                tensors = self._keep_others(tensors, newest, only)
+            return any(self.changes.find(tensors, newest, "checked"))
 
     def _begin(self, version: int | None) -> None:
         """How every write begins, under the lock: the store still open here, ``version`` (when one
@@ -167,17 +177,6 @@ class StoreWriter:
             self.acquire()
         if self.copier.pending:
             self.flush()
-
-    def _compare(self, source: Any, only: Collection[str] | None) -> tuple[list[torch.Tensor], list[bool]]:
-        """``source``'s tensors (the newest version's outside ``only``), and per leaf whether it
-        differs from the newest version. Takes the writer role, and waits for the write in flight."""
-        tensors = self._matcher.match(source, self._what)
-        self._begin(None)  # the write in flight landed: the newest version is whole in its slot
-        self.steps.tensors = tensors
-        newest = self._newest_views()
-        if newest is not None and only is not None:
-            tensors = self._keep_others(tensors, newest, only)
-        return tensors, self.changes.find(tensors, newest, "hand-out")
 
     def _newest_views(self) -> list[torch.Tensor] | None:
         """The newest version's slot, viewed in this process (the writer's), or None before any."""
@@ -240,14 +239,16 @@ class StoreWriter:
         changes.published(version, before)
         return version
 
-    def _copy_checked(self, tensors: list[torch.Tensor], found: list[bool]) -> int:
+    def _copy_checked(self, tensors: list[torch.Tensor], found: list[bool], version: int | None = None) -> int:
         """Copy what changed of ``tensors`` into a slot and commit it if, once copied, every leaf
         still holds what was copied (no other thread wrote them meanwhile: see
         :mod:`shmsync.writer.changes`); else drop that copy and try again, :data:`COPY_ATTEMPTS`
         times in all."""
+        if not others_may_write():  # no thread but this one can write them: a plain copy is a snapshot
+            return self._copy_changes(tensors, found, version)
         for attempt in range(COPY_ATTEMPTS):
             try:
-                return self._copy_changes(tensors, found, None, checked=True)
+                return self._copy_changes(tensors, found, version, checked=True)
             except WrittenWhileCopiedError:
                 if attempt == COPY_ATTEMPTS - 1:
                     raise
@@ -695,7 +696,14 @@ class WeightStore:
         return f"WeightStore(name={self.name!r}, {state}, nbytes={self.nbytes})"
 
     # -- publishing (this process's StoreWriter) ------------------------------------------------
-    def publish(self, source: Any, *, version: int | None = None) -> int:
+    def publish(
+        self,
+        source: Any,
+        *,
+        version: int | None = None,
+        only: Collection[str] | None = None,
+        checked: bool = False,
+    ) -> int:
         """Copy ``source``'s weights in and make them visible as one new version.
 
         Never waits for readers. The version is a snapshot of ``source`` as it is now: CPU
@@ -709,6 +717,11 @@ class WeightStore:
                 shapes and dtypes (on any device).
             version: this version number instead of the next one (say, the optimizer-step count),
                 higher than every version before: versions may skip, never go back.
+            only: for a store of destinations, the destinations to take from ``source``; the
+                others keep the newest version's weights. Default: all.
+            checked: other threads may write ``source`` during the call: a copy that a write
+                reached while it was made is dropped and made again, as
+                :meth:`publish_if_changed` does (a comparison of what was copied, after the copy).
 
         Returns:
             The new version.
@@ -727,7 +740,7 @@ class WeightStore:
             ...     store.publish(policy), store.publish(policy, version=10), store.version
             (1, 10, 10)
         """
-        return self.writer.write(source, version)
+        return self.writer.write(source, version, only=only, checked=checked)  # type: ignore[return-value]
 
     def publish_if_changed(self, source: Any, *, only: Collection[str] | None = None) -> int | None:
         """Publish ``source`` as a new version if it differs in any byte from the newest version;
@@ -765,7 +778,7 @@ class WeightStore:
             ...     unchanged, store.publish_if_changed(policy), store.version
             (None, 1, 1)
         """
-        return self.writer.write_if_changed(source, only)
+        return self.writer.write(source, only=only, if_changed=True)
 
     def delta_of(self, version: int) -> Delta | None:
         """What ``version`` changed, where this process published it from its own weights: the

@@ -14,7 +14,7 @@ import torch
 from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
 
 from shmsync import ShmWeightSyncScheme, staleness
-from shmsync.errors import FreshnessWarning
+from shmsync.errors import FreshnessWarning, InvalidArgumentError
 from tests.torchrl.collectors import make_linear_policy, make_pendulum
 from tests.waiting import wait_for
 
@@ -122,9 +122,10 @@ def test_multiasync_workers_get_what_training_changed_when_the_next_batch_is_ask
         collector.shutdown()
 
 
-def test_a_numbered_update_keeps_its_snapshot_and_says_the_default_would_be_fresher():
-    """update_policy_weights_(version=n) cannot be published again under another number at the
-    hand-out: the batch runs its snapshot, and shmsync says once how to get fresher weights."""
+def test_a_numbered_update_is_published_at_the_hand_out_under_its_number():
+    """update_policy_weights_(version=n) with no weights on a MultiSyncCollector: the batch runs the
+    trained weights as the hand-out found them, under the caller's number; a number that does not
+    go up is refused at the call, not at the hand-out."""
     policy = make_linear_policy(0.0)
     scheme = ShmWeightSyncScheme()
     collector = MultiSyncCollector(
@@ -134,11 +135,36 @@ def test_a_numbered_update_keeps_its_snapshot_and_says_the_default_would_be_fres
         batches = iter(collector)
         next(batches)
         collector.update_policy_weights_(version=10)
+        assert scheme.version == 0  # published as the next batch is handed out
+        with pytest.raises(InvalidArgumentError, match="not higher"):
+            collector.update_policy_weights_(version=9)
+        _step(policy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FreshnessWarning)
+            batch = next(batches)
+        assert set(batch["action"].flatten().tolist()) == {STEP}
+        assert set(batch["policy_version"].flatten().tolist()) == {10}
+        assert scheme.version == 10
+    finally:
+        collector.shutdown()
+
+
+def test_a_numbered_update_on_multiasync_keeps_its_snapshot_and_says_the_default_would_be_fresher():
+    """Workers that collect all along run a numbered update's snapshot at once; a number cannot be
+    published again at the hand-out, so shmsync says once how to get fresher weights."""
+    policy = make_linear_policy(0.0)
+    scheme = ShmWeightSyncScheme()
+    collector = MultiAsyncCollector(
+        [make_pendulum] * 2, policy, frames_per_batch=20, total_frames=-1, weight_sync_schemes={"policy": scheme}
+    )
+    try:
+        batches = iter(collector)
+        next(batches)
+        collector.update_policy_weights_(version=10)
+        assert scheme.version == 10
         _step(policy)
         with pytest.warns(FreshnessWarning, match="leave version= out"):
-            batch = next(batches)
-        assert set(batch["action"].flatten().tolist()) == {0.0}
-        assert set(batch["policy_version"].flatten().tolist()) == {10}
+            next(batches)
         assert scheme.version == 10
     finally:
         collector.shutdown()
@@ -154,12 +180,13 @@ def test_an_update_with_weights_publishes_exactly_them_and_the_hand_out_keeps_th
     try:
         batches = iter(collector)
         next(batches)
-        collector.update_policy_weights_()  # no weights: marked for the hand-out...
+        collector.update_policy_weights_()  # no weights: for the hand-out...
         passed = make_linear_policy(1.5)
         collector.update_policy_weights_(passed)  # ...then weights passed: those, not the live policy's
         _step(policy)
         batch = next(batches)
         assert set(batch["action"].flatten().tolist()) == {1.5}
+        # The first published before the second (versions in the order of the calls), the second last.
         assert set(batch["policy_version"].flatten().tolist()) == {2} and scheme.version == 2
     finally:
         collector.shutdown()

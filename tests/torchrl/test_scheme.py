@@ -85,13 +85,15 @@ def test_published_weights_reach_every_worker_and_edits_do_not(cls, workers, zer
             assert (batch["policy_version"] == 0).all()
             assert not _is_tie(batch["action"]).any(), "an unpublished edit reached a worker"
         collector.update_policy_weights_()
-        assert scheme.version == 1
         if cls is MultiSyncCollector:
-            # Every worker reports the new weights right away (state_dict polls the store).
+            # Published as the next batch is handed out, or before the workers' weights are read:
+            # every worker reports the new weights right away (state_dict polls the store).
+            assert scheme.version == 0
             state = collector.state_dict()
             for w in range(workers):
                 weights = state[f"worker{w}"]["policy_state_dict"]
                 assert all((v == 0).all() for v in weights.values()), f"worker {w} kept old weights"
+        assert scheme.version == 1
         new_frames_per_worker = [0] * workers
         for _ in range(6 * workers):
             batch = next(it)
@@ -163,7 +165,8 @@ def test_poll_inside_long_rollouts():
 
 
 def test_the_store_leaves_the_host_once_every_worker_attached_and_shutdown_frees_it():
-    collector, scheme = _collector(MultiSyncCollector, 2, make_policy())
+    policy = make_policy()
+    collector, scheme = _collector(MultiSyncCollector, 2, policy)
     store = scheme.store
     name = store.name
     try:
@@ -175,8 +178,7 @@ def test_the_store_leaves_the_host_once_every_worker_attached_and_shutdown_frees
             WeightStore.attach(name)
         it = iter(collector)
         next(it)
-        collector.update_policy_weights_()
-        store.flush()  # version 1 is published
+        collector.update_policy_weights_(policy)  # weights passed: published before the call returns
         # Between batches each worker waits, one version behind; the table says which is which.
         table = scheme.readers()
         assert sorted((r.worker, r.version, r.behind, r.waiting) for r in table) == [(0, 0, 1, True), (1, 0, 1, True)]
