@@ -63,8 +63,7 @@ W_HOST_WANTED = 30  # bumped by a reader of the host bank that finds it behind: 
 W_STEPS = 31  # optimizer steps the writer's process has taken on the store's weights so far; -1: not counted
 W_COPIED_BYTES = 32  # bytes the last publish copied into its slot, and
 W_SKIPPED_BYTES = 33  # the bytes it did not: the slot held them already (unchanged since its version)
-W_PROOF = 34  # how the last publish proved leaves unchanged: PROOFS[word]
-PROOFS = ("none: every leaf copied", "comparison", "written pages", "a delta: its sender proved the rest unchanged")
+W_PROOF = 34  # how the last publish proved leaves unchanged: a Proof's word
 W_RECORDS_OFFSET = 35  # where the host slots' records start in the file: the first page after the layout
 W_RECORD_ENTRIES = 36  # entries of one record: one per leaf of the layout
 
@@ -197,6 +196,39 @@ for _mode in Mode:
         ROW_DEVICE if _mode in (Mode.DEVICE, Mode.DEVICE_IN_PLACE) else 0
     )
 del _mode
+
+
+class Proof(str, enum.Enum):
+    """How the leaves a copy left as they were were proved to hold the bytes they should: the one
+    value a publish writes into the header (:data:`W_PROOF`, as its ``word``) and a copying
+    reader tells (``WeightReader.unchanged_proof``). Each value is the words the tools show.
+
+    Examples:
+        >>> Proof.of_word(2), Proof.WRITTEN_PAGES.word
+        (<Proof.WRITTEN_PAGES: 'written pages'>, 2)
+    """
+
+    word: int  # its header word
+
+    NONE = "none: every leaf copied"  # from CUDA, in the background, a whole version from a relay
+    COMPARISON = "comparison"  # the bytes compared (write tracking unavailable, or a leaf not tracked)
+    WRITTEN_PAGES = "written pages"  # the pages the kernel says were written, compared where they were
+    DELTA = "a delta: its sender proved the rest unchanged"  # a relay's delta (the trainer's proof)
+    IN_PLACE = "in place"  # a reader's module views a slot: nothing is copied (never a publish's)
+
+    __str__ = str.__str__
+    __format__ = str.__format__  # type: ignore[assignment]
+
+    @classmethod
+    def of_word(cls, word: int) -> Proof:
+        """The proof a header word names (:data:`NONE` for a word out of range: a file is input)."""
+        return _PROOF_OF_WORD.get(word, cls.NONE)
+
+
+for _word, _proof in enumerate(Proof):
+    _proof.word = _word
+_PROOF_OF_WORD = {p.word: p for p in Proof}
+del _word, _proof
 
 
 def bank_base(bank: int) -> int:

@@ -114,100 +114,29 @@ each of its pages every step.
 from __future__ import annotations
 
 import bisect
-import ctypes
-import errno
-import mmap
 import os
 import platform
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
+from shmsync.core.page_map import (
+    PAGE,
+    USERFAULTFD_SYSCALL,
+    Mappings,
+    PageMap,
+    max_map_count,
+    merged,
+)
 from shmsync.errors import ArgumentTypeError, InvalidArgumentError, WriteTrackingError
 
-PAGE = mmap.PAGESIZE
 ENV = "SHMSYNC_WRITE_TRACKING"  # "0" turns write tracking off
-
-# linux/userfaultfd.h (upstream; Debian's linux-libc-dev 6.1 lacks the asynchronous mode).
-UFFD_API = 0xAA
-UFFD_USER_MODE_ONLY = 1  # a flag of the userfaultfd system call: faults of user code only
-UFFD_FEATURE_WP_UNPOPULATED = 1 << 13
-UFFD_FEATURE_WP_ASYNC = 1 << 15
-UFFDIO_REGISTER_MODE_WP = 1 << 1
-# linux/fs.h (upstream, 6.7+).
-PAGE_IS_WPALLOWED = 1 << 0
-PAGE_IS_WRITTEN = 1 << 1
-PAGE_IS_FILE = 1 << 2
-PAGE_IS_PRESENT = 1 << 3
-PM_SCAN_WP_MATCHING = 1 << 0
-PM_SCAN_CHECK_WPASYNC = 1 << 1
-MS_ASYNC = 1  # sys/mman.h
-
-# The userfaultfd system call's number where the ioctl numbers below are encoded as in
-# asm-generic/ioctl.h (elsewhere tracking is reported unavailable).
-USERFAULTFD_SYSCALL = {"x86_64": 323, "aarch64": 282, "riscv64": 282}
 
 MAX_RUNS = 4096  # runs of tracked pages per process: each may split a mapping at both ends
 MAX_RANGES = 1 << 16  # tracked ranges per process
 _ADDRESS_LIMIT = 1 << 63  # above: the kernel's half of the address space, on every machine above
 
-
-class UffdioApi(ctypes.Structure):
-    """``struct uffdio_api``: the handshake, the features asked for and granted."""
-
-    _fields_ = [("api", ctypes.c_uint64), ("features", ctypes.c_uint64), ("ioctls", ctypes.c_uint64)]
-
-
-class UffdioRange(ctypes.Structure):
-    """``struct uffdio_range``."""
-
-    _fields_ = [("start", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-
-class UffdioRegister(ctypes.Structure):
-    """``struct uffdio_register``."""
-
-    _fields_ = [("range", UffdioRange), ("mode", ctypes.c_uint64), ("ioctls", ctypes.c_uint64)]
-
-
-class PageRegion(ctypes.Structure):
-    """``struct page_region``: one run of pages of the same categories, ``[start, end)``."""
-
-    _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64), ("categories", ctypes.c_uint64)]
-
-
-class PmScanArg(ctypes.Structure):
-    """``struct pm_scan_arg``: what ``PAGEMAP_SCAN`` scans, and where the walk stopped."""
-
-    _fields_ = [
-        (name, ctypes.c_uint64)
-        for name in (
-            "size",
-            "flags",
-            "start",
-            "end",
-            "walk_end",
-            "vec",
-            "vec_len",
-            "max_pages",
-            "category_inverted",
-            "category_mask",
-            "category_anyof_mask",
-            "return_mask",
-        )
-    ]
-
-
-def _ioc(direction: int, kind: int, number: int, struct: type[ctypes.Structure]) -> int:
-    """An ioctl number as asm-generic/ioctl.h's ``_IOC`` makes it (direction 2: read, 3: both)."""
-    return (direction << 30) | (ctypes.sizeof(struct) << 16) | (kind << 8) | number
-
-
-UFFDIO_API = _ioc(3, UFFD_API, 0x3F, UffdioApi)
-UFFDIO_REGISTER = _ioc(3, UFFD_API, 0x00, UffdioRegister)
-UFFDIO_UNREGISTER = _ioc(2, UFFD_API, 0x01, UffdioRange)
-PAGEMAP_SCAN = _ioc(3, ord("f"), 16, PmScanArg)
 
 Spans = list[tuple[int, int]]  # (offset within the range, length), sorted, apart
 
@@ -242,242 +171,6 @@ class _Run:
 
     def __init__(self, start: int, end: int, ranges: list[TrackedRange]) -> None:
         self.start, self.end, self.ranges = start, end, ranges
-
-
-_libc_handle: ctypes.CDLL | None = None
-
-
-def _libc() -> ctypes.CDLL:
-    """The C library, loaded on first use (never at import: elsewhere than Linux it may differ)."""
-    global _libc_handle
-    if _libc_handle is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.syscall.restype = ctypes.c_long
-        libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
-        libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc_handle = libc
-    return _libc_handle
-
-
-def _ioctl(fd: int, request: int, struct: ctypes.Structure) -> int:
-    """``ioctl(fd, request, &struct)``: its result, or ``-errno``."""
-    result = int(_libc().ioctl(fd, request, ctypes.addressof(struct)))
-    return -ctypes.get_errno() if result < 0 else result
-
-
-def _merged(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``[start, end)`` intervals, sorted, with overlapping and adjacent ones joined."""
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            if end > out[-1][1]:
-                out[-1] = (out[-1][0], end)
-        else:
-            out.append((start, end))
-    return out
-
-
-def _refusal(err: int) -> str:
-    """Why the userfaultfd system call failed with ``err``, for a person to act on."""
-    release = platform.release()
-    if err in (errno.EPERM, errno.EACCES):
-        return (
-            "the kernel refused the userfaultfd system call to this process (EPERM): a seccomp filter "
-            "(container runtimes' default profiles refuse it) or a policy forbids it"
-        )
-    if err == errno.ENOSYS:
-        return "this kernel has no userfaultfd system call (built without CONFIG_USERFAULTFD, or filtered)"
-    if err == errno.EINVAL:
-        return f"Linux {release} does not take UFFD_USER_MODE_ONLY (5.11 or later; write tracking needs 6.7)"
-    return f"the userfaultfd system call failed: {os.strerror(err)}"
-
-
-class _Kernel:
-    """This process's userfaultfd and ``/proc/self/pagemap`` descriptors, and the calls on them."""
-
-    def __init__(self, regions: int) -> None:
-        libc = _libc()
-        wanted = UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED
-        flags = os.O_CLOEXEC | os.O_NONBLOCK | UFFD_USER_MODE_ONLY
-        uffd = int(libc.syscall(ctypes.c_long(USERFAULTFD_SYSCALL[platform.machine()]), ctypes.c_long(flags)))
-        if uffd < 0:
-            raise WriteTrackingError(_refusal(ctypes.get_errno()))
-        try:
-            api = UffdioApi(api=UFFD_API, features=wanted)
-            if _ioctl(uffd, UFFDIO_API, api) < 0 or api.features & wanted != wanted:
-                raise WriteTrackingError(
-                    f"Linux {platform.release()} lacks asynchronous write-protection "
-                    "(UFFD_FEATURE_WP_ASYNC, Linux 6.7 or later)"
-                )
-            try:
-                pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as e:
-                raise WriteTrackingError(f"/proc/self/pagemap cannot be opened ({e.strerror})") from None
-        except BaseException:
-            os.close(uffd)
-            raise
-        self.uffd, self.pagemap = uffd, pagemap
-        self.vec = (PageRegion * regions)()
-        # One argument per category asked about: pages written, and pages registered.
-        self.args = {
-            category: PmScanArg(
-                size=ctypes.sizeof(PmScanArg),
-                vec=ctypes.addressof(self.vec),
-                vec_len=regions,
-                category_mask=category,
-                return_mask=category,
-            )
-            for category in (PAGE_IS_WRITTEN, PAGE_IS_WPALLOWED)
-        }
-        self.used = 0  # entries of vec that may not be zero
-        self.ioctl, self.msync = libc.ioctl, libc.msync
-
-    def close(self) -> None:
-        """Close both descriptors (the kernel unregisters every range with the last reference)."""
-        for fd in (self.uffd, self.pagemap):
-            try:
-                os.close(fd)
-            except OSError:  # closed already (a fork handler's close, then this one's)
-                pass
-
-    def register(self, start: int, end: int) -> int:
-        """Register ``[start, end)`` for asynchronous write-protection: 0, or ``-errno``."""
-        request = UffdioRegister(range=UffdioRange(start, end - start), mode=UFFDIO_REGISTER_MODE_WP)
-        return min(0, _ioctl(self.uffd, UFFDIO_REGISTER, request))
-
-    def unregister(self, start: int, end: int) -> None:
-        """Give back ``[start, end)``, which no tracked range holds any more. Best effort: the pages
-        may be unmapped or someone else's by now, and pages left registered only cost a fault."""
-        _ioctl(self.uffd, UFFDIO_UNREGISTER, UffdioRange(start, end - start))
-
-    def scan(self, start: int, end: int, flags: int, category: int) -> tuple[list[tuple[int, int]], int]:
-        """The regions of ``[start, end)`` in ``category``, the output array refilled until the
-        walk reaches ``end``; and 0, or the ``errno`` that stopped it (the regions then are those
-        the kernel reported before it stopped)."""
-        arg, vec, found = self.args[category], self.vec, []
-        arg.flags, arg.end = flags, end
-        while start < end:
-            if self.used:  # zeroed, so that what an error leaves there can be counted
-                ctypes.memset(vec, 0, self.used * ctypes.sizeof(PageRegion))
-            arg.start, arg.walk_end = start, 0
-            n = int(self.ioctl(self.pagemap, PAGEMAP_SCAN, ctypes.addressof(arg)))
-            if n < 0:
-                err, self.used = ctypes.get_errno(), len(vec)
-                found += [(r.start, r.end) for r in vec if r.end > r.start]
-                return found, err
-            self.used = n
-            found += [(vec[i].start, vec[i].end) for i in range(n)]
-            if arg.walk_end <= start:
-                raise WriteTrackingError(f"PAGEMAP_SCAN made no progress at {start:#x}", errno.EIO)
-            start = arg.walk_end
-        return found, 0
-
-    def written(self, start: int, end: int) -> tuple[list[tuple[int, int]], bool]:
-        """The pages of ``[start, end)`` written since they were last protected, protected again;
-        and whether all of ``[start, end)`` is still mapped and registered (if not, the pages found
-        are those of the parts that are).
-
-        Raises:
-            WriteTrackingError: the scan failed otherwise (``errno`` says why).
-        """
-        intact = self.msync(start, end - start, MS_ASYNC) == 0  # ENOMEM: a hole, which scans skip
-        found, err = self.scan(start, end, PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC, PAGE_IS_WRITTEN)
-        if err == errno.EPERM:  # a mapping not registered; go on past it without the check
-            rest, err = self.scan(start, end, PM_SCAN_WP_MATCHING, PAGE_IS_WRITTEN)
-            found, intact = found + rest, False
-        if err:
-            raise WriteTrackingError(f"PAGEMAP_SCAN failed on {start:#x}-{end:#x}: {os.strerror(err)}", err)
-        return (_merged(found) if found else found), intact
-
-    def registered(self, start: int, end: int) -> list[tuple[int, int]]:
-        """The parts of ``[start, end)`` mapped and registered for asynchronous write-protection
-        (a slower walk: each page is looked at)."""
-        found, err = self.scan(start, end, 0, PAGE_IS_WPALLOWED)
-        if err:
-            raise WriteTrackingError(f"PAGEMAP_SCAN failed on {start:#x}-{end:#x}: {os.strerror(err)}", err)
-        return _merged(found)
-
-    def self_test(self) -> str | None:
-        """Protect four pages of fresh memory, write one, and scan twice: exactly that page, then
-        none. ``None`` when so; otherwise what went wrong."""
-        block = mmap.mmap(-1, 4 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        try:
-            block.write(b"\1" * len(block))
-            start = _address_of(block)
-            err = -self.register(start, start + len(block))
-            if err:
-                return f"the kernel refused to register anonymous memory for write-protection ({os.strerror(err)})"
-            try:
-                self.written(start, start + len(block))
-                block[PAGE + 5] = 7
-                first, _ = self.written(start, start + len(block))
-                second, _ = self.written(start, start + len(block))
-            except WriteTrackingError as e:
-                if e.errno in (errno.ENOTTY, errno.EINVAL):
-                    return f"Linux {platform.release()} lacks the PAGEMAP_SCAN ioctl (Linux 6.7 or later)"
-                return str(e)
-            if first != [(start + PAGE, start + 2 * PAGE)] or second:
-                return (
-                    f"the kernel failed the write-tracking self-test: one page written, reported "
-                    f"{sum(e - s for s, e in first) // PAGE} pages, then {sum(e - s for s, e in second) // PAGE}"
-                )
-            return None
-        finally:
-            block.close()
-
-
-def _address_of(block: mmap.mmap) -> int:
-    anchor = ctypes.c_char.from_buffer(block)
-    try:
-        return ctypes.addressof(anchor)
-    finally:
-        del anchor  # the export would keep the mapping from closing
-
-
-class _Mappings:
-    """This process's memory mappings, as ``/proc/self/maps`` listed them once."""
-
-    def __init__(self) -> None:
-        with open("/proc/self/maps", "rb") as f:
-            lines = f.read().splitlines()
-        self.count = len(lines)
-        self.rows: list[tuple[int, int, bytes]] = []
-        for line in lines:
-            fields = line.split(maxsplit=5)
-            low, high = fields[0].split(b"-")
-            private_anonymous = fields[1][3:4] == b"p" and fields[4] == b"0" and _anonymous(fields[5:])
-            self.rows.append((int(low, 16), int(high, 16), b"" if private_anonymous else line))
-        self.starts = [row[0] for row in self.rows]
-
-    def why_not_private_anonymous(self, start: int, end: int) -> str | None:
-        """Why ``[start, end)`` is not wholly private anonymous memory, or ``None``."""
-        i = bisect.bisect_right(self.starts, start) - 1
-        at = start
-        while at < end:
-            if i < 0 or i >= len(self.rows) or not self.rows[i][0] <= at < self.rows[i][1]:
-                return f"{at:#x} is not mapped"
-            if self.rows[i][2]:
-                what = self.rows[i][2].decode(errors="replace")
-                return (
-                    f"not private anonymous memory ({what!r}): another process, or a file, could change it "
-                    "without a write of this process"
-                )
-            at = self.rows[i][1]
-            i += 1
-        return None
-
-
-def _anonymous(name: list[bytes]) -> bool:
-    """Whether a mapping's name (in /proc/self/maps) is one of anonymous memory's."""
-    return not name or name[0] in (b"[heap]", b"[stack]") or name[0].startswith(b"[anon:")
-
-
-def _max_map_count() -> int:
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            return max(0, int(f.read()))
-    except (OSError, ValueError):
-        return 65530  # the kernel's default
 
 
 class WrittenPages:
@@ -522,7 +215,7 @@ class WrittenPages:
         reason = unavailable_reason()
         if reason is not None:
             raise WriteTrackingError(reason)
-        self._kernel = _Kernel(regions_per_scan)
+        self._page_map = PageMap(regions_per_scan)
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._pending: dict[TrackedRange, list[tuple[int, int]]] = {}  # the tracked ranges' written pages
@@ -530,8 +223,8 @@ class WrittenPages:
         self._starts: list[int] = []  # each run's start, for bisect
         self._run_of: dict[TrackedRange, _Run] = {}
         self._closed: str | None = None
-        self.max_runs = min(MAX_RUNS, _max_map_count() // 8)
-        self._close_descriptors = weakref.finalize(self, self._kernel.close)
+        self.max_runs = min(MAX_RUNS, max_map_count() // 8)
+        self._close_descriptors = weakref.finalize(self, self._page_map.close)
         _INSTANCES.add(self)
 
     # -- public ----------------------------------------------------------------------------------
@@ -559,12 +252,12 @@ class WrittenPages:
         if not ranges:
             return ranges
         self._check_process()
-        mappings = _Mappings()
+        mappings = Mappings()
         with self._lock:
             if self._closed is not None:
                 raise WriteTrackingError(f"this write tracker is closed ({self._closed})")
             # Up to half of vm.max_map_count for the process; each run may add two mappings to it.
-            room = len(self._runs) + (_max_map_count() // 2 - mappings.count) // 2
+            room = len(self._runs) + (max_map_count() // 2 - mappings.count) // 2
             for r in ranges:
                 r.unknown = self._refusal(r, mappings, room)
                 if r.unknown is None:
@@ -665,7 +358,7 @@ class WrittenPages:
             self._runs, self._starts, self._run_of = [], [], {}
         self._close_descriptors()
 
-    def _refusal(self, r: TrackedRange, mappings: _Mappings, room: int) -> str | None:
+    def _refusal(self, r: TrackedRange, mappings: Mappings, room: int) -> str | None:
         """Why ``r`` is not to be tracked, or ``None``. ``room``: how many runs the process's
         mappings leave room for (each run may add two mappings)."""
         if len(self._pending) >= MAX_RANGES:
@@ -679,12 +372,12 @@ class WrittenPages:
         if len(self._runs) >= self.max_runs:
             return (
                 f"tracking it would make {len(self._runs) + 1} runs of tracked pages, past this process's bound "
-                f"of {self.max_runs} (each may split a mapping in two; vm.max_map_count is {_max_map_count()})"
+                f"of {self.max_runs} (each may split a mapping in two; vm.max_map_count is {max_map_count()})"
             )
         if len(self._runs) >= room:
             return (
                 f"this process holds {mappings.count} memory mappings, near half of vm.max_map_count "
-                f"({_max_map_count()}): more could make its allocations fail"
+                f"({max_map_count()}): more could make its allocations fail"
             )
         return None
 
@@ -699,7 +392,7 @@ class WrittenPages:
     def _start(self, r: TrackedRange) -> None:
         """Register and protect ``r``'s pages, crediting what was written on them to the ranges
         that already hold some of them."""
-        err = -self._kernel.register(r.pages_start, r.pages_end)
+        err = -self._page_map.register(r.pages_start, r.pages_end)
         if err:
             r.unknown = f"the kernel refused to write-protect it ({os.strerror(err)})"
             return
@@ -724,10 +417,10 @@ class WrittenPages:
         ``ranges``, and lose those of them no longer wholly mapped and registered; all of them if
         the scan fails (its pages may have been protected again unreported)."""
         try:
-            written, intact = self._kernel.written(start, end)
+            written, intact = self._page_map.written(start, end)
             if written:
                 self._credit(ranges, written)
-            registered = [(start, end)] if intact else self._kernel.registered(start, end)
+            registered = [(start, end)] if intact else self._page_map.registered(start, end)
         except WriteTrackingError as e:
             for r in ranges:
                 self._lose(r, f"a scan of its pages failed: {e}")
@@ -751,7 +444,7 @@ class WrittenPages:
                     hits.append((max(written[i][0], r.pages_start), min(written[i][1], r.pages_end)))
                 i += 1
             if hits:
-                self._pending[r] = _merged(pending + hits)
+                self._pending[r] = merged(pending + hits)
 
     def _lose(self, r: TrackedRange, why: str) -> None:
         """Stop tracking ``r``: split its run where it leaves a gap, and unregister the gaps."""
@@ -781,10 +474,10 @@ class WrittenPages:
         at = start
         for run in self._runs[low:high]:
             if run.start > at:
-                self._kernel.unregister(at, min(run.start, end))
+                self._page_map.unregister(at, min(run.start, end))
             at = max(at, run.end)
         if at < end:
-            self._kernel.unregister(at, end)
+            self._page_map.unregister(at, end)
 
     def _take(self, r: TrackedRange) -> Spans | None:
         """``r``'s written bytes as spans within it, forgotten once taken; ``None`` if not tracked."""
@@ -817,74 +510,6 @@ _INSTANCES: weakref.WeakSet[WrittenPages] = weakref.WeakSet()
 _shared: WrittenPages | None = None
 _shared_lock = threading.Lock()
 _probed: tuple[int, str | None] | None = None  # (pid, the probe's answer)
-# pagemap entries: bit 63 "present", bit 61 "file page or shared anonymous". A present page of a
-# private file mapping without bit 61 is this process's own copy. In each entry's top byte
-# (little-endian: its 8th), those are 0x80 and 0x20.
-OWN_COPY = bytes(1 if b & 0xA0 == 0x80 else 0 for b in range(256))
-# This process's pagemap, and how it scans it: (pid, pagemap, ioctl or None where the kernel has
-# no PAGEMAP_SCAN, argument, output). Made once per process: a reader asks at every load.
-_copies: tuple[int, int, Callable[..., int] | None, PmScanArg, ctypes.Array] | None = None
-
-
-def private_copies(address: int, length: int) -> int | None:
-    """How many pages of ``[address, address + length)``, a private mapping of a file, are this
-    process's own copies (present, and no longer the file's: written since mapped).
-
-    One ``PAGEMAP_SCAN`` counts them where the kernel has it (Linux 6.7 and later); elsewhere
-    ``/proc/self/pagemap`` is read, eight bytes a page.
-
-    Args:
-        address: the first byte of the span.
-        length: its size in bytes.
-
-    Returns:
-        The count of pages, or None where ``/proc/self/pagemap`` cannot be read.
-
-    Examples:
-        >>> import mmap, tempfile
-        >>> with tempfile.TemporaryFile() as f:
-        ...     _ = f.truncate(4 * mmap.PAGESIZE)
-        ...     block = mmap.mmap(f.fileno(), 4 * mmap.PAGESIZE, flags=mmap.MAP_PRIVATE)
-        ...     address = ctypes.addressof(ctypes.c_char.from_buffer(block))
-        ...     block[5] = 1  # this process's own copy of the first page now
-        ...     private_copies(address, 4 * mmap.PAGESIZE)
-        1
-    """
-    global _copies
-    pid = os.getpid()
-    if _copies is None or _copies[0] != pid:
-        try:
-            fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return None
-        vec = (PageRegion * 64)()
-        arg = PmScanArg(
-            size=ctypes.sizeof(PmScanArg),
-            vec=ctypes.addressof(vec),
-            vec_len=64,
-            category_mask=PAGE_IS_PRESENT | PAGE_IS_FILE,
-            return_mask=PAGE_IS_PRESENT | PAGE_IS_FILE,
-            category_inverted=PAGE_IS_FILE,  # present, and not the file's
-        )
-        _copies = (pid, fd, _libc().ioctl, arg, vec)
-    _, fd, ioctl, arg, vec = _copies
-    first, end = address - address % PAGE, address + length
-    if ioctl is not None:
-        start, pages = first, 0
-        arg.end = end
-        while start < end:
-            arg.start, arg.walk_end = start, 0
-            n = int(ioctl(fd, PAGEMAP_SCAN, ctypes.addressof(arg)))
-            if n < 0 or arg.walk_end <= start:
-                if n < 0 and ctypes.get_errno() in (errno.ENOTTY, errno.EINVAL):  # no PAGEMAP_SCAN here
-                    _copies = (pid, fd, None, arg, vec)
-                break
-            pages += sum(vec[i].end - vec[i].start for i in range(n)) // PAGE
-            start = arg.walk_end
-        else:
-            return pages
-    entries = os.pread(fd, ((end - 1) // PAGE - first // PAGE + 1) * 8, first // PAGE * 8)
-    return entries[7::8].translate(OWN_COPY).count(1)
 
 
 def unavailable_reason() -> str | None:
@@ -917,7 +542,7 @@ def _probe() -> str | None:
     if platform.machine() not in USERFAULTFD_SYSCALL:
         return f"write tracking is not built for {platform.machine()} (only {', '.join(USERFAULTFD_SYSCALL)})"
     try:
-        kernel = _Kernel(regions=4)
+        kernel = PageMap(regions=4)
     except WriteTrackingError as e:
         return str(e)
     except OSError as e:  # the C library could not be loaded

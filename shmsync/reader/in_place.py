@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from shmsync.core.written_pages import private_copies
+from shmsync.core.page_map import private_copies
 from shmsync.errors import SharedMemoryError, SharedWeightsWrittenError, ShmSyncError
 from shmsync.store.copies import copy_all
 from shmsync.store.memory import StoreMemory

@@ -33,6 +33,7 @@ from shmsync.core.header import (
     W_PROMISED,
     W_VERSION,
     Mode,
+    Proof,
 )
 from shmsync.core.pages import human_bytes
 from shmsync.core.protocol import Leases, ReaderRows
@@ -190,13 +191,13 @@ class WeightReader:
         return self.mode.viewing
 
     @property
-    def unchanged_proof(self) -> str:
-        """How the last copy into the module proved the tensors it did not copy unchanged:
-        ``"written pages"`` (this process's write tracking, and comparison for the tensors it does
-        not track), ``"comparison"`` (write tracking unavailable here), ``"none: every tensor
-        copied"`` (a module on a GPU, or copying from the device slots), or ``"in place"`` while the
-        module runs on the store's memory (nothing is copied but its buffers). See
-        :mod:`shmsync.reader.held_copy`.
+    def unchanged_proof(self) -> Proof:
+        """How the last copy into the module proved the tensors it did not copy unchanged (a
+        :class:`~shmsync.core.header.Proof`, a string): ``"written pages"`` (this process's write
+        tracking, and comparison for the tensors it does not track), ``"comparison"`` (write
+        tracking unavailable here), ``"none: every leaf copied"`` (a module on a GPU, or copying
+        from the device slots), or ``"in place"`` while the module runs on the store's memory
+        (nothing is copied but its buffers). See :mod:`shmsync.store.changes`.
 
         Examples:
             >>> import torch
@@ -208,8 +209,8 @@ class WeightReader:
             True
         """
         if self.mode.viewing:
-            return "in place"
-        return self._binding.held.proof if self._binding is not None else "none: every tensor copied"
+            return Proof.IN_PLACE
+        return self._binding.held.proof if self._binding is not None else Proof.NONE
 
     def set_waiting(self, waiting: bool) -> None:
         """Say whether the process is between rollouts, waiting for work rather than running the

@@ -26,6 +26,7 @@ from shmsync.core.pages import same_memory
 from shmsync.errors import InvalidArgumentError, ShmSyncError, WaitTimeoutError
 
 PARALLEL_MIN_BYTES = 4 << 20
+FIRST_BYTES = 4096  # what same_all compares on the calling thread first, range by range
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
 
@@ -86,6 +87,24 @@ def same_all(ranges: list[tuple[int, int, int]], threads: int | None = None) -> 
     n = copy_threads() if threads is None else threads
     if n <= 1 or total < PARALLEL_MIN_BYTES:
         return [same_memory(a, b, length) for a, b, length in ranges]
+    # Most ranges that differ do so at once (a leaf an optimizer stepped): their first bytes tell,
+    # on this thread, and only the ranges still equal there are split across the threads.
+    head = [same_memory(a, b, min(length, FIRST_BYTES)) for a, b, length in ranges]
+    if not any(head):
+        return head
+    rest = [(k, (a, b, n_)) for k, (same, (a, b, n_)) in enumerate(zip(head, ranges)) if same]
+    if sum(r[2] for _, r in rest) < PARALLEL_MIN_BYTES:
+        for k, (a, b, length) in rest:
+            head[k] = same_memory(a, b, length)
+        return head
+    for (k, _), same in zip(rest, _same_split([r for _, r in rest], n)):
+        head[k] = same
+    return head
+
+
+def _same_split(ranges: list[tuple[int, int, int]], n: int) -> list[bool]:
+    """:func:`same_all` over ``n`` threads: the ranges cut into pieces of about equal bytes."""
+    total = sum(length for _, _, length in ranges)
     share = -(-total // n)
     pieces: list[list[tuple[int, int, int, int]]] = [[]]  # (which range, a, b, length)
     room = share

@@ -4,6 +4,7 @@ store's destinations, :func:`as_tensordict` turns one part into a TensorDict."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -106,7 +107,8 @@ class CheckedSource(NamedTuple):
     source: Any  # the object published
     keys: set | None  # its keys, for a mapping of destinations (None: one module or TensorDict)
     parts: list[tuple[Any, list | None]]  # each module or TensorDict in it, with its leaf keys (None: a module)
-    held: list[torch.Tensor | None]  # every tensor those parts held (see _held)
+    modules: list[nn.Module]  # every module of those parts, each once
+    held: list[Any]  # what those parts held (see _held), kept alive here
     tensors: list[torch.Tensor]  # what was published, in the layout's entry order
 
 
@@ -136,6 +138,8 @@ class SourceMatcher:
     def __init__(self, layout: Any, destinations: tuple[str, ...] | None) -> None:
         self.layout, self.destinations = layout, destinations
         self._last: CheckedSource | None = None
+        self._shapes = [torch.Size(e.shape) for e in layout.entries]
+        self._dtypes = [e.dtype for e in layout.entries]
 
     def match(self, source: Any, what: str) -> list[torch.Tensor]:
         """The source's tensors in entry order, checked against the layout (nothing written)."""
@@ -145,18 +149,16 @@ class SourceMatcher:
             same = source is last.source or (
                 last.keys is not None and type(source) is dict and source.keys() == last.keys
             )
-            # The very parts of last time, holding the very tensors, shaped and typed as published
-            # (both kept in `_last`, so an equal id is the same object).
-            if (
-                same
-                and list(map(id, now)) == [id(p) for p, _ in last.parts]
-                and list(map(id, _held(last.parts))) == list(map(id, last.held))
-                and all(
-                    t.shape == e.shape and t.dtype == e.dtype and not t.is_meta
-                    for t, e in zip(last.tensors, self.layout.entries)
-                )
-            ):
-                return last.tensors
+            # The very parts of last time, holding the very modules and tensors (kept in `_last`,
+            # so the same object), shaped and typed as published.
+            if same and _all_same(now, [p for p, _ in last.parts]) and _all_same(_held(last), last.held):
+                tensors = last.tensors
+                if (
+                    list(map(_shape, tensors)) == self._shapes
+                    and list(map(_dtype, tensors)) == self._dtypes
+                    and not any(map(_is_meta, tensors))
+                ):
+                    return tensors
         return self._match(source, what)
 
     def _match(self, source: Any, what: str) -> list[torch.Tensor]:
@@ -172,25 +174,34 @@ class SourceMatcher:
         parts_now = list(source.values()) if mapping else [source]
         self._last = None
         if all(isinstance(p, (nn.Module, TensorDictBase)) for p in parts_now):
-            # A module is walked through its registries, a TensorDict through its leaf keys.
+            # A module is watched through its modules' registries, a TensorDict through its leaf keys.
             held_parts = [(p, None if isinstance(p, nn.Module) else list(p.keys(True, True))) for p in parts_now]
-            held = _held(held_parts)
-            mine = {id(t) for t in held}
+            modules = list(dict.fromkeys(m for p, keys in held_parts if keys is None for m in p.modules()))
+            mine = {id(t) for m in modules for t in (*m._parameters.values(), *m._buffers.values())}
+            mine.update(id(p.get(k, None)) for p, keys in held_parts if keys is not None for k in keys)
             if all(id(t) in mine for t in tensors):  # each tensor published is one the parts hold
-                self._last = CheckedSource(source, set(source) if mapping else None, held_parts, held, tensors)
+                keys_now = set(source) if mapping else None
+                last = CheckedSource(source, keys_now, held_parts, modules, [], tensors)
+                self._last = last._replace(held=_held(last))
         return tensors
 
 
-def _held(held_parts: list[tuple[Any, list | None]]) -> list[torch.Tensor | None]:
-    """Every tensor the parts hold: a module's through its own registries (cheaper than
-    ``named_parameters()``), a TensorDict's at its leaf keys (None where one went)."""
-    return [
-        t
-        for part, keys in held_parts
-        for t in (
-            (t for sub in part.modules() for registry in (sub._parameters, sub._buffers) for t in registry.values())
-            if keys is None
-            else (part.get(k, None) for k in keys)
-        )
-        if keys is not None or t is not None
-    ]
+_shape, _dtype, _is_meta = (operator.attrgetter(a) for a in ("shape", "dtype", "is_meta"))
+
+
+def _all_same(a: Any, b: list[Any]) -> bool:
+    """Whether ``a`` holds the very objects of ``b``, in order."""
+    a = list(a)
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _held(last: CheckedSource) -> list[Any]:
+    """What the parts of ``last`` hold: each module's submodules, parameters and buffers (its own
+    registries: a module or tensor swapped anywhere below shows there), each TensorDict's leaves."""
+    held: list[Any] = []
+    for m in last.modules:
+        held += m._modules.values()
+        held += m._parameters.values()
+        held += m._buffers.values()
+    held += [part.get(k, None) for part, keys in last.parts if keys is not None for k in keys]
+    return held

@@ -143,14 +143,14 @@ class TrainerLeaves:
         assert changes is not None
         tensors = [weights.get(k).detach() for k in keys]
         if self._reference is None:
-            changes.find(tensors, None, "publish")  # every leaf, first seen now
+            found = changes.find(tensors, None, "push")  # every leaf, first seen now
             self._reference = [t.clone() for t in tensors]
         else:
-            found = changes.find(tensors, self._reference, "publish")
+            found = changes.find(tensors, self._reference, "push")
             changed = [i for i, f in enumerate(found) if f]
             if changed:
                 copy_all([self._reference[i] for i in changed], [tensors[i] for i in changed])
-        changes.published(push, self._found_at)
+        changes.published(push, self._found_at, found)
         self._found_at = push
         return keys
 

@@ -30,7 +30,6 @@ import torch
 from tensordict import TensorDict
 
 from shmsync.core.header import (
-    PROOFS,
     STORE_PAGE_LOCKED,
     W_COPIED_BYTES,
     W_PAYLOAD_BYTES,
@@ -41,6 +40,7 @@ from shmsync.core.header import (
     W_STORE_FLAGS,
     W_VERSION,
     W_WRITER_PID,
+    Proof,
 )
 from shmsync.core.protocol import Leases, ReaderRows, SlotReader, SlotWriter, Write, steps_of
 from shmsync.core.segment import WRITER_LOCK, Segment, default_name
@@ -228,7 +228,7 @@ class StoreWriter:
                     f"{COPY_ATTEMPTS} times in a row; nothing was published"
                 )
             h[W_COPIED_BYTES] = copied = sum(nbytes[i] for i in lacks)
-            h[W_SKIPPED_BYTES], h[W_PROOF] = memory.layout.payload_bytes - copied, PROOFS.index(changes.proof)
+            h[W_SKIPPED_BYTES], h[W_PROOF] = memory.layout.payload_bytes - copied, changes.proof.word
             # Before the commit: whoever sees the version sees what it changed since the one before.
             deltas[write.version] = Delta(write.version, before, tuple(i for i, f in enumerate(found) if f))
             if len(deltas) > KEPT_DELTAS:
@@ -236,7 +236,7 @@ class StoreWriter:
 
         before = h[memory.host.version]
         version = self._copy_and_commit(copy, version)
-        changes.published(version, before)
+        changes.published(version, before, found)
         return version
 
     def _copy_checked(self, tensors: list[torch.Tensor], found: list[bool], version: int | None = None) -> int:
@@ -257,7 +257,7 @@ class StoreWriter:
     def _copied_all(self) -> None:
         """The last publish copied every leaf (from CUDA, or in the background): no history of changes holds."""
         h = self.memory.header
-        h[W_COPIED_BYTES], h[W_SKIPPED_BYTES], h[W_PROOF] = self.memory.layout.payload_bytes, 0, 0
+        h[W_COPIED_BYTES], h[W_SKIPPED_BYTES], h[W_PROOF] = self.memory.layout.payload_bytes, 0, Proof.NONE.word
         self.changes.forget()
 
     def _in_background(self, tensors: list[torch.Tensor], version: int | None) -> int:
@@ -393,7 +393,7 @@ class StoreWriter:
                     records[first + i] = at[i] if at[i] >= 0 else base
                 h[W_COPIED_BYTES] = copied = offset + sum(entries[i].nbytes for i in lacks)
                 h[W_SKIPPED_BYTES] = memory.layout.payload_bytes - copied
-                h[W_PROOF] = PROOFS.index("a delta: its sender proved the rest unchanged")
+                h[W_PROOF] = Proof.DELTA.word
                 self.deltas[version] = Delta(version, base, changed)
                 if len(self.deltas) > KEPT_DELTAS:
                     self.deltas.popitem(last=False)

@@ -9,9 +9,9 @@ import torch
 
 from shmsync import WeightReader, WeightStore
 from shmsync.core import written_pages
-from shmsync.reader.held_copy import TRACK_MIN_BYTES, HeldCopy
+from shmsync.reader.held_copy import HeldCopy
+from shmsync.store.changes import TRACK_MIN_BYTES, same_bytes
 from shmsync.testing import hold_table_lock
-from shmsync.writer.changes import same_bytes
 from tests.processes import follow_copying
 from tests.routes import ROUTES, Policy, write
 from tests.weights import ParamBlob
@@ -214,7 +214,7 @@ def test_a_gpu_module_copies_every_tensor(store_factory):
     reader.poll()
     publish_head(store, policy)
     assert reader.poll() and reader.copied_bytes == nbytes(policy)
-    assert reader.unchanged_proof == "none: every tensor copied"
+    assert reader.unchanged_proof == "none: every leaf copied"
     for name, t in reader.module.state_dict().items():
         assert torch.equal(t.cpu(), policy.state_dict()[name]), name
 

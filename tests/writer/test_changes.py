@@ -11,7 +11,8 @@ import torch
 from shmsync import WeightReader
 from shmsync.core import header
 from shmsync.errors import WrittenWhileCopiedError
-from shmsync.writer.changes import SourceChanges, same_bytes
+from shmsync.store.changes import same_bytes
+from shmsync.writer.changes import SourceChanges
 from tests.routes import ROUTES, Policy, write
 from tests.weights import ParamBlob, fill, mixed_values
 
@@ -76,7 +77,7 @@ def test_every_way_of_writing_reaches_every_reader_byte_for_byte(store_factory, 
                 assert copied < store.nbytes - backbone, f"{how}, round {k}: {copied} bytes copied"
             elif how != "buffer in forward":  # the slot written held the backbone from before the write
                 assert copied > backbone, f"{how}, round {k}: {copied} bytes copied"
-    assert header.PROOFS[store.info()["unchanged_proof"]] == proof
+    assert header.Proof.of_word(store.info()["unchanged_proof"]) == proof
 
 
 def test_publish_if_changed_publishes_only_what_differs_from_the_newest_version(store_factory):
@@ -176,11 +177,11 @@ def test_a_leaf_an_optimizer_steps_is_tracked_only_over_the_stretch_it_stays_qui
     def look(moment: str) -> list[bool]:
         nonlocal version
         found = changes.find(source, held, moment)
-        tracked_after[moment].append(changes.leaves[0].tracked is not None)
+        tracked_after[moment].append(changes.watch.tracked[0] is not None)
         if moment == "publish" or any(found):
             held[0].copy_(source[0])
             version += 1
-            changes.published(version, version - 1)
+            changes.published(version, version - 1, found)
         return found
 
     for _ in range(4):

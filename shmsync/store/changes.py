@@ -1,0 +1,239 @@
+"""Which tensors of a list changed since they were last looked at, and how the others are proved
+unchanged: the one place that decides it, for a writer's source (what a publish copies:
+:mod:`shmsync.writer.changes`) and for a copying reader's module (what a reload copies:
+:mod:`shmsync.reader.held_copy`).
+
+A tensor (a *leaf*) counts as unchanged only when every one of its bytes is proved equal to a
+reference's (the store's newest version, a slot), whatever wrote it: an optimizer step of any
+kind, an in-place op, ``.data``, a NumPy view, ``load_state_dict``, another thread. Two proofs,
+each exact (:class:`~shmsync.core.header.Proof`):
+
+* **Written pages** (:mod:`shmsync.core.written_pages`, Linux 6.7+): the kernel says which pages of
+  the leaf's memory were written since the last look; a leaf none of whose pages was written is
+  unchanged, at no cost. The bytes on a written page are compared, so a neighbour's write to a
+  page the leaf shares (small tensors sit beside other objects), or a write of the same bytes (a
+  ``load_state_dict`` of an unchanged checkpoint), costs a comparison, not a copy. Only leaves of
+  :data:`TRACK_MIN_BYTES` or more, in this process's private memory, are tracked.
+* **Comparison**: the leaf's bytes against the reference's (``memcmp``, split across idle cores
+  when large, as integers of the element's size where a view is needed: ``-0.0`` and ``0.0``, or
+  two NaNs of different payloads, differ). It stops at the first byte that differs: a leaf an
+  optimizer stepped costs almost nothing to find changed; an unchanged one costs one read of both.
+
+Tracking is not free either: the first write to each tracked page costs a fault (about three
+times what copying the page costs). So a leaf found changed stops being tracked (*changing*), and
+is tracked again once found unchanged :data:`COOL_AFTER` times in a row. Looks may be taken at
+several kinds of *moment* (a collector's update, its hand-out of work): a changing leaf may still
+be quiet over the stretch after one kind of moment, and is tracked over those stretches alone. A
+leaf whose memory moved (``p.data = other``) since it was tracked is let go and compared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from shmsync.core import written_pages
+from shmsync.core.header import Proof
+from shmsync.core.written_pages import Spans, TrackedRange, WrittenPages
+from shmsync.store.copies import same_all
+
+TRACK_MIN_BYTES = 64 << 10  # smaller leaves are compared (or copied): tracking them saves next to nothing
+COOL_AFTER = 2  # looks a changing leaf must be found unchanged in a row before it is tracked again
+
+# The integer type of each element size: a leaf's bytes compared as integers of its own width.
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bytes(source: torch.Tensor, held: torch.Tensor) -> bool:
+    """Whether ``source`` holds exactly the bytes of ``held`` (same shape and dtype, on the same device).
+
+    Examples:
+        >>> import torch
+        >>> same_bytes(torch.tensor([0.0, 1.0]), torch.tensor([0.0, 1.0]))
+        True
+        >>> same_bytes(torch.tensor([-0.0]), torch.tensor([0.0]))  # equal values, other bytes
+        False
+    """
+    if source.device != held.device or source.dtype != held.dtype or source.shape != held.shape:
+        return False
+    if source.device.type == "cpu" and source.is_contiguous() and held.is_contiguous():
+        return same_all([(source.data_ptr(), held.data_ptr(), source.numel() * source.element_size())])[0]
+    a, b = _as_ints(source), _as_ints(held)
+    return a is not None and b is not None and torch.equal(a, b)
+
+
+def _as_ints(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` viewed as integers of its element size (no copy), or None where torch cannot."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    ints = _INTS.get(t.element_size())
+    if ints is None:
+        return None
+    try:
+        return t.view(ints)
+    except RuntimeError:  # a dtype torch cannot view bit for bit
+        return None
+
+
+def _trackable(t: torch.Tensor) -> bool:
+    """Whether the pages under ``t`` may be tracked: private CPU memory of some size, laid out
+    plainly, with no device copying into it behind the page tables' back (page-locked memory)."""
+    if not t.is_cpu or t.nbytes < TRACK_MIN_BYTES or t.is_shared():
+        return False
+    return t.is_contiguous() and not t.is_pinned()
+
+
+class LeafWatch:
+    """What is known of each leaf of a list of tensors since it was last looked at: whether its
+    pages are tracked, and whether it is changing. Held by a writer's
+    :class:`~shmsync.writer.changes.SourceChanges` and a reader's
+    :class:`~shmsync.reader.held_copy.HeldCopy`, one per list; the tensors are passed at each
+    call (the same leaves, in the same order: their memory may move between calls).
+
+    Args:
+        count: the number of leaves.
+
+    Attributes:
+        why_compared: why write tracking is unavailable here (None: it is available), so that
+            every leaf is compared.
+
+    Examples:
+        >>> import torch
+        >>> watch = LeafWatch(2)
+        >>> leaves = [torch.zeros(4), torch.ones(1 << 16)]
+        >>> reference = [t.clone() for t in leaves]
+        >>> watch.differing(leaves, [(0, reference[0], None), (1, reference[1], None)])
+        set()
+        >>> watch.settle(leaves, [False, False])  # tracks the large leaf, where tracking is available
+        >>> leaves[1].data[7] = 2.0  # through .data: torch's version counter does not move
+        >>> looked = watch.look(leaves)
+        >>> watch.differing(leaves, [(0, reference[0], None), (1, reference[1], looked.get(1))])
+        {1}
+        >>> watch.close()
+    """
+
+    def __init__(self, count: int) -> None:
+        self.tracked: list[TrackedRange | None] = [None] * count
+        self.where: list[tuple[int, tuple[int, ...]]] = [(0, ())] * count  # memory when tracked: address, strides
+        self.changing = [False] * count  # found changed lately: compared, tracked only over quiet stretches
+        self.still = [0] * count  # looks in a row it was found unchanged
+        self.quiet_after: list[dict[str | None, bool]] = [{} for _ in range(count)]  # per moment
+        self.untrackable = [0] * count  # the address it was found not trackable at (0: never)
+        self.why_compared = written_pages.unavailable_reason()
+        self._pages: WrittenPages | None = None
+        self._moment: str | None = None  # the moment of the last settle
+
+    @property
+    def proof(self) -> Proof:
+        """How a leaf left as it is was proved unchanged: by the pages written (and a comparison
+        where they were written, or for a leaf not tracked), or by a comparison alone."""
+        return Proof.COMPARISON if self.why_compared is not None else Proof.WRITTEN_PAGES
+
+    def look(self, tensors: Sequence[torch.Tensor]) -> dict[int, Spans]:
+        """Per tracked leaf, the bytes of it on pages written since its last look (``[]``: none),
+        and those pages protected again. A leaf whose memory moved since it was tracked, or whose
+        pages the tracker lost, is let go and missing from the answer: compare it."""
+        pages, tracked, where = self._pages, self.tracked, self.where
+        if pages is None:
+            return {}
+        ids = [i for i, r in enumerate(tracked) if r is not None]
+        moved = [i for i in ids if (tensors[i].data_ptr(), tensors[i].stride()) != where[i]]
+        if moved:
+            self.let_go(moved)
+            ids = [i for i in ids if tracked[i] is not None]
+        looked = {}
+        for i, spans in zip(ids, pages.look([tracked[i] for i in ids]) if ids else ()):
+            if spans is None:
+                tracked[i] = None  # its memory went, or a fork left it behind: compared from now on
+            else:
+                looked[i] = spans
+        return looked
+
+    def differing(
+        self, tensors: Sequence[torch.Tensor], which: Sequence[tuple[int, torch.Tensor, Spans | None]]
+    ) -> set[int]:
+        """Of the leaves ``which`` names, each with its reference (a slot's view of it) and the
+        spans of it to compare (None: all of it), those whose bytes differ from their reference's.
+        The comparisons run as one batch, split across threads when large; a leaf not laid out
+        plainly on the CPU is compared whole, as integers (:func:`same_bytes`)."""
+        differ, ranges, owners = set(), [], []
+        for i, r, spans in which:
+            t = tensors[i]
+            if not (t.is_cpu and r.is_cpu and t.is_contiguous() and r.is_contiguous()):
+                if not same_bytes(t, r):
+                    differ.add(i)
+            elif spans is None:
+                ranges.append((t.data_ptr(), r.data_ptr(), t.nbytes))
+                owners.append(i)
+            else:
+                a, b = t.data_ptr(), r.data_ptr()
+                for offset, n in spans:
+                    ranges.append((a + offset, b + offset, n))
+                    owners.append(i)
+        if ranges:
+            differ.update(i for i, same in zip(owners, same_all(ranges)) if not same)
+        return differ
+
+    def settle(self, tensors: Sequence[torch.Tensor], changed: Sequence[bool], moment: str | None = None) -> None:
+        """After a look at ``moment`` that found, per leaf, whether it ``changed``: which leaves
+        are changing, and which are tracked until the next look (track them before their bytes
+        are read). A changing leaf is let go (a fault on every page an optimizer steps costs more
+        than comparing it), unless the stretch after this kind of moment was quiet last time."""
+        last, self._moment = self._moment, moment
+        changing, still, quiet_after, tracked = self.changing, self.still, self.quiet_after, self.tracked
+        wanted, gone = [], []
+        for i, differs in enumerate(changed):
+            if changing[i] and last is not None:
+                quiet_after[i][last] = not differs
+            still[i] = 0 if differs else still[i] + 1
+            changing[i] = differs or changing[i] and still[i] < COOL_AFTER
+            keep = not changing[i] or quiet_after[i].get(moment, False)
+            if not keep:
+                if tracked[i] is not None:
+                    gone.append(i)
+            elif tracked[i] is None and self.untrackable[i] != tensors[i].data_ptr():
+                wanted.append(i)
+        if gone:
+            self.let_go(gone)
+        if wanted and self.why_compared is None:
+            self._track(tensors, wanted)
+
+    def let_go(self, ids: Sequence[int]) -> None:
+        """Stop tracking these leaves (before a copy writes them: no fault, no report of it)."""
+        ranges = [r for i in ids if (r := self.tracked[i]) is not None]
+        for i in ids:
+            self.tracked[i] = None
+        if ranges and self._pages is not None and self._pages.usable:
+            self._pages.untrack(ranges)
+
+    def close(self) -> None:
+        """Stop tracking every leaf."""
+        self.let_go(range(len(self.tracked)))
+
+    def _track(self, tensors: Sequence[torch.Tensor], wanted: list[int]) -> None:
+        ids = []
+        for i in wanted:
+            t = tensors[i]
+            if _trackable(t):
+                ids.append(i)
+            else:
+                self.untrackable[i] = t.data_ptr()  # compared while its memory stays where it is
+        if not ids:
+            return
+        if self._pages is None or not self._pages.usable:
+            try:
+                self._pages = written_pages.for_this_process()
+            except OSError as e:  # refused after all (WriteTrackingError): every leaf is compared
+                self.why_compared = str(e)
+                return
+        spans = [(tensors[i].data_ptr(), tensors[i].nbytes) for i in ids]
+        for i, r in zip(ids, self._pages.track(spans)):
+            t = tensors[i]
+            if r.unknown is None:
+                self.tracked[i], self.where[i] = r, (t.data_ptr(), t.stride())
+            else:
+                self.untrackable[i] = t.data_ptr()
+
+
+__all__ = ["COOL_AFTER", "TRACK_MIN_BYTES", "LeafWatch", "same_bytes"]
