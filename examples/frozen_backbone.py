@@ -28,7 +28,7 @@ from torchrl.collectors import MultiSyncCollector
 from torchrl.envs import GymEnv
 
 from shmsync import ShmWeightSyncScheme, staleness
-from shmsync.core.header import PROOFS
+from shmsync.core.header import Proof
 from shmsync.tools.ctrl_c import CtrlC
 
 
@@ -103,7 +103,7 @@ def main(args: Args) -> None:
                 print(
                     f"batch {i:3d}  version {int(batch['policy_version'].max()):3d}  {behind} optimizer steps behind  "
                     f"last publish copied {info['copied_bytes'] / 2**10:8.1f} KiB, skipped "
-                    f"{info['skipped_bytes'] / 2**20:6.1f} MiB ({PROOFS[info['unchanged_proof']]})"
+                    f"{info['skipped_bytes'] / 2**20:6.1f} MiB ({Proof.of_word(info['unchanged_proof'])})"
                 )
                 collector.update_policy_weights_()  # as td3.py: update, then train on the batch
                 train(actor, optimizer, batch, args.optim_steps_per_batch)

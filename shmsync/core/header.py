@@ -25,7 +25,7 @@ import enum
 import itertools
 from collections.abc import Callable
 
-from shmsync.errors import ShmSyncError, StoreCorruptError, StoreNotFoundError
+from shmsync.errors import ShmSyncError, StoreCorruptError, StoreNotFoundError, warn_deprecated
 
 MAGIC = 0x534D5359_4E433031  # "SMSYNC01"
 FORMAT = 7  # 7: the optimizer steps of each version; 6: two banks of slots, the promised version, rows of 16 words
@@ -229,6 +229,13 @@ for _word, _proof in enumerate(Proof):
     _proof.word = _word
 _PROOF_OF_WORD = {p.word: p for p in Proof}
 del _word, _proof
+
+
+def __getattr__(name: str) -> object:
+    if name == "PROOFS":  # 0.2.0's names of the proofs, by header word
+        warn_deprecated("shmsync.core.header.PROOFS", "shmsync.core.header.Proof (Proof.of_word(word))", "0.4.0")
+        return tuple(p.value for p in Proof if p is not Proof.IN_PLACE)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def bank_base(bank: int) -> int:

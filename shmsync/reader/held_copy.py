@@ -107,6 +107,11 @@ class HeldCopy:
         *,
         records: bool,
     ) -> None:
+        # A tied entry's target that is its owner's tensor too (the module ties them as well) is
+        # loaded with it: once.
+        tied, given = memory.layout.tied, dict(zip(indices, targets))
+        keep = [k for k, i in enumerate(indices) if not _loaded_with(targets[k], given.get(tied.get(i, -1)))]
+        targets, indices = [targets[k] for k in keep], [indices[k] for k in keep]
         self.targets, self.indices, self.slots = targets, indices, slots
         self.on_cpu = not any(t.is_cuda for t in targets)
         self.records = memory.records if records and self.on_cpu else None
@@ -160,7 +165,7 @@ class HeldCopy:
         self.version, self.copied_bytes = version, copied
         self.skipped_bytes = sum(self.nbytes) - sum(self.nbytes[i] for i in picked)
         if self.records is not None:
-            self._settle(set(picked), full=held < 0)
+            self._settle(set(picked), full=held < 0, looked=looked)
         return version
 
     def forget(self) -> None:
@@ -195,11 +200,21 @@ class HeldCopy:
                 compare.append((i, views[index], spans))
         return picked + sorted(self.watch.differing(self.targets, compare))
 
-    def _settle(self, picked: set[int], full: bool) -> None:
+    def _settle(self, picked: set[int], full: bool, looked: dict[int, Spans]) -> None:
         """After a reload that holds its version: which tensors are changing (copied because they
-        changed), and tracking, until the next reload, the others that are not tracked yet."""
+        changed, or written here), and tracking, until the next reload, the others that are not
+        tracked yet."""
         changed = [i in picked and not full for i in range(len(self.targets))]
-        self.watch.settle(self.targets, changed, "reload")
+        self.watch.settle(self.targets, changed, "reload", looked, own=picked)
+
+
+def _loaded_with(target: torch.Tensor, owner: torch.Tensor | None) -> bool:
+    """Whether ``target`` is ``owner``'s memory (so loading the owner loads it)."""
+    if owner is None:
+        return False
+    return target is owner or (
+        target.device == owner.device and target.data_ptr() == owner.data_ptr() and target.stride() == owner.stride()
+    )
 
 
 __all__ = ["HeldCopy"]

@@ -29,12 +29,13 @@ leaf whose memory moved (``p.data = other``) since it was tracked is let go and 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
 from shmsync.core import written_pages
 from shmsync.core.header import Proof
+from shmsync.core.page_map import PAGE
 from shmsync.core.written_pages import Spans, TrackedRange, WrittenPages
 from shmsync.store.copies import same_all
 
@@ -120,6 +121,7 @@ class LeafWatch:
         self.still = [0] * count  # looks in a row it was found unchanged
         self.quiet_after: list[dict[str | None, bool]] = [{} for _ in range(count)]  # per moment
         self.untrackable = [0] * count  # the address it was found not trackable at (0: never)
+        self.versions = [-1] * count  # torch's version counter at the last look
         self.why_compared = written_pages.unavailable_reason()
         self._pages: WrittenPages | None = None
         self._moment: str | None = None  # the moment of the last settle
@@ -175,29 +177,56 @@ class LeafWatch:
             differ.update(i for i, same in zip(owners, same_all(ranges)) if not same)
         return differ
 
-    def settle(self, tensors: Sequence[torch.Tensor], changed: Sequence[bool], moment: str | None = None) -> None:
-        """After a look at ``moment`` that found, per leaf, whether it ``changed``: which leaves
-        are changing, and which are tracked until the next look (track them before their bytes
-        are read). A changing leaf is let go (a fault on every page an optimizer steps costs more
-        than comparing it), unless the stretch after this kind of moment was quiet last time."""
+    def settle(
+        self,
+        tensors: Sequence[torch.Tensor],
+        changed: Sequence[bool],
+        moment: str | None = None,
+        looked: dict[int, Spans] | None = None,
+        own: Collection[int] = (),
+    ) -> None:
+        """After a look at ``moment`` that found, per leaf, whether it ``changed``: which leaves are
+        changing, and which are tracked until the next look (track them before their bytes are
+        read). A leaf is changing once it changed *or was written*, its bytes the same or not
+        (a fault per tracked page each time): torch's version counter moved (every in-place op,
+        an optimizer's step), or its own pages (beyond the edge pages it may share) were written,
+        as ``looked`` (from :meth:`look`) says; writes the caller made itself (``own``: a reload's
+        copy) do not count. A changing leaf is let go (a fault on every page an optimizer steps
+        costs more than comparing it), unless the stretch after this kind of moment was quiet
+        last time."""
         last, self._moment = self._moment, moment
-        changing, still, quiet_after, tracked = self.changing, self.still, self.quiet_after, self.tracked
-        wanted, gone = [], []
-        for i, differs in enumerate(changed):
-            if changing[i] and last is not None:
-                quiet_after[i][last] = not differs
-            still[i] = 0 if differs else still[i] + 1
-            changing[i] = differs or changing[i] and still[i] < COOL_AFTER
-            keep = not changing[i] or quiet_after[i].get(moment, False)
-            if not keep:
-                if tracked[i] is not None:
-                    gone.append(i)
-            elif tracked[i] is None and self.untrackable[i] != tensors[i].data_ptr():
-                wanted.append(i)
+        keep = self._keep(self._active(tensors, changed, looked or {}, own), last, moment)
+        tracked, untrackable = self.tracked, self.untrackable
+        gone = [i for i, k in enumerate(keep) if not k and tracked[i] is not None]
+        wanted = [i for i, k in enumerate(keep) if k and tracked[i] is None and untrackable[i] != tensors[i].data_ptr()]
         if gone:
             self.let_go(gone)
         if wanted and self.why_compared is None:
             self._track(tensors, wanted)
+
+    def _keep(self, active: list[bool], last: str | None, moment: str | None) -> list[bool]:
+        """Per leaf, from whether it was ``active`` since the ``last`` moment: whether it is
+        changing now, and whether to track it over the stretch after this ``moment``."""
+        changing, still, quiet_after, keep = self.changing, self.still, self.quiet_after, []
+        for i, written in enumerate(active):
+            if changing[i] and last is not None:
+                quiet_after[i][last] = not written
+            still[i] = 0 if written else still[i] + 1
+            changing[i] = written or changing[i] and still[i] < COOL_AFTER
+            keep.append(not changing[i] or quiet_after[i].get(moment, False))
+        return keep
+
+    def _active(
+        self, tensors: Sequence[torch.Tensor], changed: Sequence[bool], looked: dict[int, Spans], own: Collection[int]
+    ) -> list[bool]:
+        """Per leaf, whether it changed or was written since the last look (see :meth:`settle`)."""
+        versions, active = self.versions, []
+        for i, differs in enumerate(changed):
+            version, spans = tensors[i]._version, looked.get(i)
+            moved = version != versions[i] >= 0 and i not in own
+            active.append(differs or moved or (spans is not None and sum(n for _, n in spans) > 2 * PAGE))
+            versions[i] = version
+        return active
 
     def let_go(self, ids: Sequence[int]) -> None:
         """Stop tracking these leaves (before a copy writes them: no fault, no report of it)."""

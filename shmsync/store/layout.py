@@ -10,7 +10,10 @@ slots start at the first page after them.
 
 Every slot holds one full copy of the weights: each tensor at a 64-byte aligned
 offset, in the order of :attr:`Layout.entries`. Keys are tuples (nested
-TensorDict keys); the first element is the destination when a store holds several.
+TensorDict keys); the first element is the destination when a store holds several. Tensors that
+are one tensor of the source under two keys (tied weights: an embedding shared with an output
+layer) are held once: the later key's entry is *tied* to the first's, at its offset, and holds no
+bytes of its own (a publish copies it once, a reader in place views the same memory for both).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class Entry:
     dtype: torch.dtype
     offset: int  # within a slot
     nbytes: int
+    tied: int = -1  # the entry whose bytes it shares (an earlier one), or -1: bytes of its own
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -87,20 +91,36 @@ def _leaves(td: TensorDictBase) -> list[tuple[tuple[str, ...], torch.Tensor]]:
 
 
 class Layout:
-    """The keys, shapes, dtypes and offsets of the tensors in one slot."""
+    """The keys, shapes, dtypes and offsets of the tensors in one slot.
+
+    Attributes:
+        owners: the entries that hold bytes of their own (all but the tied ones), in order.
+        tied: each tied entry's owner, by index (empty where nothing is tied).
+    """
 
     def __init__(self, entries: list[Entry]) -> None:
         self.entries = entries
         self.index = {e.key: i for i, e in enumerate(entries)}
-        last = entries[-1] if entries else None
+        self.owners = [i for i, e in enumerate(entries) if e.tied < 0]
+        self.tied = {i: e.tied for i, e in enumerate(entries) if e.tied >= 0}
+        last = entries[self.owners[-1]] if self.owners else None
         self.payload_bytes = (last.offset + last.nbytes) if last else 0
         self.slot_bytes = _align(max(self.payload_bytes, 1), PAGE)
 
     @classmethod
     def from_tensordict(cls, td: TensorDictBase) -> Layout:
-        entries, offset = [], 0
+        entries: list[Entry] = []
+        offset = 0
+        seen: dict[tuple, int] = {}  # one tensor's memory, shape and dtype -> its first entry
         for key, t in _leaves(td):
             nbytes = t.numel() * t.element_size()
+            same = (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) if nbytes and not t.is_meta else None
+            owner = seen.get(same, -1) if same is not None else -1
+            if owner >= 0:  # the tensor of an earlier key: tied to it
+                entries.append(Entry(key, tuple(t.shape), t.dtype, entries[owner].offset, nbytes, owner))
+                continue
+            if same is not None:
+                seen[same] = len(entries)
             entries.append(Entry(key, tuple(t.shape), t.dtype, offset, nbytes))
             offset = _align(offset + nbytes, ALIGN)
         if not entries:
@@ -108,7 +128,7 @@ class Layout:
         return cls(entries)
 
     def to_json(self, destinations: tuple[str, ...] | None) -> bytes:
-        rows = [[list(e.key), list(e.shape), _dtype_name(e.dtype), e.offset, e.nbytes] for e in self.entries]
+        rows = [[list(e.key), list(e.shape), _dtype_name(e.dtype), e.offset, e.nbytes, e.tied] for e in self.entries]
         doc = {"destinations": list(destinations) if destinations else None, "entries": rows}
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -130,7 +150,8 @@ class Layout:
     def match(
         self, td: TensorDictBase, what: str = "weights", prefix: tuple[str, ...] = (), allow_meta: bool = False
     ) -> list[torch.Tensor]:
-        """Tensors of ``td`` in entry order, after checking keys, shapes and dtypes.
+        """Tensors of ``td`` in entry order, after checking keys, shapes and dtypes (a publish
+        also checks that tied entries are still one tensor: :meth:`check_tied`).
 
         Args:
             td: the weights to check.
@@ -155,15 +176,35 @@ class Layout:
         return tensors
 
     def slot_views(self, buf, slot_offset: int) -> list[torch.Tensor]:
-        """Tensors viewing one slot of a mapping, in entry order."""
-        views = []
+        """Tensors viewing one slot of a mapping, in entry order (a tied entry: its owner's view)."""
+        views: list[torch.Tensor] = []
         for e in self.entries:
+            if e.tied >= 0:
+                views.append(views[e.tied])
+                continue
             if e.nbytes == 0:
                 views.append(torch.empty(e.shape, dtype=e.dtype))
                 continue
             raw = torch.frombuffer(buf, dtype=torch.uint8, count=e.nbytes, offset=slot_offset + e.offset)
             views.append(raw.view(e.dtype).view(e.shape) if e.shape else raw.view(e.dtype).reshape(()))
         return views
+
+    def check_tied(self, tensors: list[torch.Tensor], what: str) -> None:
+        """Raise unless each tied entry's tensor is its owner's (one memory, one shape and strides):
+        a store holds tied weights once, so weights that came apart cannot be published into it.
+
+        Raises:
+            WeightMismatchError: naming the two keys.
+        """
+        for i, owner in self.tied.items():
+            t, o = tensors[i], tensors[owner]
+            if t is not o and (t.data_ptr(), t.stride(), t.device) != (o.data_ptr(), o.stride(), o.device):
+                tied, to = key_str(self.entries[i].key), key_str(self.entries[owner].key)
+                raise WeightMismatchError(
+                    f"{what}: {tied!r} was one tensor with {to!r} (tied) when the store was made, and holds weights "
+                    "of its own now; the store holds them once, so make a store of these weights "
+                    "(WeightStore.create), or tie them again"
+                )
 
     def as_tensordict(self, tensors: list[torch.Tensor]) -> TensorDict:
         td = TensorDict()
@@ -246,8 +287,7 @@ def parse_description(raw: bytes, what: str = "layout") -> tuple[Layout, tuple[s
         raise bad(f"'entries' must be a list of 1 to {MAX_ENTRIES} tensors, got {count}")
     entries: list[Entry] = []
     for i, row in enumerate(rows):
-        previous = entries[-1] if entries else None
-        entries.append(_parse_entry(i, row, dests, previous, bad))
+        entries.append(_parse_entry(i, row, dests, entries, bad))
     return Layout(entries), (tuple(dests) if dests is not None else None)
 
 
@@ -307,22 +347,38 @@ def _parse_shape_and_dtype(where: str, shape: Any, dtype: Any, bad: Callable) ->
     return DTYPES[dtype], numel
 
 
-def _parse_entry(i: int, row: Any, dests: Any, previous: Entry | None, bad: Callable) -> Entry:
-    """Entry ``i`` of a layout, each field checked: in key order, placed right after ``previous``."""
-    if not isinstance(row, list) or len(row) != 5:
-        raise bad(f"entry {i} must be [key, shape, dtype, offset, nbytes], got {str(row)[:200]}")
-    key, shape, dtype, offset, nbytes = row
+def _parse_entry(i: int, row: Any, dests: Any, entries: list[Entry], bad: Callable) -> Entry:
+    """Entry ``i`` of a layout, each field checked: in key order, placed right after the last
+    entry with bytes of its own, or tied to an earlier one (its shape, dtype and offset)."""
+    if not isinstance(row, list) or len(row) != 6:
+        raise bad(f"entry {i} must be [key, shape, dtype, offset, nbytes, tied], got {str(row)[:200]}")
+    key, shape, dtype, offset, nbytes, tied = row
+    previous = entries[-1] if entries else None
     key = _parse_key(i, key, dests, previous, bad)
     where = f"entry {i} ({key_str(key)!r})"
     dt, numel = _parse_shape_and_dtype(where, shape, dtype, bad)
     if not _is_int(nbytes) or nbytes != numel * dt.itemsize:
         raise bad(f"{where}: nbytes is {nbytes}, shape {shape} of {dtype} takes {numel * dt.itemsize}")
-    want = _align(previous.offset + previous.nbytes if previous is not None else 0, ALIGN)
+    if not _is_int(tied) or not -1 <= tied < i:
+        raise bad(f"{where}: tied is {str(tied)[:20]}; it is -1, or the index of an earlier entry")
+    if tied >= 0:
+        return _tied_entry(where, Entry(key, tuple(shape), dt, offset, nbytes, tied), entries[tied], bad)
+    last = next((e for e in reversed(entries) if e.tied < 0), None)
+    want = _align(last.offset + last.nbytes if last is not None else 0, ALIGN)
     if not _is_int(offset) or offset != want:
         raise bad(f"{where}: offset is {offset}, the next {ALIGN}-byte boundary is {want}")
     if offset + nbytes > MAX_PAYLOAD_BYTES:
         raise bad(f"{where} ends at byte {offset + nbytes}, past {MAX_PAYLOAD_BYTES} (1 TiB)")
     return Entry(key, tuple(shape), dt, offset, nbytes)
+
+
+def _tied_entry(where: str, entry: Entry, owner: Entry, bad: Callable) -> Entry:
+    """``entry``, tied to ``owner``, checked: one shape, dtype and offset, bytes to share."""
+    if owner.tied >= 0 or (owner.shape, owner.dtype, owner.offset) != (entry.shape, entry.dtype, entry.offset):
+        raise bad(f"{where}: tied to entry {entry.tied}, which it does not match (shape, dtype, offset)")
+    if not entry.nbytes:
+        raise bad(f"{where}: tied to entry {entry.tied}, but holds no bytes to share")
+    return entry
 
 
 def segment_bytes(layout_json: bytes, slot_bytes: int, num_slots: int, entries: int) -> tuple[int, int, int, int]:

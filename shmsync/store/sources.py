@@ -170,20 +170,25 @@ class SourceMatcher:
             where = f"{what}, destination {prefix[0]!r}" if prefix else what
             sub = module_weights(part) if isinstance(part, nn.Module) else as_tensordict(part, where)[0]
             tensors += self.layout.match(sub, where, prefix=prefix)
+        self._remember(source, tensors)
+        return tensors
+
+    def _remember(self, source: Any, tensors: list[torch.Tensor]) -> None:
+        """Keep what :meth:`match`'s fast path compares, for a source made of modules and
+        TensorDicts whose tensors they hold themselves (else nothing: every match is full)."""
         mapping = type(source) is dict
         parts_now = list(source.values()) if mapping else [source]
         self._last = None
-        if all(isinstance(p, (nn.Module, TensorDictBase)) for p in parts_now):
-            # A module is watched through its modules' registries, a TensorDict through its leaf keys.
-            held_parts = [(p, None if isinstance(p, nn.Module) else list(p.keys(True, True))) for p in parts_now]
-            modules = list(dict.fromkeys(m for p, keys in held_parts if keys is None for m in p.modules()))
-            mine = {id(t) for m in modules for t in (*m._parameters.values(), *m._buffers.values())}
-            mine.update(id(p.get(k, None)) for p, keys in held_parts if keys is not None for k in keys)
-            if all(id(t) in mine for t in tensors):  # each tensor published is one the parts hold
-                keys_now = set(source) if mapping else None
-                last = CheckedSource(source, keys_now, held_parts, modules, [], tensors)
-                self._last = last._replace(held=_held(last))
-        return tensors
+        if not all(isinstance(p, (nn.Module, TensorDictBase)) for p in parts_now):
+            return
+        # A module is watched through its modules' registries, a TensorDict through its leaf keys.
+        held_parts = [(p, None if isinstance(p, nn.Module) else list(p.keys(True, True))) for p in parts_now]
+        modules = list(dict.fromkeys(m for p, keys in held_parts if keys is None for m in p.modules()))
+        last = CheckedSource(source, set(source) if mapping else None, held_parts, modules, [], tensors)
+        held = _held(last)
+        mine = {id(t) for t in held}
+        if all(id(t) in mine for t in tensors):  # each tensor published is one the parts hold
+            self._last = last._replace(held=held)
 
 
 _shape, _dtype, _is_meta = (operator.attrgetter(a) for a in ("shape", "dtype", "is_meta"))
@@ -200,7 +205,7 @@ def _held(last: CheckedSource) -> list[Any]:
     registries: a module or tensor swapped anywhere below shows there), each TensorDict's leaves."""
     held: list[Any] = []
     for m in last.modules:
-        held += m._modules.values()
+        held += m.children()
         held += m._parameters.values()
         held += m._buffers.values()
     held += [part.get(k, None) for part, keys in last.parts if keys is not None for k in keys]

@@ -19,9 +19,12 @@ not. That is why a collector's hand-out publishes only updates made by the threa
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import sys
 import threading
 from dataclasses import dataclass
+from types import FrameType
 
 import torch
 
@@ -32,9 +35,10 @@ from shmsync.store.changes import LeafWatch
 def others_may_write() -> bool:
     """Whether a thread of this process other than the caller may write a source while the caller
     copies it: any thread that runs Python code, or that Python's ``threading`` knows of, but the
-    caller and shmsync's own (each named ``shmsync-...``; they read sources, never write them).
-    Torch's own worker threads write only for an operation some such thread started. Where this
-    says False, a copy made by the caller is a snapshot without a check.
+    caller, shmsync's own (each named ``shmsync-...``) and the standard library's multiprocessing
+    threads (a queue's feeder, the resource sharer: TorchRL's collectors start them), none of which
+    writes a tensor's bytes. Torch's own worker threads write only for an operation some such
+    thread started. Where this says False, a copy made by the caller is a snapshot without a check.
 
     Examples:
         >>> import threading
@@ -47,7 +51,25 @@ def others_may_write() -> bool:
     """
     me = threading.get_ident()
     names = {t.ident: t.name for t in threading.enumerate()}
-    return any(i != me and not names.get(i, "").startswith("shmsync-") for i in {*names, *sys._current_frames()})
+    frames = sys._current_frames()
+    return any(
+        i != me and not names.get(i, "").startswith("shmsync-") and not _started_by_multiprocessing(frames.get(i))
+        for i in {*names, *frames}
+    )
+
+
+_MULTIPROCESSING = os.path.dirname(multiprocessing.__file__)
+
+
+def _started_by_multiprocessing(frame: FrameType | None) -> bool:
+    """Whether the thread whose top frame is ``frame`` runs a function of the standard library's
+    multiprocessing package (the function its ``Thread.run`` called, not one it calls later)."""
+    callee = None
+    while frame is not None:
+        if frame.f_code.co_filename == threading.__file__ and frame.f_code.co_name == "run":
+            return callee is not None and os.path.dirname(callee.f_code.co_filename) == _MULTIPROCESSING
+        callee, frame = frame, frame.f_back
+    return False
 
 
 class SourceChanges:
@@ -90,6 +112,7 @@ class SourceChanges:
         of publish: see :mod:`shmsync.store.changes`). The leaves to track until the next look are
         tracked before this returns: copy them after it."""
         watch, dirty = self.watch, self._dirty
+        looked: dict = {}
         if held is None:
             found = [True] * len(source)
         else:
@@ -104,7 +127,7 @@ class SourceChanges:
             differ = watch.differing(source, which)
             found = [i in differ for i in range(len(source))]
         self._dirty = list(found)
-        watch.settle(source, found, moment)
+        watch.settle(source, found, moment, looked)
         return list(found)
 
     def written_since(self, source: list[torch.Tensor], copied: list[torch.Tensor]) -> list[int]:

@@ -94,11 +94,15 @@ class StoreWriter:
         self.listeners: list[Callable[[int], None]] = []
         self.steps = OptimizerSteps(memory.header)  # counting once this process takes the writer role
         self._matcher = SourceMatcher(memory.layout, memory.destinations)
-        self.changes = SourceChanges(len(memory.layout.entries))  # what a publish need not copy
+        # The entries that hold bytes of their own (a tied entry shares its owner's): what is
+        # compared and copied; the entries' other lists are read through it.
+        self._owners = memory.layout.owners
+        self._position = {entry: k for k, entry in enumerate(self._owners)}
+        self.changes = SourceChanges(len(self._owners))  # what a publish need not copy
         # What each of the last KEPT_DELTAS versions committed here changed (a relay sends only
         # that), noted before the commit, so that whoever sees a version finds its delta.
         self.deltas: collections.OrderedDict[int, Delta] = collections.OrderedDict()
-        self._nbytes = [e.nbytes for e in memory.layout.entries]
+        self._nbytes = [memory.layout.entries[i].nbytes for i in self._owners]
         self._what = f"weights published to store {memory.name!r}"
         self._empty: dict[int, float] = {}  # slots seen holding no pages, and when
 
@@ -121,6 +125,8 @@ class StoreWriter:
         with self.lock:  # a publishing thread beside the trainer's: one version after the other
             start = time.perf_counter()
             tensors = self._matcher.match(source, self._what)
+            if self.memory.layout.tied:
+                self.memory.layout.check_tied(tensors, self._what)
             self._begin(version)
             self.steps.tensors = tensors  # optimizers holding them count from now on
             newest = self._newest_views()
@@ -138,15 +144,28 @@ class StoreWriter:
                     version = self._in_background(tensors, version)
                 self._copied_all()
             else:
-                found = self.changes.find(tensors, newest, "checked" if checked or if_changed else "plain")
-                if if_changed and not any(found):
-                    return None
-                if checked or if_changed:
-                    version = self._copy_checked(tensors, found, version)
-                else:
-                    version = self._copy_changes(tensors, found, version)
+                version = self._publish_changes(tensors, newest, version, checked or if_changed, if_changed)
             self.seconds += time.perf_counter() - start
             return version
+
+    def _publish_changes(
+        self,
+        tensors: list[torch.Tensor],
+        newest: list[torch.Tensor] | None,
+        version: int | None,
+        checked: bool,
+        if_changed: bool,
+    ) -> int | None:
+        """The CPU publish: what changed since the newest version, copied (checked, where other
+        threads may write the source) into a slot and committed; None where nothing changed and
+        ``if_changed``."""
+        tensors, newest = self._owned(tensors), None if newest is None else self._owned(newest)
+        found = self.changes.find(tensors, newest, "checked" if checked else "plain")
+        if if_changed and not any(found):
+            return None
+        if checked:
+            return self._copy_checked(tensors, found, version)
+        return self._copy_changes(tensors, found, version)
 
     def differs(self, source: Any, only: Collection[str] | None = None) -> bool:
         """See :meth:`WeightStore.differs`."""
@@ -156,7 +175,8 @@ class StoreWriter:
             newest = self._newest_views()
             if newest is not None and only is not None:
                 tensors = self._keep_others(tensors, newest, only)
-            return any(self.changes.find(tensors, newest, "checked"))
+            held = None if newest is None else self._owned(newest)
+            return any(self.changes.find(self._owned(tensors), held, "checked"))
 
     def _begin(self, version: int | None) -> None:
         """How every write begins, under the lock: the store still open here, ``version`` (when one
@@ -185,6 +205,10 @@ class StoreWriter:
         h, host = self.memory.header, self.memory.host
         return self.memory.slots[h[host.latest]] if h[host.version] >= 0 else None
 
+    def _owned(self, per_entry: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The items of a per-entry list that belong to entries holding bytes of their own."""
+        return per_entry if len(self._owners) == len(per_entry) else [per_entry[i] for i in self._owners]
+
     def _keep_others(
         self, tensors: list[torch.Tensor], newest: list[torch.Tensor], only: Collection[str]
     ) -> list[torch.Tensor]:
@@ -211,14 +235,18 @@ class StoreWriter:
         memory, changes, nbytes, deltas = self.memory, self.changes, self._nbytes, self.deltas
         at, h, records = changes.changed_at, memory.header, memory.records
 
+        owners, tied = self._owners, memory.layout.tied
+
         def copy(write: Write) -> None:
-            held, dst = write.held, memory.slots[write.slot]
+            held, dst = write.held, self._owned(memory.slots[write.slot])
             lacks = [i for i, f in enumerate(found) if f or held < 0 or not 0 <= at[i] <= held]
             if lacks:  # none where nothing changed since the version the slot holds
                 copy_all([dst[i] for i in lacks], [tensors[i] for i in lacks], True)
-            base, written = write.slot * len(found), write.version
+            base, written = write.slot * len(memory.layout.entries), write.version
             for i in lacks:  # inside the write: its sequence number covers them as it covers the bytes
-                records[base + i] = written if found[i] else at[i] if at[i] >= 0 else before
+                records[base + owners[i]] = written if found[i] else at[i] if at[i] >= 0 else before
+            for entry, owner in tied.items():  # a tied entry's bytes are its owner's
+                records[base + entry] = records[base + owner]
             reached = changes.written_since(tensors, dst) if checked else []
             for i in reached:  # changed since found unchanged: the next attempt copies them too
                 found[i] = True
@@ -230,7 +258,7 @@ class StoreWriter:
             h[W_COPIED_BYTES] = copied = sum(nbytes[i] for i in lacks)
             h[W_SKIPPED_BYTES], h[W_PROOF] = memory.layout.payload_bytes - copied, changes.proof.word
             # Before the commit: whoever sees the version sees what it changed since the one before.
-            deltas[write.version] = Delta(write.version, before, tuple(i for i, f in enumerate(found) if f))
+            deltas[write.version] = Delta(write.version, before, tuple(owners[i] for i, f in enumerate(found) if f))
             if len(deltas) > KEPT_DELTAS:
                 deltas.popitem(last=False)
 
@@ -367,19 +395,21 @@ class StoreWriter:
                 )
             newest, at, entries = h[host.latest], self.changes.changed_at, memory.layout.entries
             incoming, records = _bytes_tensor(data), memory.records
+            owners, position, tied = self._owners, self._position, memory.layout.tied
 
             def copy(write: Write) -> None:
                 dst, src = memory.slot_bytes(write.slot), memory.slot_bytes(newest)
-                held, wrote = write.held, set(changed)
-                lacks = [i for i in range(len(entries)) if i not in wrote and (held < 0 or not 0 <= at[i] <= held)]
+                held, wrote = write.held, {position[i] for i in changed}
+                # By position among the entries with bytes of their own (those a delta names).
+                lacks = [k for k in range(len(owners)) if k not in wrote and (held < 0 or not 0 <= at[k] <= held)]
                 targets, sources, offset = [], [], 0
                 for i in changed:  # the delta's bytes, one leaf after the other
                     e = entries[i]
                     targets.append(dst[e.offset : e.offset + e.nbytes])
                     sources.append(incoming[offset : offset + e.nbytes])
                     offset += e.nbytes
-                for i in lacks:  # what the slot lacks of the rest: the newest version's bytes
-                    e = entries[i]
+                for k in lacks:  # what the slot lacks of the rest: the newest version's bytes
+                    e = entries[owners[k]]
                     targets.append(dst[e.offset : e.offset + e.nbytes])
                     sources.append(src[e.offset : e.offset + e.nbytes])
                 if targets:
@@ -389,9 +419,11 @@ class StoreWriter:
                 first = write.slot * len(entries)
                 for i in changed:
                     records[first + i] = version
-                for i in lacks:
-                    records[first + i] = at[i] if at[i] >= 0 else base
-                h[W_COPIED_BYTES] = copied = offset + sum(entries[i].nbytes for i in lacks)
+                for k in lacks:
+                    records[first + owners[k]] = at[k] if at[k] >= 0 else base
+                for entry, owner in tied.items():
+                    records[first + entry] = records[first + owner]
+                h[W_COPIED_BYTES] = copied = offset + sum(entries[owners[k]].nbytes for k in lacks)
                 h[W_SKIPPED_BYTES] = memory.layout.payload_bytes - copied
                 h[W_PROOF] = Proof.DELTA.word
                 self.deltas[version] = Delta(version, base, changed)
@@ -400,7 +432,7 @@ class StoreWriter:
 
             write = self.slot_writer.begin_write(version, steps=-1)  # bytes from elsewhere: no training seen here
             version = self._copy_and_commit(copy, write=write)
-            self.changes.published_delta(version, base, list(changed))
+            self.changes.published_delta(version, base, [position[i] for i in changed])
             return version
 
     def _cuda(self, tensors: list[torch.Tensor]) -> Any:
@@ -1030,6 +1062,10 @@ def check_delta(entries: Sequence[Any], data: Any, leaves: Any, store: str) -> t
             raise InvalidArgumentError(
                 f"{where} names leaf {str(i)[:20]} after leaf {last}: {why} (the store has {len(entries)} leaves, "
                 "each named once, in order)"
+            )
+        if entries[i].tied >= 0:
+            raise InvalidArgumentError(
+                f"{where} names leaf {i}, which is tied to leaf {entries[i].tied}: it holds no bytes of its own"
             )
         last = i
     want, got = sum(entries[i].nbytes for i in leaves), memoryview(data).nbytes

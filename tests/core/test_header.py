@@ -196,6 +196,10 @@ def _smaller(doc):  # a consistent layout, but of 80 payload bytes where the hea
         (_entry(1, 0, []), r"entry 1: key must be a list of 1 to 32 non-empty names"),
         (_entry(1, 0, ["bias"]), r"entry 1: key 'bias' is out of order or repeated"),
         (_smaller, r"payload_bytes is 96, its layout holds 80"),
+        (_entry(1, 5, 3), r"entry 1 \('weight'\): tied is 3; it is -1, or the index of an earlier entry"),
+        (_entry(1, 5, "0"), r"tied is 0; it is -1"),
+        (_entry(1, 5, 0), r"entry 1 \('weight'\): tied to entry 0, which it does not match"),
+        (lambda doc: {**doc, "entries": [row[:5] for row in doc["entries"]]}, r"entry 0 must be \[key, shape"),
     ],
 )
 def test_a_bad_layout_is_refused_naming_the_field(store_file, change, match):
@@ -235,7 +239,7 @@ def test_a_layout_holding_more_lists_than_its_tensors_could_is_refused_before_it
 def test_a_layout_past_one_tebibyte_is_refused_naming_the_entry():
     from shmsync.store.layout import Layout
 
-    rows = [[["w"], [(1 << 38) + 1], "float32", 0, ((1 << 38) + 1) * 4]]
+    rows = [[["w"], [(1 << 38) + 1], "float32", 0, ((1 << 38) + 1) * 4, -1]]
     raw = json.dumps({"destinations": None, "entries": rows}).encode()
     with pytest.raises(StoreCorruptError, match=r"entry 0 \('w'\) ends at byte 1099511627780, past 1099511627776"):
         Layout.from_json(raw, "a peer's layout")

@@ -218,3 +218,66 @@ def test_staleness_in_optimizer_steps_says_what_training_each_batch_missed(passe
         assert behind == ([[2]] * 3 if passed else [[0]] * 3), behind
     finally:
         collector.shutdown()
+
+
+@pytest.mark.parametrize("order", ["update, then train", "train, then update"])
+def test_every_weight_trained_costs_one_version_and_one_copy_a_batch(order):
+    """Every weight stepped at every batch, no weights argument: one version a batch, holding what
+    training changed, copied once (the update is published as the batch is handed out)."""
+    policy = make_linear_policy(0.0)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.125)
+    scheme = ShmWeightSyncScheme()
+    collector = MultiSyncCollector(
+        [make_pendulum] * 2, policy, frames_per_batch=20, total_frames=-1, weight_sync_schemes={"policy": scheme}
+    )
+    published = []
+    original = scheme.store.writer.write
+
+    def counted(*args, **kwargs):
+        version = original(*args, **kwargs)
+        published.append((version, scheme.store.info()["copied_bytes"]))
+        return version
+
+    scheme.store.writer.write = counted
+    try:
+        for i, batch in zip(range(5), collector):
+            if i:
+                assert set(batch["policy_version"].flatten().tolist()) == {i}
+            if order == "update, then train":
+                collector.update_policy_weights_()
+            optimizer.zero_grad()
+            for p in policy.parameters():
+                p.grad = torch.ones_like(p)
+            optimizer.step()
+            if order == "train, then update":
+                collector.update_policy_weights_()
+        assert [v for v, _ in published] == [1, 2, 3, 4, 5]  # the last when the loop ended
+        assert {copied for _, copied in published} == {sum(p.numel() * p.element_size() for p in policy.parameters())}
+    finally:
+        collector.shutdown()
+
+
+@pytest.mark.parametrize("then", ["the loop ends", "shutdown"])
+def test_an_update_waiting_for_its_hand_out_is_published_when_the_loop_ends_and_dropped_at_shutdown(then):
+    """No hand-out will come: the loop ended (``break``), so the update is published then; or the
+    collector shut down, so its workers run nothing more, and the update goes with them."""
+    policy = make_linear_policy(0.0)
+    scheme = ShmWeightSyncScheme()
+    collector = MultiSyncCollector(
+        [make_pendulum] * 2, policy, frames_per_batch=20, total_frames=-1, weight_sync_schemes={"policy": scheme}
+    )
+    try:
+        for _ in collector:
+            collector.update_policy_weights_()
+            _step(policy)
+            assert scheme.version == 0
+            if then == "shutdown":
+                collector.shutdown()
+            break
+        if then == "the loop ends":
+            assert scheme.version == 1
+            assert float(scheme.store.snapshot().weights["policy", "module", "bias"][0]) == STEP
+        else:
+            assert scheme.version == 0 and scheme.promised == 0  # nothing left promised
+    finally:
+        collector.shutdown()

@@ -3,6 +3,7 @@ newest version's, by the pages written or by comparison, whatever wrote it; a pu
 changed, and a copy checked after it was made holds one moment of a source another thread writes."""
 
 import sys
+import textwrap
 import threading
 
 import pytest
@@ -11,8 +12,9 @@ import torch
 from shmsync import WeightReader
 from shmsync.core import header
 from shmsync.errors import WrittenWhileCopiedError
-from shmsync.store.changes import same_bytes
+from shmsync.store.changes import TRACK_MIN_BYTES, same_bytes
 from shmsync.writer.changes import SourceChanges
+from tests.commands import python, run_command
 from tests.routes import ROUTES, Policy, write
 from tests.weights import ParamBlob, fill, mixed_values
 
@@ -246,12 +248,89 @@ def test_a_copy_retried_after_a_write_copies_what_that_write_changed(store_facto
                 module.b.fill_(7.0)
                 module.a.fill_(8.0)  # {a: 8, b: 1} never was: b was 7 by then
 
+    # Another thread of the process, as the writer of such a race would be: the copy is checked.
+    done = threading.Event()
+    other = threading.Thread(target=done.wait, name="another writer")
+    other.start()
     sys.setprofile(write_b_before_the_first_check)
     try:
         version = store.publish_if_changed(module)
     finally:
         sys.setprofile(None)
+        done.set()
+        other.join()
     assert written and version == store.version
     reader.close()
     weights = store.snapshot().weights
     assert {k: weights[k].unique().tolist() for k in sizes} == {"a": [8.0], "b": [7.0], "c": [1.0]}
+
+
+def test_a_rewrite_of_the_same_bytes_copies_nothing(store_factory, proof):
+    """``load_state_dict`` of an unchanged checkpoint writes every byte again, the same bytes: a
+    publish finds every leaf as it was (the pages written compared, or every leaf compared), so it
+    copies nothing, and a copying reader copies nothing either."""
+    policy = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    store = store_factory(policy, num_slots=2)
+    reader = WeightReader(
+        store, torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512)), zero_copy=False
+    )
+    reader.poll()
+    checkpoint = {k: v.clone() for k, v in policy.state_dict().items()}
+    for _ in range(3):  # every slot holds these bytes, and the leaves are watched
+        store.publish(policy)
+        reader.poll()
+    policy.load_state_dict(checkpoint)
+    store.publish(policy)
+    assert store.info()["copied_bytes"] == 0
+    reader.poll()
+    small = sum(t.numel() * 4 for t in policy.state_dict().values() if t.numel() * 4 < TRACK_MIN_BYTES)
+    assert reader.copied_bytes == small  # the biases, copied at every reload: no proof of them is cheaper
+    assert header.Proof.of_word(store.info()["unchanged_proof"]) == proof
+
+
+def test_the_threads_multiprocessing_starts_are_not_writers():
+    """A queue's feeder thread (TorchRL's collectors start them) writes no tensor: a copy made
+    beside it needs no check; a thread of the user's does. In an interpreter of its own, whose
+    only threads are the ones it starts (a test runner has threads of its own)."""
+    script = textwrap.dedent(
+        """
+        import multiprocessing, threading
+        from shmsync.writer.changes import others_may_write
+
+        queue = multiprocessing.get_context("spawn").Queue()
+        queue.put(1)  # starts its feeder thread
+        assert any(t.name == "QueueFeederThread" for t in threading.enumerate())
+        alone = others_may_write()
+        done = threading.Event()
+        user = threading.Thread(target=done.wait)
+        user.start()
+        beside_one = others_may_write()
+        done.set(); user.join(); queue.get(timeout=10); queue.close(); queue.join_thread()
+        print(alone, beside_one)
+        """
+    )
+    out = run_command(python("-c", script), check=True, timeout=60).stdout.split()
+    assert out == ["False", "True"]
+
+
+def test_a_checked_copy_where_no_other_thread_runs_is_not_checked():
+    """No other thread can write the source while this one copies it: the copy is the snapshot,
+    and nothing is read a second time (in an interpreter of its own: no test runner's threads)."""
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        from shmsync import WeightStore
+
+        module = torch.nn.Linear(256, 256)
+        checks = []
+        with WeightStore.create(module) as store:
+            torch.nn.init.ones_(module.weight)
+            sys.setprofile(lambda frame, event, arg: checks.append(1) if (
+                event == "call" and frame.f_code.co_name == "written_since") else None)
+            version = store.publish(module, checked=True)
+            sys.setprofile(None)
+            ones = store.snapshot().weights["weight"].unique().tolist()
+        print(version, len(checks), ones)
+        """
+    )
+    assert run_command(python("-c", script), check=True, timeout=60).stdout.split() == ["1", "0", "[1.0]"]

@@ -11,6 +11,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from shmsync import StoreNotFoundError, WeightMismatchError, WeightReader, WeightStore, WriterBusyError
+from shmsync.errors import InvalidArgumentError
 from shmsync.testing import ordering_of
 from tests.processes import lease_and_hang, slow_reader, stress_reader, stuck_reader, wait_for_the_promise, writer
 from tests.waiting import STUCK_S
@@ -718,3 +719,51 @@ def test_a_slot_filled_without_knowing_what_changed_records_every_tensor_as_chan
     background.publish(weights)
     background.flush()
     assert _records(background)[background.memory.header[background.memory.host.latest]] == [1, 1, 1]
+
+
+# -- tied weights --------------------------------------------------------------------------------------
+class Tied(torch.nn.Module):
+    """An embedding whose weight is also the output layer's (tied), as language models do."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 1024)
+        self.out = torch.nn.Linear(1024, 64, bias=False)
+        if tied:
+            self.out.weight = self.embed.weight
+
+
+def test_tied_weights_are_held_copied_and_reloaded_once_and_stay_tied(store_factory):
+    trainer = Tied()
+    store = store_factory(trainer)
+    one = trainer.embed.weight.numel() * 4
+    assert store.nbytes == one  # held once
+    copying = WeightReader(store, Tied(), zero_copy=False)
+    in_place = WeightReader(store, Tied(), zero_copy=True)
+    apart = WeightReader(store, Tied(tied=False), zero_copy=False)  # a module that holds them apart
+    for reader in (copying, in_place, apart):
+        reader.poll()
+    with torch.no_grad():
+        trainer.embed.weight.add_(1.0)
+    store.publish(trainer)
+    assert store.info()["copied_bytes"] == one  # copied once
+    for reader in (copying, in_place, apart):
+        assert reader.poll()
+        module = reader.module
+        assert torch.equal(module.embed.weight, trainer.embed.weight) and torch.equal(
+            module.out.weight, trainer.embed.weight
+        )
+    assert copying.module.out.weight is copying.module.embed.weight and copying.copied_bytes == one  # once
+    assert in_place.module.out.weight.data_ptr() == in_place.module.embed.weight.data_ptr()
+    assert apart.copied_bytes == 2 * one  # its two tensors, from the one the store holds
+
+
+def test_weights_tied_when_the_store_was_made_and_apart_now_are_refused(store_factory):
+    trainer = Tied()
+    store = store_factory(trainer)
+    trainer.out.weight = torch.nn.Parameter(torch.zeros(64, 1024))
+    with pytest.raises(WeightMismatchError, match=r"'out.weight' was one tensor with 'embed.weight' \(tied\)"):
+        store.publish(trainer)
+    assert store.version == 0
+    with pytest.raises(InvalidArgumentError, match=r"names leaf 1, which is tied to leaf 0"):
+        store.publish_delta(b"\0" * trainer.embed.weight.numel() * 4, version=1, base=0, leaves=[1])
