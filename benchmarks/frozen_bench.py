@@ -123,7 +123,7 @@ class Case:
         self.policy = make()
         self.store = WeightStore.create(self.policy)
         if case == "every leaf copied":  # a publish as it was before any leaf was proved unchanged
-            self.store.writer.changes = CopyEverything(len(self.store.memory.layout.entries))
+            self.store.writer.copy.changes = CopyEverything(len(self.store.memory.layout.owners))
         self.copying = WeightReader(self.store, make(), zero_copy=False)
         self.in_place = WeightReader(self.store, make(), zero_copy=True)
         for reader in (self.copying, self.in_place):

@@ -27,7 +27,11 @@ def machine() -> str:
     """The machine in words: CPU, cores, Python, torch (and torchrl where it is imported)."""
     import torch
 
-    parts = [platform.processor() or platform.machine(), f"{os.cpu_count()} cores", f"Python {platform.python_version()}"]
+    parts = [
+        platform.processor() or platform.machine(),
+        f"{os.cpu_count()} cores",
+        f"Python {platform.python_version()}",
+    ]
     parts.append(f"torch {torch.__version__}")
     torchrl = sys.modules.get("torchrl")
     if torchrl is not None:
@@ -38,6 +42,7 @@ def machine() -> str:
 def commit() -> str:
     """The checkout's commit; ``+changes`` after it where the tree differs from it (a result made
     so is older than any commit, and the check says so)."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 

@@ -199,7 +199,7 @@ def promise_and_stop_mid_copy(sizes, conn) -> None:
     copy halfway: the version is promised and never lands. Say so and wait to be killed."""
     import threading
 
-    from shmsync.writer import store as store_module
+    from shmsync.writer import background as store_module
 
     torch.set_num_threads(1)
     weights = blob_weights(sizes, 0.0)

@@ -143,11 +143,18 @@ TESTED_ELSEWHERE = {
     "shmsync/store/memory.py": "a store's mapping (file, header, slots): tests/writer/test_store.py, "
     "tests/reader/test_in_place.py, tests/writer/test_crash.py",
     "shmsync/store/sources.py": "a source matched against the layout: tests/writer/test_store.py (the mismatches)",
+    "shmsync/writer/background.py": "the opt-in background copy: tests/writer/test_store.py, tests/writer/test_crash.py",
+    "shmsync/writer/role.py": "the writer role: tests/writer/test_store.py (one writer at a time), test_crash.py",
+    "shmsync/writer/slot_copy.py": "a version copied into a slot: tests/writer/test_store.py, test_changes.py, "
+    "tests/relay/test_deltas.py",
     "shmsync/tools/ctrl_c.py": "Ctrl-C in the commands and the demo: tests/tools/test_cli.py, tests/examples/",
     "shmsync/torchrl/attribute_paths.py": "a weight_update_map's paths: tests/torchrl/test_hooks.py",
     "shmsync/torchrl/receiver.py": "a worker's side of the scheme: tests/torchrl/test_scheme.py, test_conformance.py",
-    "shmsync/torchrl/remote_nodes.py": "a remote node's pushes: tests/torchrl/test_publishing.py, test_distributed.py, "
+    "shmsync/torchrl/remote_nodes.py": "a remote node's pushes: tests/torchrl/test_publisher.py, test_distributed.py, "
     "test_ray.py",
+    "shmsync/torchrl/collector_patches.py": "the wrappers on a collector: tests/torchrl/test_scheme.py, "
+    "test_freshness.py, test_conformance.py",
+    "shmsync/torchrl/store_group.py": "a collector's stores: tests/torchrl/test_publisher.py, test_scheme.py",
     "shmsync/torchrl/sender.py": "WeightSender: tests/torchrl/test_hooks.py",
     "shmsync/torchrl/settings.py": "the scheme's settings: tests/torchrl/test_backend.py, tests/watch/test_alarm.py",
     "shmsync/torchrl/trainer_weights.py": "the trainer's models of a collector: tests/torchrl/test_conformance.py",

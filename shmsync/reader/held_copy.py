@@ -31,7 +31,7 @@ Why a reload holds exactly the version it says
 ----------------------------------------------
 * The records read are the slot's own: they are read inside the copy, between the two loads of
   the slot's sequence number, and the writer writes them inside the write that changes the slot
-  (:meth:`shmsync.writer.store.StoreWriter._copy_changes`): a copy that validates read the
+  (:meth:`shmsync.writer.slot_copy.SlotCopy.copy_source`): a copy that validates read the
   records of the version it accepted, as it read its bytes.
 * A record is never below the truth (any path that fills a slot without knowing what changed
   records every tensor as changed at that version), so ``c <= r`` proves equal bytes in ``r`` and

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from shmsync.core.protocol import Write
 from shmsync.core.segment import Segment, validate_name
 from shmsync.store.layout import Layout
-from shmsync.writer.store import WeightStore, check_version
+from shmsync.writer.role import check_version
+from shmsync.writer.store import WeightStore
 
 
 def create_from_bytes(

@@ -24,7 +24,7 @@ from typing import Any, Protocol, TextIO
 
 
 class Served(Protocol):
-    """What the check reads of a collector's :class:`~shmsync.torchrl.publishing.Publisher`."""
+    """What the check reads of a collector's :class:`~shmsync.torchrl.publisher.Publisher`."""
 
     pushes: Any  # set on a remote collector's node: TorchRL shuts that collector down itself
 

@@ -32,7 +32,7 @@ import torch
 from shmsync.errors import InvalidArgumentError, ShmSyncError
 from shmsync.store.reader_table import merge
 from shmsync.torchrl import compat, push_deltas
-from shmsync.torchrl.publishing import Publisher
+from shmsync.torchrl.publisher import Publisher
 from shmsync.watch.remote_rows import (
     MAX_REPORT_BYTES,
     REPORT_EVERY,

@@ -2,7 +2,7 @@
 
 Sender (main process): the collector's models for every key that uses this scheme go into one
 :class:`~shmsync.WeightStore` (one per worker with ``per_worker_weights``), held by the
-collector's :class:`~shmsync.torchrl.publishing.Publisher`; ``update_policy_weights_()`` publishes
+collector's :class:`~shmsync.torchrl.publisher.Publisher`; ``update_policy_weights_()`` publishes
 into it and returns, with no message to and no acknowledgement from any worker. All keys sent by
 one ``update_policy_weights_`` call are published together as one version.
 
@@ -26,11 +26,13 @@ from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 from shmsync.errors import InvalidArgumentError, NotAttachedError, NotSupportedError, ShmSyncError, warn_deprecated
 from shmsync.store.reader_table import ReaderTable, RemoteSources, assemble, merge
 from shmsync.torchrl import compat
-from shmsync.torchrl.publishing import Publisher, StoreGroup, group_before_collector, publisher_and_group
+from shmsync.torchrl.collector_patches import publisher_and_group
+from shmsync.torchrl.publisher import Publisher
 from shmsync.torchrl.receiver import Receiver
 from shmsync.torchrl.remote_nodes import make_pushes
 from shmsync.torchrl.scheme_sides import ReceiverSide, SenderSide
 from shmsync.torchrl.settings import SchemeSettings
+from shmsync.torchrl.store_group import StoreGroup, group_before_collector
 from shmsync.watch.alarm import STALE_AFTER, ReaderAlarm, StaleEvent
 from shmsync.writer.store import WeightStore
 
@@ -38,7 +40,7 @@ from shmsync.writer.store import WeightStore
 class ShmWeightSyncScheme(WeightSyncScheme):
     """TorchRL's weight-sync scheme for ``MultiSyncCollector`` / ``MultiAsyncCollector`` on shmsync
     stores: its job is TorchRL's scheme API, on the trainer's side (a collector's
-    :class:`~shmsync.torchrl.publishing.Publisher`) and in each worker (a
+    :class:`~shmsync.torchrl.publisher.Publisher`) and in each worker (a
     :class:`~shmsync.torchrl.receiver.Receiver`).
 
     Each update is a snapshot: once ``update_policy_weights_()`` returns, the trainer may write its

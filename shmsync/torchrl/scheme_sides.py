@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from shmsync.store.reader_table import RemoteSources
-from shmsync.torchrl.publishing import Publisher, StoreGroup
+from shmsync.torchrl.publisher import Publisher
 from shmsync.torchrl.receiver import Receiver
+from shmsync.torchrl.store_group import StoreGroup
 
 _S = TypeVar("_S", bound="Side")
 

@@ -1,5 +1,5 @@
 """What a user asks of a :class:`~shmsync.ShmWeightSyncScheme`, checked once: the settings its
-trainer's side (:mod:`shmsync.torchrl.publishing`) and its workers' (:mod:`shmsync.torchrl.receiver`)
+trainer's side (:mod:`shmsync.torchrl.publisher`) and its workers' (:mod:`shmsync.torchrl.receiver`)
 read."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ changes a leaf and puts its exact bytes back within that window; the written pag
 neither can tell is where another thread stands in a write of its own: one that sat between two
 tensors of an optimizer step for the whole window is caught there, one tensor stepped and the other
 not. That is why a collector's hand-out publishes only updates made by the thread that iterates it
-(:meth:`shmsync.torchrl.publishing.CollectorPatches.hand_out`). Where no other thread can run
+(:mod:`shmsync.torchrl.freshness`). Where no other thread can run
 (:func:`others_may_write`), a copy needs no check.
 """
 

@@ -1,67 +1,53 @@
 """The weight store: versioned copies of a model's weights in shared memory, and publishing into it.
 
-One publish, on the trainer's thread (:meth:`WeightStore.publish`, then :meth:`StoreWriter.write`)::
+:class:`WeightStore` is the store's one public face. What it holds:
 
+* its mapping (:class:`~shmsync.store.memory.StoreMemory`: file, header, slots, sizes), the
+  readers' rows, the leases of its host bank, and the protocol's reader side;
+* in a process that writes it, a :class:`Writer`: the parts of this process's writing, each with
+  one job (the writer role, the source's check against the layout, what changed, the copy into a
+  slot, the optimizer steps counted, the background thread, and the CUDA or background copy
+  where one is asked for). A process that only reads builds none.
+
+One publish, on the trainer's thread (:meth:`WeightStore.publish`)::
+
+    role.begin(version)                                 (shmsync.writer.role: the writer role held)
     tensors = the source matched against the layout     (shmsync.store.sources)
-    write = slot_writer.begin_write(version)           (shmsync.core.protocol: a slot no reader uses,
-                                                        and the version it will hold)
-    copy the tensors into the slot                     (shmsync.store.copies)
-    slot_writer.commit(write)                          (the version and the latest slot: two words)
-    give back the slots no reader can use              (on the copier's thread: idle_slots, their pages)
+    found = what changed since the newest version       (shmsync.writer.changes, shmsync.store.changes)
+    copy.copy_source(tensors, found, version)           (shmsync.writer.slot_copy: what the slot lacks,
+                                                         copied into a slot no reader uses, committed)
 
 A version is a snapshot: ``publish()`` returns once the weights are copied into the slot (from
 CPU tensors), or once the copy is enqueued on the trainer's current CUDA stream (from CUDA tensors,
 :mod:`shmsync.writer.cuda`), so that any later write of the source reaches no version. Only the
-opt-in ``unsafe_background_copy=True`` returns before the bytes are copied: the copy, the commit
-and the give-backs then run on the store's :class:`~shmsync.store.copies.Copier` thread, reading
-the caller's live tensors.
+opt-in ``unsafe_background_copy=True`` returns before the bytes are copied
+(:mod:`shmsync.writer.background`).
 """
 
 from __future__ import annotations
 
-import collections
-import threading
 import time
-import warnings
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDict
 
-from shmsync.core.header import (
-    STORE_PAGE_LOCKED,
-    W_COPIED_BYTES,
-    W_PAYLOAD_BYTES,
-    W_PROMISED,
-    W_PROOF,
-    W_SKIPPED_BYTES,
-    W_STEPS,
-    W_STORE_FLAGS,
-    W_VERSION,
-    W_WRITER_PID,
-    Proof,
-)
+from shmsync.core.header import W_PAYLOAD_BYTES, W_PROMISED, W_STEPS, W_VERSION
 from shmsync.core.protocol import Leases, ReaderRows, SlotReader, SlotWriter, Write, steps_of
-from shmsync.core.segment import WRITER_LOCK, Segment, default_name
-from shmsync.errors import (
-    ArgumentTypeError,
-    InvalidArgumentError,
-    ShmSyncError,
-    WriterBusyError,
-    WrittenWhileCopiedError,
-    warn_deprecated,
-)
-from shmsync.store.copies import Copier, copy_all
+from shmsync.core.segment import Segment, default_name
+from shmsync.errors import ArgumentTypeError, warn_deprecated
+from shmsync.store.copies import Copier
 from shmsync.store.layout import Layout
-from shmsync.store.memory import RECHECK_EMPTY_S, StoreMemory
+from shmsync.store.memory import StoreMemory
 from shmsync.store.reader_table import ReaderTable, RemoteSources, assemble, local_rows
 from shmsync.store.sources import SourceMatcher, as_tensordict
+from shmsync.writer.background import InBackground
 from shmsync.writer.changes import Delta, SourceChanges, others_may_write
+from shmsync.writer.role import WriterRole, check_version
+from shmsync.writer.slot_copy import SlotCopy, check_delta
 from shmsync.writer.steps import OptimizerSteps
-
-KEPT_DELTAS = 8  # versions whose delta a writer keeps: a relay sends the newest, the one it just took
-COPY_ATTEMPTS = 3  # copies publish_if_changed tries before it gives up on a source being written
 
 
 class Snapshot(NamedTuple):
@@ -71,428 +57,82 @@ class Snapshot(NamedTuple):
     weights: TensorDict
 
 
-class StoreWriter:
-    """This process's writing into one store: the slot writer of its host bank, the check of each
-    source against the layout, the background copier, the CUDA writer, and the give-backs. Held by
-    a :class:`WeightStore` (its ``writer``), whose publishing methods call it; nothing else does.
+@dataclass(eq=False)
+class Writer:
+    """The parts of one process's writing into one store, built when the process first writes
+    (a process that only reads builds none). Each has one job; :class:`WeightStore`'s methods use
+    them.
 
-    Args:
-        memory: the store's mapping in this process.
-        leases: the leases of its host bank (asked whether a slot is leased).
+    Attributes:
+        role: who may write (:class:`~shmsync.writer.role.WriterRole`).
+        matcher: the source checked against the layout (:class:`~shmsync.store.sources.SourceMatcher`).
+        copy: a version copied into a slot and committed (:class:`~shmsync.writer.slot_copy.SlotCopy`),
+            with what changed since the newest version (its ``changes``).
+        steps: the optimizer steps counted (:class:`~shmsync.writer.steps.OptimizerSteps`).
+        copier: the store's background thread (give-backs, CUDA copies landing, background copies).
+        background: the background copy (a store made with ``unsafe_background_copy``), once used.
+        cuda: the CUDA writer, from the first publish from CUDA tensors on.
+        seconds: time spent publishing by this process.
     """
 
-    def __init__(self, memory: StoreMemory, leases: Leases) -> None:
-        self.memory = memory
-        self.name = memory.name
-        self.slot_writer = SlotWriter(memory.host, leases)
-        self.unsafe_background = False  # see WeightStore.create(unsafe_background_copy=...)
-        self.lock = threading.Lock()  # one publish at a time, whichever thread calls
-        self.holding = False  # this process holds the writer role
-        self.seconds = 0.0  # time spent publishing by this process
-        self.copier = Copier(f"shmsync-publish-{memory.name}")
-        self.cuda: Any = None  # the CUDA writer (shmsync.writer.cuda), from the first CUDA publish on
-        self.listeners: list[Callable[[int], None]] = []
-        self.steps = OptimizerSteps(memory.header)  # counting once this process takes the writer role
-        self._matcher = SourceMatcher(memory.layout, memory.destinations)
-        # The entries that hold bytes of their own (a tied entry shares its owner's): what is
-        # compared and copied; the entries' other lists are read through it.
-        self._owners = memory.layout.owners
-        self._position = {entry: k for k, entry in enumerate(self._owners)}
-        self.changes = SourceChanges(len(self._owners))  # what a publish need not copy
-        # What each of the last KEPT_DELTAS versions committed here changed (a relay sends only
-        # that), noted before the commit, so that whoever sees a version finds its delta.
-        self.deltas: collections.OrderedDict[int, Delta] = collections.OrderedDict()
-        self._nbytes = [memory.layout.entries[i].nbytes for i in self._owners]
-        self._what = f"weights published to store {memory.name!r}"
-        self._empty: dict[int, float] = {}  # slots seen holding no pages, and when
+    role: WriterRole
+    matcher: SourceMatcher
+    copy: SlotCopy
+    steps: OptimizerSteps
+    copier: Copier
+    background: InBackground | None = None
+    cuda: Any = None
+    seconds: float = 0.0
+    what: str = field(default="")
 
-    def write(
-        self,
-        source: Any,
-        version: int | None = None,
-        unsafe_background: bool | None = None,
-        *,
-        only: Collection[str] | None = None,
-        checked: bool = False,
-        if_changed: bool = False,
-    ) -> int | None:
-        """Match ``source``, then copy what changed of it into a slot and commit it (see
-        :meth:`WeightStore.publish`); ``unsafe_background`` overrides the store's setting, ``only``
-        keeps the newest version's weights for the other destinations, ``checked`` makes sure that
-        no write by another thread reached the copy (see :meth:`_copy_checked`), ``if_changed``
-        publishes nothing (and returns None) where nothing differs from the newest version.
-        Returns the version."""
-        with self.lock:  # a publishing thread beside the trainer's: one version after the other
-            start = time.perf_counter()
-            tensors = self._matcher.match(source, self._what)
-            if self.memory.layout.tied:
-                self.memory.layout.check_tied(tensors, self._what)
-            self._begin(version)
-            self.steps.tensors = tensors  # optimizers holding them count from now on
-            newest = self._newest_views()
-            if newest is not None and only is not None:
-                tensors = self._keep_others(tensors, newest, only)
-            background = self.unsafe_background if unsafe_background is None else unsafe_background
-            on_cuda = self.cuda is not None or any(t.is_cuda for t in tensors)
-            if on_cuda or background and not (checked or if_changed):
-                if if_changed and not any(self.changes.find(tensors, newest, "checked")):
-                    return None
-                self.deltas.clear()
-                if on_cuda:  # stream order makes it a snapshot: writes enqueued after it on the stream come after
-                    version = self._cuda(tensors).enqueue(tensors, version)
-                else:
-                    version = self._in_background(tensors, version)
-                self._copied_all()
-            else:
-                version = self._publish_changes(tensors, newest, version, checked or if_changed, if_changed)
-            self.seconds += time.perf_counter() - start
-            return version
+    @classmethod
+    def of(cls, memory: StoreMemory, leases: Leases) -> Writer:
+        """The parts, for ``memory`` (the store's mapping here) and ``leases`` (its host bank's)."""
+        slot_writer = SlotWriter(memory.host, leases)
+        steps = OptimizerSteps(memory.header)  # counting once this process takes the writer role
+        copier = Copier(f"shmsync-publish-{memory.name}")
+        copy = SlotCopy(memory, slot_writer, copier, SourceChanges(len(memory.layout.owners)))
+        return cls(
+            WriterRole(memory, slot_writer, steps),
+            SourceMatcher(memory.layout, memory.destinations),
+            copy,
+            steps,
+            copier,
+            what=f"weights published to store {memory.name!r}",
+        )
 
-    def _publish_changes(
-        self,
-        tensors: list[torch.Tensor],
-        newest: list[torch.Tensor] | None,
-        version: int | None,
-        checked: bool,
-        if_changed: bool,
-    ) -> int | None:
-        """The CPU publish: what changed since the newest version, copied (checked, where other
-        threads may write the source) into a slot and committed; None where nothing changed and
-        ``if_changed``."""
-        tensors, newest = self._owned(tensors), None if newest is None else self._owned(newest)
-        found = self.changes.find(tensors, newest, "checked" if checked else "plain")
-        if if_changed and not any(found):
-            return None
-        if checked:
-            return self._copy_checked(tensors, found, version)
-        return self._copy_changes(tensors, found, version)
-
-    def differs(self, source: Any, only: Collection[str] | None = None) -> bool:
-        """See :meth:`WeightStore.differs`."""
-        with self.lock:
-            tensors = self._matcher.match(source, self._what)
-            self._begin(None)  # the write in flight landed: the newest version is whole in its slot
-            newest = self._newest_views()
-            if newest is not None and only is not None:
-                tensors = self._keep_others(tensors, newest, only)
-            held = None if newest is None else self._owned(newest)
-            return any(self.changes.find(self._owned(tensors), held, "checked"))
-
-    def _begin(self, version: int | None) -> None:
-        """How every write begins, under the lock: the store still open here, ``version`` (when one
-        is named) higher than every version promised, the writer role held, and the write in flight,
-        with its give-backs, landed (one write open at a time).
-
-        Raises:
-            ClosedError: this process closed the store.
-            InvalidArgumentError, ArgumentTypeError: ``version`` is not an int above the last one.
-            WriterBusyError: another live process holds the writer role.
-            ShmSyncError: the write in flight failed (its error is the cause).
-        """
-        if self.memory.closed:  # one word read on the trainer's path: the call only to raise
-            self.memory.check_open()
-        if version is not None:
-            check_version(version, self.promised, self.name)
-        if not self.holding:
-            self.acquire()
-        if self.copier.pending:
-            self.flush()
-
-    def _newest_views(self) -> list[torch.Tensor] | None:
-        """The newest version's slot, viewed in this process (the writer's), or None before any."""
+    def newest(self) -> list[torch.Tensor] | None:
+        """The newest version's slot (the device bank's, from CUDA on), viewed in this process, or
+        None before any."""
         if self.cuda is not None:
             return self.cuda.newest_views()
-        h, host = self.memory.header, self.memory.host
-        return self.memory.slots[h[host.latest]] if h[host.version] >= 0 else None
+        memory = self.copy.memory
+        h, host = memory.header, memory.host
+        return memory.slots[h[host.latest]] if h[host.version] >= 0 else None
 
-    def _owned(self, per_entry: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The items of a per-entry list that belong to entries holding bytes of their own."""
-        return per_entry if len(self._owners) == len(per_entry) else [per_entry[i] for i in self._owners]
+    def background_copy(self) -> InBackground:
+        """The background copy, made at the first publish that asks for it."""
+        if self.background is None:
+            self.background = InBackground(self.copy)
+        return self.background
 
-    def _keep_others(
-        self, tensors: list[torch.Tensor], newest: list[torch.Tensor], only: Collection[str]
-    ) -> list[torch.Tensor]:
-        """``tensors``, but the newest version's for every destination not in ``only``."""
-        layout, keep = self.memory.layout, list(tensors)
-        for destination in self.memory.destinations or ():
-            if destination not in only:
-                for i in layout.subset((destination,)):
-                    keep[i] = newest[i]
-        return keep
-
-    def _copy_changes(self, tensors: list[torch.Tensor], found: list[bool], version: int | None, checked=False) -> int:
-        """Copy into a free slot what it lacks of ``tensors``: the leaves ``found`` changed since the
-        newest version, and those that changed since the version the slot held (all of them, into
-        an empty slot), and the slot's record of each leaf copied (the version it last changed at);
-        then commit it. ``checked``: commit only if, once copied, every leaf still holds what was
-        copied (see :meth:`_copy_checked`).
-
-        The records, for the readers (see :mod:`shmsync.core.header`): a leaf found changed changed
-        at the version written; one not found changed holds the newest version's bytes, so changed
-        at ``changed_at`` (or, not known, at that newest version, which can only overstate it). A
-        leaf the slot did not lack keeps its record: it held the same bytes at the version the slot
-        held and at every version since, so the version its record names stays a bound."""
-        memory, changes, nbytes, deltas = self.memory, self.changes, self._nbytes, self.deltas
-        at, h, records = changes.changed_at, memory.header, memory.records
-
-        owners, tied = self._owners, memory.layout.tied
-
-        def copy(write: Write) -> None:
-            held, dst = write.held, self._owned(memory.slots[write.slot])
-            lacks = [i for i, f in enumerate(found) if f or held < 0 or not 0 <= at[i] <= held]
-            if lacks:  # none where nothing changed since the version the slot holds
-                copy_all([dst[i] for i in lacks], [tensors[i] for i in lacks], True)
-            base, written = write.slot * len(memory.layout.entries), write.version
-            for i in lacks:  # inside the write: its sequence number covers them as it covers the bytes
-                records[base + owners[i]] = written if found[i] else at[i] if at[i] >= 0 else before
-            for entry, owner in tied.items():  # a tied entry's bytes are its owner's
-                records[base + entry] = records[base + owner]
-            reached = changes.written_since(tensors, dst) if checked else []
-            for i in reached:  # changed since found unchanged: the next attempt copies them too
-                found[i] = True
-            if reached:
-                raise WrittenWhileCopiedError(
-                    f"store {self.name!r}: the weights were written while they were being copied, "
-                    f"{COPY_ATTEMPTS} times in a row; nothing was published"
-                )
-            h[W_COPIED_BYTES] = copied = sum(nbytes[i] for i in lacks)
-            h[W_SKIPPED_BYTES], h[W_PROOF] = memory.layout.payload_bytes - copied, changes.proof.word
-            # Before the commit: whoever sees the version sees what it changed since the one before.
-            deltas[write.version] = Delta(write.version, before, tuple(owners[i] for i, f in enumerate(found) if f))
-            if len(deltas) > KEPT_DELTAS:
-                deltas.popitem(last=False)
-
-        before = h[memory.host.version]
-        version = self._copy_and_commit(copy, version)
-        changes.published(version, before, found)
-        return version
-
-    def _copy_checked(self, tensors: list[torch.Tensor], found: list[bool], version: int | None = None) -> int:
-        """Copy what changed of ``tensors`` into a slot and commit it if, once copied, every leaf
-        still holds what was copied (no other thread wrote them meanwhile: see
-        :mod:`shmsync.writer.changes`); else drop that copy and try again, :data:`COPY_ATTEMPTS`
-        times in all."""
-        if not others_may_write():  # no thread but this one can write them: a plain copy is a snapshot
-            return self._copy_changes(tensors, found, version)
-        for attempt in range(COPY_ATTEMPTS):
-            try:
-                return self._copy_changes(tensors, found, version, checked=True)
-            except WrittenWhileCopiedError:
-                if attempt == COPY_ATTEMPTS - 1:
-                    raise
-        raise AssertionError("unreachable")
-
-    def _copied_all(self) -> None:
-        """The last publish copied every leaf (from CUDA, or in the background): no history of changes holds."""
-        h = self.memory.header
-        h[W_COPIED_BYTES], h[W_SKIPPED_BYTES], h[W_PROOF] = self.memory.layout.payload_bytes, 0, Proof.NONE.word
-        self.changes.forget()
-
-    def _in_background(self, tensors: list[torch.Tensor], version: int | None) -> int:
-        """Begin the write and promise its version; the copy and the commit run on the copier's
-        thread, reading the caller's live tensors (``unsafe_background_copy``). A write to them that
-        moves a version counter meanwhile is found, and the promise withdrawn; a write through
-        ``.data`` is not, and may be published mixed."""
-        slot_writer, memory = self.slot_writer, self.memory
-        write = slot_writer.begin_write(version)
-        version = write.version
-        slot_writer.promise(version)
-        seen = [t._version for t in tensors]  # bumped by every in-place write (an optimizer step too)
-
-        def copy(write: Write) -> None:
-            copy_all(memory.slots[write.slot], tensors, True)
-            memory.record_all(write.slot, write.version)
-            if [t._version for t in tensors] != seen:  # written while copied: the copy is no version at all
-                raise ShmSyncError(
-                    f"store {self.name!r}: the weights were written while version {version} was being copied in the "
-                    "background, so it was not published and its promise was withdrawn; with "
-                    "unsafe_background_copy=True, wait with store.flush() before writing them (an optimizer step "
-                    "waits by itself), or leave it off: a publish then copies before it returns"
-                )
-
-        self.copier.submit(lambda: self._copy_and_commit(copy, write=write))
-        return version
-
-    def _copy_and_commit(
-        self, copy: Callable[[Write], None], version: int | None = None, write: Write | None = None
-    ) -> int:
-        """Begin a write of ``version`` (None: the next; or take ``write``, begun already),
-        ``copy(write)`` into its slot, commit it, tell the listeners, and have the idle slots given back."""
-        slot_writer, memory = self.slot_writer, self.memory
-        if write is None:
-            write = slot_writer.begin_write(version)
-        try:
-            if write.held < 0:  # its pages may have been given back: have them again, or fail cleanly
-                memory.reserve(write.slot)
-                self._empty.pop(write.slot, None)
-            copy(write)
-        except BaseException:
-            slot_writer.abort(write)
-            slot_writer.withdraw()
-            raise
-        version = slot_writer.commit(write)
-        for listener in self.listeners:
-            listener(version)
-        if not memory.header[W_STORE_FLAGS] & STORE_PAGE_LOCKED:  # else the device reads the pages it locked
-            # Off the trainer's thread: the next publish waits for it before it begins a write.
-            self.copier.submit(self._give_back_idle, guards_sources=False)
-        return version
-
-    def _give_back_idle(self) -> None:
-        """Give back the memory of the slots no reader can use (see ``SlotWriter.idle_slots``).
-        Slots given back lately stay empty, unless a late reader's copy refilled them: they are
-        looked at again now and then only."""
-        memory, slot_writer = self.memory, self.slot_writer
-        now, empty, h = time.monotonic(), self._empty, memory.header
-        # Where the last publish copied less than it skipped, a slot holding a version saves more
-        # copying than its memory costs: keep the next write's warm.
-        keep_warm = h[W_SKIPPED_BYTES] > h[W_COPIED_BYTES]
-        idle = [s for s in slot_writer.idle_slots(keep_warm) if now - empty.get(s, -RECHECK_EMPTY_S) >= RECHECK_EMPTY_S]
-        try:
-            for slot in idle:
-                if not memory.holds_pages(slot):
-                    self._empty[slot] = now
-                    continue
-                write = slot_writer.mark(slot)
-                if write is not None:  # else a reader leased it meanwhile
-                    try:
-                        if memory.give_back(slot):
-                            self._empty[slot] = now
-                    finally:
-                        slot_writer.abort(write)
-        except OSError as e:
-            # The version is already visible: a slot that keeps its memory costs memory, not correctness.
-            warnings.warn(f"store {self.name!r}: unused slots keep their memory ({e})", RuntimeWarning, stacklevel=2)
-
-    def write_bytes(self, fill: Callable[[memoryview, Write], None], version: int) -> int:
-        """See :meth:`WeightStore.publish_bytes`."""
-        with self.lock:
-            self._begin(version)
-            self.deltas.clear()
-            write = self.slot_writer.begin_write(version, steps=-1)  # bytes from elsewhere: no training seen here
-
-            def copy(write: Write) -> None:
-                with self.memory.slot_buffer(write.slot, writable=True) as buffer:
-                    fill(buffer, write)
-                self.memory.record_all(write.slot, write.version)  # what changed is not known here
-
-            version = self._copy_and_commit(copy, write=write)
-            self._copied_all()
-            self.changes.replaced(version)  # every leaf changed at it: the next delta copies what a slot lacks
-            return version
-
-    def write_delta(self, data: Any, version: int, base: int, leaves: Sequence[int]) -> int:
-        """See :meth:`WeightStore.publish_delta`."""
-        with self.lock:
-            memory = self.memory
-            changed = check_delta(memory.layout.entries, data, leaves, self.name)
-            self._begin(version)
-            h, host = memory.header, memory.host
-            if base < 0 or base != h[host.version]:
-                raise InvalidArgumentError(
-                    f"store {self.name!r}: a delta from version {base}, but the newest version here is "
-                    f"{h[host.version]}; only a delta from the newest version can be published (else the whole version)"
-                )
-            newest, at, entries = h[host.latest], self.changes.changed_at, memory.layout.entries
-            incoming, records = _bytes_tensor(data), memory.records
-            owners, position, tied = self._owners, self._position, memory.layout.tied
-
-            def copy(write: Write) -> None:
-                dst, src = memory.slot_bytes(write.slot), memory.slot_bytes(newest)
-                held, wrote = write.held, {position[i] for i in changed}
-                # By position among the entries with bytes of their own (those a delta names).
-                lacks = [k for k in range(len(owners)) if k not in wrote and (held < 0 or not 0 <= at[k] <= held)]
-                targets, sources, offset = [], [], 0
-                for i in changed:  # the delta's bytes, one leaf after the other
-                    e = entries[i]
-                    targets.append(dst[e.offset : e.offset + e.nbytes])
-                    sources.append(incoming[offset : offset + e.nbytes])
-                    offset += e.nbytes
-                for k in lacks:  # what the slot lacks of the rest: the newest version's bytes
-                    e = entries[owners[k]]
-                    targets.append(dst[e.offset : e.offset + e.nbytes])
-                    sources.append(src[e.offset : e.offset + e.nbytes])
-                if targets:
-                    copy_all(targets, sources, True)
-                # The records of what was written (see _copy_changes): the delta's leaves changed at
-                # this version; the rest hold the newest version's bytes, so changed when it says.
-                first = write.slot * len(entries)
-                for i in changed:
-                    records[first + i] = version
-                for k in lacks:
-                    records[first + owners[k]] = at[k] if at[k] >= 0 else base
-                for entry, owner in tied.items():
-                    records[first + entry] = records[first + owner]
-                h[W_COPIED_BYTES] = copied = offset + sum(entries[owners[k]].nbytes for k in lacks)
-                h[W_SKIPPED_BYTES] = memory.layout.payload_bytes - copied
-                h[W_PROOF] = Proof.DELTA.word
-                self.deltas[version] = Delta(version, base, changed)
-                if len(self.deltas) > KEPT_DELTAS:
-                    self.deltas.popitem(last=False)
-
-            write = self.slot_writer.begin_write(version, steps=-1)  # bytes from elsewhere: no training seen here
-            version = self._copy_and_commit(copy, write=write)
-            self.changes.published_delta(version, base, [position[i] for i in changed])
-            return version
-
-    def _cuda(self, tensors: list[torch.Tensor]) -> Any:
+    def cuda_for(self, tensors: list[torch.Tensor]) -> Any:
         """The CUDA writer, made at the first publish from CUDA tensors: the store's versions live
         on their GPU from then on (CPU tensors published later are copied there)."""
         if self.cuda is None:
             from shmsync.writer.cuda import CudaWriter
 
             device = next(t.device for t in tensors if t.is_cuda)
-            self.cuda = CudaWriter(self.memory, self.slot_writer, self.copier, device)
+            self.cuda = CudaWriter(self.copy.memory, self.copy.slot_writer, self.copier, device)
         return self.cuda
 
-    def check(self, source: Any, version: int | None = None) -> None:
-        """See :meth:`WeightStore.check`."""
-        self._matcher.match(source, f"weights for store {self.name!r}")
-        if version is not None:
-            check_version(version, self.promised, self.name)
-
-    @property
-    def promised(self) -> int:
-        """The newest promised version (see :attr:`WeightStore.promised`): a new one must be higher."""
-        return max(self.memory.header[W_VERSION], self.memory.header[W_PROMISED])
-
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until the writes this process handed to the copier landed, and the give-backs after
-        them (see :meth:`WeightStore.flush`): the one wait for a write in flight. A publish waits
-        here only when it comes before the last one's copy is done."""
-        self.copier.wait(timeout)
-
-    def acquire(self) -> None:
-        """Take the writer role (never waits).
-
-        Raises:
-            WriterBusyError: another live process holds it.
-        """
-        if not self.memory.segment.lock(WRITER_LOCK, exclusive=True, wait=False):
-            raise WriterBusyError(
-                f"store {self.name!r} is being published by another process (last writer pid "
-                f"{self.memory.header[W_WRITER_PID]}); one process publishes at a time: publish from "
-                "that process, or call release_writer()/close() there first"
-            )
-        self.memory.map_slots()
-        self.holding = True
-        self.steps.start()
-        self.slot_writer.withdraw()  # a promise a dead writer left: it will never land
-
-    def release(self) -> None:
-        """Give up the writer role, after every publish of this process landed."""
-        self.flush()
-        if self.holding:
-            self.memory.segment.unlock(WRITER_LOCK)
-            self.holding = False
-
     def close(self) -> None:
-        """Wait for the publishes in flight, then end the copier's thread and the CUDA writer."""
+        """Wait for the writes in flight, then end the copier's thread and the CUDA writer."""
         try:
             self.copier.close()
         finally:
             self.steps.close()
-            self.changes.close()
+            self.copy.changes.close()
             if self.cuda is not None:
                 self.cuda.close()
 
@@ -500,8 +140,8 @@ class StoreWriter:
 class WeightStore:
     """A store open in this process: versioned weights in shared memory, published by one process,
     read by many. Its job is the store's versions: where they live is its :attr:`memory`'s (a
-    :class:`~shmsync.store.memory.StoreMemory`: file, header, slots, sizes), this process's
-    publishing its :attr:`writer`'s (:class:`StoreWriter`).
+    :class:`~shmsync.store.memory.StoreMemory`: file, header, slots, sizes); this process's
+    writing is done by the parts of its :attr:`writer` (a :class:`Writer`, built at the first write).
 
     Make it in the trainer with :meth:`create`; open it elsewhere with :meth:`attach`, or pickle it
     to a child process. Readers (:class:`~shmsync.WeightReader`) load the newest complete version.
@@ -534,9 +174,17 @@ class WeightStore:
         self.owner = owner
         self.rows = ReaderRows(memory.header, memory.locks)
         self.leases = Leases(memory.host, memory.locks)
-        self.writer = StoreWriter(memory, self.leases)
         self.slot_reader = SlotReader(memory.host, memory.locks)
         self.remote_rows = RemoteSources()
+        self.unsafe_background_copy = False  # see create()
+        self._writer: Writer | None = None
+
+    @property
+    def writer(self) -> Writer:
+        """This process's writing into the store (its parts: :class:`Writer`), built at its first write."""
+        if self._writer is None:
+            self._writer = Writer.of(self.memory, self.leases)
+        return self._writer
 
     @classmethod
     def create(
@@ -584,10 +232,10 @@ class WeightStore:
         layout.match(td, "weights given to WeightStore.create()")
         name = default_name() if name is None else name
         store = cls.create_empty(layout, destinations, name, num_slots=num_slots, unlink_at_exit=unlink_at_exit)
-        store.writer.unsafe_background = bool(unsafe_background_copy)
         try:
-            store.writer.write(source, version, unsafe_background=False)
+            store.publish(source, version=version)  # the first version is copied before create() returns
             store.flush()
+            store.unsafe_background_copy = bool(unsafe_background_copy)
         except BaseException:
             store.unlink()
             store.close()
@@ -612,7 +260,7 @@ class WeightStore:
         )
         store = cls(memory, owner=True)
         try:
-            store.writer.acquire()
+            store.writer.role.acquire()
         except BaseException:
             store.unlink()
             store.close()
@@ -651,7 +299,8 @@ class WeightStore:
     def promised(self) -> int:
         """The newest promised version: that of the last publish begun, whose copy may still be in
         flight (from CUDA, or in the background); :attr:`version` once it landed, never below it."""
-        return self.writer.promised
+        h = self.memory.header
+        return max(h[W_VERSION], h[W_PROMISED])
 
     @property
     def steps(self) -> int:
@@ -679,7 +328,8 @@ class WeightStore:
             ...     store.steps_of(0), store.steps_of(v), store.steps
             (0, 3, 4)
         """
-        writers = [self.writer.slot_writer, *([self.writer.cuda.slot_writer] if self.writer.cuda is not None else [])]
+        w = self._writer
+        writers = [] if w is None else [w.copy.slot_writer, *([w.cuda.slot_writer] if w.cuda is not None else [])]
         known = next((w.steps[version] for w in writers if version in w.steps), None)
         return known if known is not None else steps_of(self.memory.header, version, self.version)
 
@@ -772,7 +422,7 @@ class WeightStore:
             ...     store.publish(policy), store.publish(policy, version=10), store.version
             (1, 10, 10)
         """
-        return self.writer.write(source, version, only=only, checked=checked)  # type: ignore[return-value]
+        return self._publish(source, version, only=only, checked=checked)  # type: ignore[return-value]
 
     def publish_if_changed(self, source: Any, *, only: Collection[str] | None = None) -> int | None:
         """Publish ``source`` as a new version if it differs in any byte from the newest version;
@@ -810,7 +460,74 @@ class WeightStore:
             ...     unchanged, store.publish_if_changed(policy), store.version
             (None, 1, 1)
         """
-        return self.writer.write(source, only=only, if_changed=True)
+        return self._publish(source, None, only=only, checked=True, if_changed=True)
+
+    def _begin(self, version: int | None) -> Writer:
+        """The writer, its role held for a write of ``version`` (see
+        :meth:`~shmsync.writer.role.WriterRole.begin`), the write in flight and its give-backs
+        landed (one write open at a time)."""
+        w = self.writer
+        with w.role.lock:
+            w.role.begin(version)
+        if w.copier.pending:
+            w.copier.wait()
+        return w
+
+    def _publish(
+        self,
+        source: Any,
+        version: int | None,
+        *,
+        only: Collection[str] | None = None,
+        checked: bool = False,
+        if_changed: bool = False,
+    ) -> int | None:
+        """:meth:`publish` and :meth:`publish_if_changed`: the source matched against the layout,
+        the writer role held, then the copy of what changed (from CUDA: enqueued; in the
+        background: promised); None where ``if_changed`` and nothing changed."""
+        w = self.writer
+        with w.role.lock:  # a publishing thread beside the trainer's: one version after the other
+            start = time.perf_counter()
+            tensors = w.matcher.match(source, w.what)
+            if self.memory.layout.tied:
+                self.memory.layout.check_tied(tensors, w.what)
+            w.role.begin(version)
+            if w.copier.pending:
+                w.copier.wait()  # the write in flight, and its give-backs, landed: one write open at a time
+            w.steps.tensors = tensors  # optimizers holding them count from now on
+            newest = w.newest()
+            if newest is not None and only is not None:
+                tensors = _keep_others(self.memory, tensors, newest, only)
+            if w.cuda is not None or any(t.is_cuda for t in tensors):
+                version = self._enqueue(w, tensors, newest, version, if_changed)
+            elif self.unsafe_background_copy and not checked:
+                version = w.background_copy().publish(tensors, version)
+            else:
+                owned, held = _owned(self.memory, tensors), None if newest is None else _owned(self.memory, newest)
+                found = w.copy.changes.find(owned, held, "checked" if checked else "plain")
+                if if_changed and not any(found):
+                    return None
+                version = w.copy.copy_source(owned, found, version, checked and others_may_write())
+            w.seconds += time.perf_counter() - start
+            return version
+
+    def _enqueue(
+        self,
+        w: Writer,
+        tensors: list[torch.Tensor],
+        newest: list[torch.Tensor] | None,
+        version: int | None,
+        if_changed: bool,
+    ) -> int | None:
+        """A publish from CUDA: enqueued on the current stream, whose order makes it a snapshot
+        (writes enqueued after it on the stream come after); None where ``if_changed`` and nothing changed."""
+        if if_changed:
+            held = None if newest is None else _owned(self.memory, newest)
+            if not any(w.copy.changes.find(_owned(self.memory, tensors), held, "checked")):
+                return None
+        version = w.cuda_for(tensors).enqueue(tensors, version)
+        w.copy.forget()
+        return version
 
     def delta_of(self, version: int) -> Delta | None:
         """What ``version`` changed, where this process published it from its own weights: the
@@ -828,7 +545,7 @@ class WeightStore:
             ...     store.delta_of(v).leaves  # 1.bias: the layout's third entry (0.bias, 0.weight, 1.bias, ...)
             (2,)
         """
-        return self.writer.deltas.get(version)
+        return self._writer.copy.deltas.get(version) if self._writer is not None else None
 
     def differs(self, source: Any, *, only: Collection[str] | None = None) -> bool:
         """Whether ``source`` differs in any byte from the newest version (publishes nothing; waits
@@ -844,7 +561,17 @@ class WeightStore:
             ...     before, store.differs(policy)
             (False, True)
         """
-        return self.writer.differs(source, only)
+        w = self.writer
+        with w.role.lock:
+            tensors = w.matcher.match(source, w.what)
+            self.flush()  # this process's write in flight landed: the newest version is whole in its slot
+            newest = w.newest() if w.role.holding else None
+            if newest is None and self.version >= 0:  # not this process's to write: a copy of it
+                newest = list(self.snapshot().weights.flatten_keys(".").values())
+            if newest is not None and only is not None:
+                tensors = _keep_others(self.memory, tensors, newest, only)
+            held = None if newest is None else _owned(self.memory, newest)
+            return any(w.copy.changes.find(_owned(self.memory, tensors), held, "checked"))
 
     def flush(self, timeout: float | None = None) -> int:
         """Wait until this process's publishes landed and idle slots went back; returns the version readers see.
@@ -853,7 +580,8 @@ class WeightStore:
             WaitTimeoutError: still copying after ``timeout`` seconds.
             ShmSyncError: a CUDA or background publish failed (its error is the cause).
         """
-        self.writer.flush(timeout)
+        if self._writer is not None:
+            self._writer.copier.wait(timeout)
         return self.version
 
     def publish_bytes(self, fill: Callable[[memoryview, Write], None], *, version: int) -> int:
@@ -882,7 +610,10 @@ class WeightStore:
             ...     store.publish_bytes(ones, version=7), store.version
             (7, 7)
         """
-        return self.writer.write_bytes(fill, version)
+        w = self._begin(version)
+        with w.role.lock:
+            w.copy.changes.forget()
+            return w.copy.copy_bytes(fill, version)
 
     def publish_delta(self, data: Any, *, version: int, base: int, leaves: Sequence[int]) -> int:
         """Publish ``version``, which differs from ``base``, this store's newest version, only in the
@@ -918,7 +649,9 @@ class WeightStore:
             ...     store.snapshot().weights["head"].tolist(), store.info()["copied_bytes"]
             ([2.0, 4.0], 8)
         """
-        return self.writer.write_delta(data, version, base, leaves)
+        w = self._begin(version)
+        with w.role.lock:
+            return w.copy.copy_delta(data, version, base, leaves)
 
     def check(self, source: Any, version: int | None = None) -> None:
         """Raise what :meth:`publish` would raise for ``source`` (and ``version``), writing nothing:
@@ -933,27 +666,34 @@ class WeightStore:
             ...
             shmsync.errors.WeightMismatchError: ...
         """
-        self.writer.check(source, version)
+        w = self.writer
+        tensors = w.matcher.match(source, f"weights for store {self.name!r}")
+        if self.memory.layout.tied:
+            self.memory.layout.check_tied(tensors, f"weights for store {self.name!r}")
+        if version is not None:
+            check_version(version, self.promised, self.name)
 
     def add_listener(self, listener: Callable[[int], None]) -> None:
         """Call ``listener(version)`` right after each version this process publishes turns visible,
         on the thread that made it visible (a relay's links wake on it instead of polling). It must
         return at once and never raise."""
-        self.writer.listeners.append(listener)
+        self.writer.copy.listeners.append(listener)
 
     def remove_listener(self, listener: Callable[[int], None]) -> None:
         """Undo :meth:`add_listener`."""
-        if listener in self.writer.listeners:
-            self.writer.listeners.remove(listener)
+        if self._writer is not None and listener in self._writer.copy.listeners:
+            self._writer.copy.listeners.remove(listener)
 
     @property
     def publish_seconds(self) -> float:
         """Seconds this process spent in :meth:`publish` (the calls, not copies landing later)."""
-        return self.writer.seconds
+        return self._writer.seconds if self._writer is not None else 0.0
 
     def release_writer(self) -> None:
         """Give up the writer role so another process may publish (once this process's publishes landed)."""
-        self.writer.release()
+        if self._writer is not None:
+            self.flush()
+            self._writer.role.release()
 
     def writer_alive(self) -> bool:
         """Whether a live process can still publish, as the kernel's locks tell (any PID namespace).
@@ -995,8 +735,8 @@ class WeightStore:
         memory = self.memory
         memory.check_open()
         self.flush(timeout)
-        if self.writer.cuda is not None:
-            version, tensors = self.writer.cuda.snapshot()
+        if self._writer is not None and self._writer.cuda is not None:
+            version, tensors = self._writer.cuda.snapshot()
             return Snapshot(version, memory.layout.as_tensordict(tensors))
         version, tensors = memory.copy_latest(self.slot_reader, timeout)
         return Snapshot(version, memory.layout.as_tensordict(tensors))
@@ -1031,7 +771,8 @@ class WeightStore:
         publishes landed; other processes keep their mapping. ``version`` and :meth:`info` still tell."""
         if not self.closed:
             try:
-                self.writer.close()
+                if self._writer is not None:
+                    self._writer.close()
             finally:
                 self.memory.close()  # its dependents (readers in place) first
 
@@ -1048,55 +789,23 @@ class WeightStore:
         self.close()
 
 
-def check_delta(entries: Sequence[Any], data: Any, leaves: Any, store: str) -> tuple[int, ...]:
-    """The leaves of a delta, checked against the layout's ``entries``: indices in range, each
-    once, in order, and ``data`` exactly their bytes. Raises InvalidArgumentError naming the first
-    thing that is off (a delta comes from a peer: nothing is sized from it before this)."""
-    where = f"store {store!r}: a delta"
-    if not isinstance(leaves, (list, tuple)) or len(leaves) > len(entries):
-        raise InvalidArgumentError(f"{where}'s leaves must be a list of at most {len(entries)} indices")
-    last = -1
-    for i in leaves:
-        if isinstance(i, bool) or not isinstance(i, int) or not last < i < len(entries):
-            why = "out of range" if isinstance(i, int) and not 0 <= i < len(entries) else "not in increasing order"
-            raise InvalidArgumentError(
-                f"{where} names leaf {str(i)[:20]} after leaf {last}: {why} (the store has {len(entries)} leaves, "
-                "each named once, in order)"
-            )
-        if entries[i].tied >= 0:
-            raise InvalidArgumentError(
-                f"{where} names leaf {i}, which is tied to leaf {entries[i].tied}: it holds no bytes of its own"
-            )
-        last = i
-    want, got = sum(entries[i].nbytes for i in leaves), memoryview(data).nbytes
-    if got != want:
-        raise InvalidArgumentError(f"{where} of {got} bytes, where its {len(leaves)} leaves hold {want} bytes")
-    return tuple(leaves)
+def _owned(memory: StoreMemory, per_entry: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The items of a per-entry list that belong to entries holding bytes of their own (a tied
+    entry's bytes are its owner's)."""
+    owners = memory.layout.owners
+    return per_entry if len(owners) == len(per_entry) else [per_entry[i] for i in owners]
 
 
-def _bytes_tensor(data: Any) -> torch.Tensor:
-    """``data`` (bytes-like) as a flat uint8 tensor on its memory."""
-    view = memoryview(data).cast("B")
-    if not view.nbytes:
-        return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():  # read only here: torch warns of buffers it could write
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(view, dtype=torch.uint8)
+def _keep_others(
+    memory: StoreMemory, tensors: list[torch.Tensor], newest: list[torch.Tensor], only: Collection[str]
+) -> list[torch.Tensor]:
+    """``tensors``, but the newest version's for every destination not in ``only``."""
+    keep = list(tensors)
+    for destination in memory.destinations or ():
+        if destination not in only:
+            for i in memory.layout.subset((destination,)):
+                keep[i] = newest[i]
+    return keep
 
 
-def check_version(version: Any, last: int, store: str = "") -> None:
-    """Raise unless ``version`` is an int higher than ``last`` (the store's newest promised
-    version, :attr:`StoreWriter.promised`; -1 for a store's first version): the one check of a
-    version a caller names."""
-    where = f"store {store!r}: " if store else ""
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise ArgumentTypeError(f"{where}version must be an int, got {type(version).__name__}")
-    if version <= last:
-        raise InvalidArgumentError(
-            f"{where}version {version} is not higher than the last published version {last}; versions only go up"
-            if last >= 0
-            else f"{where}version must be an int >= 0, got {version!r}"
-        )
-
-
-__all__ = ["WeightStore", "Snapshot"]
+__all__ = ["WeightStore", "Snapshot", "Writer", "check_delta", "check_version"]

@@ -179,8 +179,8 @@ def test_a_tree_of_relays_sends_what_changed_and_every_host_holds_the_trainers_b
         monkeypatch.setenv("SHMSYNC_WRITE_TRACKING", "0")  # the trainer proves leaves unchanged by comparison
     weights = trainer_weights()
     store = store_factory(weights, num_slots=4)
-    if store.writer.changes.proof != proof:
-        pytest.skip(f"write tracking is unavailable here: {store.writer.changes.why_compared}")
+    if store.writer.copy.changes.proof != proof:
+        pytest.skip(f"write tracking is unavailable here: {store.writer.copy.changes.watch.why_compared}")
     hosts = Hosts(start, host_dirs(tmp_path, 4), encrypt)
     with RelaySender(store, "127.0.0.1", 0, secret=SECRET, fanout=2, bucket_bytes=256 << 10, encrypt=encrypt) as sender:
         hosts.port = sender.port
@@ -201,7 +201,7 @@ def test_a_tree_of_relays_sends_what_changed_and_every_host_holds_the_trainers_b
                     assert delta, f"host {i} got version {v} whole"
                     least = HEAD_BYTES + (4 << 20) * (v == 5)
                     assert least < nbytes < least + HEADERS, f"host {i}: {nbytes} bytes for version {v}"
-        assert store.writer.deltas.get(6).leaves == (store.memory.layout.index[("head",)],)
+        assert store.delta_of(6).leaves == (store.memory.layout.index[("head",)],)
 
         hosts.add(3)  # joins late: its store is made from the whole version 6
         costs = version(7)

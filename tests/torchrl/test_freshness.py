@@ -231,14 +231,15 @@ def test_every_weight_trained_costs_one_version_and_one_copy_a_batch(order):
         [make_pendulum] * 2, policy, frames_per_batch=20, total_frames=-1, weight_sync_schemes={"policy": scheme}
     )
     published = []
-    original = scheme.store.writer.write
+    copy = scheme.store.writer.copy
+    original = copy.copy_source
 
     def counted(*args, **kwargs):
         version = original(*args, **kwargs)
         published.append((version, scheme.store.info()["copied_bytes"]))
         return version
 
-    scheme.store.writer.write = counted
+    copy.copy_source = counted
     try:
         for i, batch in zip(range(5), collector):
             if i:

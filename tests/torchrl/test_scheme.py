@@ -139,7 +139,7 @@ def test_with_the_opt_in_background_copy_the_next_batch_still_runs_the_weights_s
         [make_pendulum] * 2, policy, frames_per_batch=40, total_frames=-1, weight_sync_schemes={"policy": scheme}
     )
     try:
-        assert scheme.store.writer.unsafe_background
+        assert scheme.store.unsafe_background_copy
         it = iter(collector)
         next(it)
         for version in range(1, 7):

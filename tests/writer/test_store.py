@@ -449,9 +449,9 @@ def test_publish_under_a_version_that_does_not_go_up(store):
 
 def test_check_raises_what_publish_would_and_writes_nothing(store):
     before = store_state(store)
-    store.writer.check(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
+    store.check(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
     with pytest.raises(WeightMismatchError, match=r"'1\.bias' has shape \(5,\), the store holds \(2,\)"):
-        store.writer.check(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 5)))
+        store.check(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 5)))
     assert_unchanged(store, before)
 
 
@@ -507,7 +507,7 @@ def test_weights_written_while_their_background_copy_runs_are_not_published(stor
     promise is withdrawn (a worker waiting for it stops waiting), and the next call says why."""
     import threading
 
-    from shmsync.writer import store as store_module
+    from shmsync.writer import background as store_module
 
     weights = blob_weights({"a": 1 << 20}, 1.0)
     store = store_factory(weights, unsafe_background_copy=True)
@@ -542,7 +542,7 @@ def test_a_worker_waiting_for_a_promise_that_cannot_land_goes_on_within_a_second
     it goes on at once with the newest whole version, instead of waiting out its timeout."""
     import threading
 
-    from shmsync.writer import store as store_module
+    from shmsync.writer import background as store_module
 
     weights = blob_weights(SMALL, 0.0)
     store = store_factory(weights, unsafe_background_copy=True)
@@ -619,7 +619,7 @@ def test_a_delta_writes_its_leaves_and_copies_only_what_each_slot_lacks(store_fa
     # A slot that held no version gets everything; one that held a version since which only the
     # head changed, the head alone.
     assert copied[0] > 200_000 and copied[-3:] == [32] * 3, copied
-    assert store.info()["unchanged_proof"] == 3 and store.writer.deltas.get(6).leaves == (head,)
+    assert store.info()["unchanged_proof"] == 3 and store.delta_of(6).leaves == (head,)
 
 
 def test_after_deltas_a_local_publish_and_its_partial_copies_stay_exact(store_factory):

@@ -1,4 +1,4 @@
-"""What version a collector's publish gets (``shmsync/torchrl/publishing.py``), source by source, on
+"""What version a collector's publish gets (``shmsync/torchrl/publisher.py``), source by source, on
 a real store: the version given, the trainer's number of the push a remote node applies (a Ray
 actor's, ``shmsync/torchrl/remote_nodes.py``), or the store's next.
 
@@ -14,7 +14,8 @@ import pytest
 from torch import nn
 
 from shmsync import ShmSyncError
-from shmsync.torchrl.publishing import Publisher, StoreGroup
+from shmsync.torchrl.publisher import Publisher
+from shmsync.torchrl.store_group import StoreGroup
 from shmsync.torchrl.remote_nodes import ActorPushes, Announced
 
 
