@@ -143,7 +143,7 @@ TESTED_ELSEWHERE = {
     "shmsync/store/memory.py": "a store's mapping (file, header, slots): tests/writer/test_store.py, "
     "tests/reader/test_in_place.py, tests/writer/test_crash.py",
     "shmsync/store/sources.py": "a source matched against the layout: tests/writer/test_store.py (the mismatches)",
-    "shmsync/writer/background.py": "the opt-in background copy: tests/writer/test_store.py, tests/writer/test_crash.py",
+    "shmsync/writer/background.py": "the opt-in background copy: tests/writer/test_store.py, test_crash.py",
     "shmsync/writer/role.py": "the writer role: tests/writer/test_store.py (one writer at a time), test_crash.py",
     "shmsync/writer/slot_copy.py": "a version copied into a slot: tests/writer/test_store.py, test_changes.py, "
     "tests/relay/test_deltas.py",

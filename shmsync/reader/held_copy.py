@@ -142,7 +142,7 @@ class HeldCopy:
                 contents are then not known: the next reload copies everything).
         """
         held = self.version if self.records is not None else -1
-        looked = self.watch.look(self.targets) if held >= 0 else {}
+        looked = self.watch.pages_written(self.targets) if held >= 0 else {}
         touched: set[int] = set()  # written by an attempt of this reload
         picked: list[int] = []
         copied = 0

@@ -108,7 +108,7 @@ class LeafWatch:
         set()
         >>> watch.settle(leaves, [False, False])  # tracks the large leaf, where tracking is available
         >>> leaves[1].data[7] = 2.0  # through .data: torch's version counter does not move
-        >>> looked = watch.look(leaves)
+        >>> looked = watch.pages_written(leaves)
         >>> watch.differing(leaves, [(0, reference[0], None), (1, reference[1], looked.get(1))])
         {1}
         >>> watch.close()
@@ -132,7 +132,7 @@ class LeafWatch:
         where they were written, or for a leaf not tracked), or by a comparison alone."""
         return Proof.COMPARISON if self.why_compared is not None else Proof.WRITTEN_PAGES
 
-    def look(self, tensors: Sequence[torch.Tensor]) -> dict[int, Spans]:
+    def pages_written(self, tensors: Sequence[torch.Tensor]) -> dict[int, Spans]:
         """Per tracked leaf, the bytes of it on pages written since its last look (``[]``: none),
         and those pages protected again. A leaf whose memory moved since it was tracked, or whose
         pages the tracker lost, is let go and missing from the answer: compare it."""
@@ -190,7 +190,7 @@ class LeafWatch:
         read). A leaf is changing once it changed *or was written*, its bytes the same or not
         (a fault per tracked page each time): torch's version counter moved (every in-place op,
         an optimizer's step), or its own pages (beyond the edge pages it may share) were written,
-        as ``looked`` (from :meth:`look`) says; writes the caller made itself (``own``: a reload's
+        as ``looked`` (from :meth:`pages_written`) says; writes the caller made itself (``own``: a reload's
         copy) do not count. A changing leaf is let go (a fault on every page an optimizer steps
         costs more than comparing it), unless the stretch after this kind of moment was quiet
         last time."""

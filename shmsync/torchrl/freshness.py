@@ -42,7 +42,7 @@ class Due:
     carry, and whether the caller named that version (else it is the one after the last)."""
 
     keys: set[str]
-    version: int
+    version: int | None  # None: each store's next
     numbered: bool
 
 
@@ -107,24 +107,30 @@ class HandOuts:
         )
 
     def _defer(self, keys: set[str], version: int | None, me: int) -> None:
-        """Note an update of ``keys`` for the next hand-out on this thread, under the version it
-        will carry (``version``, else the one after the last; the batch it reaches is tagged so,
-        and TorchRL's tracker is told so now). What publishing it would refuse is refused now."""
+        """Note an update of ``keys`` for the next hand-out on this thread. Under ``version``, if
+        given (refused now if not above the last); else the store's next, which TorchRL's tracker,
+        where it keeps one (``track_policy_version``), is told now as the batch's version. What
+        publishing it would refuse is refused now."""
+        publisher = self.publisher
         with self.marks:
             due = self.due.get(me)
-            last = due.version if due is not None else self.publisher.promised(keys)
-            if version is not None:
-                check_version(version, last)
-            number = version if version is not None else last + 1
-            self.publisher.check_update(keys, number)
+            number = None
+            if version is not None or publisher.report_version is not None:
+                last = due.version if due is not None and due.version is not None else publisher.promised(keys)
+                if version is not None:
+                    check_version(version, last)
+                number = version if version is not None else last + 1
+            publisher.check_update(keys, version)
             if due is None:
-                self.due[me] = due = Due(set(), number, numbered=False)
+                self.due[me] = due = Due(set(), None, numbered=False)
             due.keys |= keys
-            due.version, due.numbered = number, due.numbered or version is not None
+            if number is not None:
+                due.version, due.numbered = number, due.numbered or version is not None
             for key in keys:
                 self.fresh.pop(key, None)
                 self.numbered.pop(key, None)
-        self.publisher.tell_tracker(number)
+        if number is not None:
+            publisher.tell_tracker(number)
 
     # -- the hand-out ---------------------------------------------------------------------------
     def hand_out(self) -> None:
@@ -162,8 +168,10 @@ class HandOuts:
         if due is None:
             return
         # The number noted, unless another thread published past it meanwhile and none was given.
-        number = due.version if due.numbered else max(due.version, self.publisher.promised(due.keys) + 1)
-        _, written = self.publisher.publish_models(due.keys, version=number)
+        number = due.version
+        if number is not None and not due.numbered:
+            number = max(number, self.publisher.promised(due.keys) + 1)
+        _, written = self.publisher.route_models(due.keys, version=number)
         if written:
             self._warn(
                 f"the weights of {written} were being written by another thread each time shmsync copied "
@@ -175,7 +183,7 @@ class HandOuts:
     def _publish_fresh(self, keys: Collection[str]) -> None:
         """The hand-out's publish of ``keys``, where their models changed; said once where the
         workers ran older weights than TorchRL's default would have given them."""
-        published, written = self.publisher.publish_models(set(keys), if_changed=True)
+        published, written = self.publisher.route_models(set(keys), if_changed=True)
         if written:
             self._warn(
                 f"the weights of {written} were being written by another thread each time shmsync copied "

@@ -131,7 +131,7 @@ class Publisher:
         if pushes is not None:
             pushes.applied(newest)
 
-    def publish_models(
+    def route_models(
         self, keys: set[str], *, version: int | None = None, if_changed: bool = False
     ) -> tuple[list[int], list[str]]:
         """Publish the models of ``keys`` into each group's stores (the hand-out's route: see
@@ -141,7 +141,7 @@ class Publisher:
         kept writing while they were copied (those published nothing)."""
         published: list[int] = []
         written: list[str] = []
-        for group in self.live_groups():
+        for group in [g for g in self.groups if not g.closed]:
             mine = keys.intersection(group.keys)
             try:
                 published += group.publish_models(mine, version=version, if_changed=if_changed) if mine else []
@@ -165,7 +165,7 @@ class Publisher:
         """Raise now what publishing the models of ``keys`` under ``version`` later would raise
         for them, writing nothing: the collector shut down, a stale worker the alarm found, a
         version not above the last (see :class:`CollectorPatches`' deferred updates)."""
-        groups = [g for g in self.live_groups() if any(k in g.keys for k in keys)]
+        groups = [g for g in self.groups if not g.closed and any(k in g.keys for k in keys)]
         if not groups:
             self._refuse_if_shut_down(dict.fromkeys(keys))
             return

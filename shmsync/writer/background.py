@@ -55,7 +55,7 @@ class InBackground:
         except BaseException:
             copy.abort(write)
             raise
-        copy.commit(write)
+        copy.finish(write)
 
 
 __all__ = ["InBackground"]

@@ -28,7 +28,6 @@ from types import FrameType
 
 import torch
 
-from shmsync.core.header import Proof
 from shmsync.store.changes import LeafWatch
 
 
@@ -101,11 +100,6 @@ class SourceChanges:
         # written since the last look (a look found it changed, and no publish followed).
         self._dirty = [True] * size
 
-    @property
-    def proof(self) -> Proof:
-        """How an unchanged leaf is proved unchanged (see :mod:`shmsync.store.changes`)."""
-        return self.watch.proof
-
     def find(self, source: list[torch.Tensor], held: list[torch.Tensor] | None, moment: str) -> list[bool]:
         """Per leaf, whether ``source[i]`` differs in any byte from ``held[i]``, the newest
         version's slot (None: there is none yet, everything differs), looked at ``moment`` (a kind
@@ -116,7 +110,7 @@ class SourceChanges:
         if held is None:
             found = [True] * len(source)
         else:
-            looked = watch.look(source)
+            looked = watch.pages_written(source)
             # Tracked, the newest version's bytes at its last look: only the bytes on pages written
             # since can differ (none written: unchanged, nothing read).
             which = [
@@ -139,7 +133,7 @@ class SourceChanges:
         write (it was not copied), so the caller copies it at its next attempt: this check looks
         only at what was written since the one before it.
         """
-        looked = self.watch.look(source)
+        looked = self.watch.pages_written(source)
         which = []
         for i in range(len(source)):
             spans = looked.get(i)

@@ -53,7 +53,7 @@ class WriterRole:
         h = self.memory.header
         return max(h[W_VERSION], h[W_PROMISED])
 
-    def begin(self, version: int | None) -> None:
+    def claim(self, version: int | None) -> None:
         """How every write begins, under :attr:`lock`: the store still open here, ``version`` (when
         one is named) higher than every version promised, the role held.
 

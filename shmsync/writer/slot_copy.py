@@ -7,8 +7,8 @@ opt-in background copy). What a slot lacks is what changed since the version it 
                                 since the version the slot held (all of them, into an empty slot)
     its records                 per leaf, the version it last changed at (core.header): what a
                                 copying reader or a relay sends on
-    commit(write)               the version and the latest slot: two words; the listeners told,
-                                the idle slots given back on the store's copier thread
+    finish(write)               the commit (the version and the latest slot: two words); the
+                                listeners told, the idle slots given back on the copier's thread
 
 Nothing is called back: each intake's copy is a method here, begun, filled and committed in line.
 """
@@ -99,8 +99,8 @@ class SlotCopy:
                 for k in reached:
                     found[k] = True
                 continue
-            self._note(write, copied, changes.proof, before, found)
-            version = self.commit(write)
+            self._note(write, copied, changes.watch.proof, before, found)
+            version = self.finish(write)
             changes.published(version, before, found)
             return version
         raise WrittenWhileCopiedError(
@@ -136,7 +136,7 @@ class SlotCopy:
         except BaseException:
             self.abort(write)
             raise
-        version = self.commit(write)
+        version = self.finish(write)
         self.forget()
         self.changes.replaced(version)  # every leaf changed at it: the next delta copies what a slot lacks
         return version
@@ -167,7 +167,7 @@ class SlotCopy:
             self.abort(write)
             raise
         self._note(write, copied, Proof.DELTA, base, [k in wrote for k in range(len(self.owners))])
-        version = self.commit(write)
+        version = self.finish(write)
         self.changes.published_delta(version, base, sorted(wrote))
         return version
 
@@ -200,7 +200,7 @@ class SlotCopy:
             memory.records[first + owners[k]] = at[k] if at[k] >= 0 else base
         return offset + sum(self.nbytes[k] for k in lacks)
 
-    # -- begin, commit, abort -------------------------------------------------------------------
+    # -- begin, finish, abort -------------------------------------------------------------------
     def begin(self, version: int | None, steps: int | None = None) -> Write:
         """Begin a write of ``version`` (None: the next) into a slot no reader uses, its pages
         there (a slot given back has them again, or the write fails cleanly)."""
@@ -214,7 +214,7 @@ class SlotCopy:
             self._empty.pop(write.slot, None)
         return write
 
-    def commit(self, write: Write) -> int:
+    def finish(self, write: Write) -> int:
         """Make ``write`` the newest version; tell the listeners; have the idle slots given back
         off this thread (the next write waits for that before it begins). Returns the version."""
         version = self.slot_writer.commit(write)

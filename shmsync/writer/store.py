@@ -11,7 +11,7 @@
 
 One publish, on the trainer's thread (:meth:`WeightStore.publish`)::
 
-    role.begin(version)                                 (shmsync.writer.role: the writer role held)
+    role.claim(version)                                 (shmsync.writer.role: the writer role held)
     tensors = the source matched against the layout     (shmsync.store.sources)
     found = what changed since the newest version       (shmsync.writer.changes, shmsync.store.changes)
     copy.copy_source(tensors, found, version)           (shmsync.writer.slot_copy: what the slot lacks,
@@ -464,11 +464,11 @@ class WeightStore:
 
     def _begin(self, version: int | None) -> Writer:
         """The writer, its role held for a write of ``version`` (see
-        :meth:`~shmsync.writer.role.WriterRole.begin`), the write in flight and its give-backs
+        :meth:`~shmsync.writer.role.WriterRole.claim`), the write in flight and its give-backs
         landed (one write open at a time)."""
         w = self.writer
         with w.role.lock:
-            w.role.begin(version)
+            w.role.claim(version)
         if w.copier.pending:
             w.copier.wait()
         return w
@@ -485,29 +485,30 @@ class WeightStore:
         """:meth:`publish` and :meth:`publish_if_changed`: the source matched against the layout,
         the writer role held, then the copy of what changed (from CUDA: enqueued; in the
         background: promised); None where ``if_changed`` and nothing changed."""
-        w = self.writer
+        w = self._writer or self.writer
         with w.role.lock:  # a publishing thread beside the trainer's: one version after the other
             start = time.perf_counter()
             tensors = w.matcher.match(source, w.what)
             if self.memory.layout.tied:
                 self.memory.layout.check_tied(tensors, w.what)
-            w.role.begin(version)
+            w.role.claim(version)
             if w.copier.pending:
                 w.copier.wait()  # the write in flight, and its give-backs, landed: one write open at a time
             w.steps.tensors = tensors  # optimizers holding them count from now on
             newest = w.newest()
-            if newest is not None and only is not None:
+            if newest is not None and only is not None and not set(self.memory.destinations or ()) <= set(only):
                 tensors = _keep_others(self.memory, tensors, newest, only)
             if w.cuda is not None or any(t.is_cuda for t in tensors):
                 version = self._enqueue(w, tensors, newest, version, if_changed)
             elif self.unsafe_background_copy and not checked:
                 version = w.background_copy().publish(tensors, version)
             else:
-                owned, held = _owned(self.memory, tensors), None if newest is None else _owned(self.memory, newest)
-                found = w.copy.changes.find(owned, held, "checked" if checked else "plain")
+                if self.memory.layout.tied:  # the entries holding bytes of their own
+                    tensors, newest = _owned(self.memory, tensors), newest and _owned(self.memory, newest)
+                found = w.copy.changes.find(tensors, newest, "checked" if checked else "plain")
                 if if_changed and not any(found):
                     return None
-                version = w.copy.copy_source(owned, found, version, checked and others_may_write())
+                version = w.copy.copy_source(tensors, found, version, checked and others_may_write())
             w.seconds += time.perf_counter() - start
             return version
 

@@ -179,7 +179,7 @@ def test_a_tree_of_relays_sends_what_changed_and_every_host_holds_the_trainers_b
         monkeypatch.setenv("SHMSYNC_WRITE_TRACKING", "0")  # the trainer proves leaves unchanged by comparison
     weights = trainer_weights()
     store = store_factory(weights, num_slots=4)
-    if store.writer.copy.changes.proof != proof:
+    if store.writer.copy.changes.watch.proof != proof:
         pytest.skip(f"write tracking is unavailable here: {store.writer.copy.changes.watch.why_compared}")
     hosts = Hosts(start, host_dirs(tmp_path, 4), encrypt)
     with RelaySender(store, "127.0.0.1", 0, secret=SECRET, fanout=2, bucket_bytes=256 << 10, encrypt=encrypt) as sender:

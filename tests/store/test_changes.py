@@ -16,7 +16,7 @@ BIG = TRACK_MIN_BYTES // 4 * 4  # elements: 16 times the smallest leaf tracked
 def _look(watch: LeafWatch, leaves: list[torch.Tensor], reference: list[torch.Tensor], moment: str = "publish"):
     """One look as a writer takes it: the written spans, a comparison of what they do not prove,
     the leaves found changed settled; returns them, the reference then made equal."""
-    looked = watch.look(leaves)
+    looked = watch.pages_written(leaves)
     which = [(i, reference[i], looked.get(i)) for i in range(len(leaves)) if looked.get(i) != []]
     changed = watch.differing(leaves, which)
     watch.settle(leaves, [i in changed for i in range(len(leaves))], moment, looked)
@@ -85,7 +85,7 @@ def test_a_tracked_leaf_is_compared_where_written_and_found_as_it_is(how):
             leaf.data[123] += 1.0
         else:
             leaf.copy_(reference[0].clone())
-        looked = watch.look([leaf])
+        looked = watch.pages_written([leaf])
         assert looked[0], "the write's pages were not reported"
         found = watch.differing([leaf], [(0, reference[0], looked[0])])
         assert found == (set() if how == "copy_ of the same bytes" else {0})
@@ -105,7 +105,7 @@ def test_a_leaf_whose_memory_moved_is_let_go_and_compared():
             _look(watch, [param], reference)
         assert watch.tracked[0] is not None
         param.data = torch.randn(BIG)
-        assert watch.look([param]) == {} and watch.tracked[0] is None
+        assert watch.pages_written([param]) == {} and watch.tracked[0] is None
         assert watch.differing([param], [(0, reference[0], None)]) == {0}
     finally:
         watch.close()

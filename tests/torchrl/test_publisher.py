@@ -15,8 +15,8 @@ from torch import nn
 
 from shmsync import ShmSyncError
 from shmsync.torchrl.publisher import Publisher
-from shmsync.torchrl.store_group import StoreGroup
 from shmsync.torchrl.remote_nodes import ActorPushes, Announced
+from shmsync.torchrl.store_group import StoreGroup
 
 
 @pytest.fixture
