@@ -28,11 +28,20 @@ import statistics
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 from tensordict.nn import TensorDictModule
 from torch import nn
+
+# The code this benchmark's results measure (benchmarks/provenance.py).
+MEASURES = [
+    "benchmarks/freshness_bench.py",
+    "shmsync/torchrl",
+    "shmsync/writer",
+    "shmsync/reader",
+    "shmsync/store",
+    "shmsync/core",
+]
 
 warnings.filterwarnings("ignore")
 os.environ.setdefault("RL_WARNINGS", "False")
@@ -181,11 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     text = render(results, machine, args)
     print(text)
     if args.docs:
-        path = Path(__file__).resolve().parents[1] / "docs/results/freshness_bench.md"
-        stamp = time.strftime("%Y-%m-%d")
-        path.write_text(
-            f"Written by `python benchmarks/freshness_bench.py --docs` on {stamp}, from one run.\n\n{text}\n"
-        )
+        from provenance import write
+
+        write("freshness_bench", text, MEASURES)
     return 0
 
 

@@ -35,6 +35,16 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+# The code this benchmark's results measure (benchmarks/provenance.py).
+MEASURES = [
+    "benchmarks/hosts_bench.py",
+    "shmsync/relay",
+    "shmsync/writer",
+    "shmsync/reader",
+    "shmsync/store",
+    "shmsync/core",
+]
+
 SIZES = {"1MB": 1 << 20, "16MB": 16 << 20}
 SECRET = "the hosts benchmark's relay secret, 32 bytes or more"
 BUCKET = 1 << 20
@@ -263,7 +273,7 @@ def frozen_main(args: argparse.Namespace) -> int:
         from sync_bench import write_docs_page
 
         page = Path(__file__).resolve().parents[1] / "docs/results/hosts_frozen.md"
-        write_docs_page(page, text, "hosts_bench.py --frozen")
+        write_docs_page(page, text, MEASURES)
     out = Path(args.out).with_name("hosts_frozen.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine, "rows": report, "seconds": time.perf_counter() - started}))
@@ -704,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.docs:
         from sync_bench import write_docs_page
 
-        write_docs_page(Path(__file__).resolve().parents[1] / "docs/results/hosts_bench.md", text, "hosts_bench.py")
+        write_docs_page(Path(__file__).resolve().parents[1] / "docs/results/hosts_bench.md", text, MEASURES)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
@@ -728,7 +738,7 @@ def fan_out_main(args: argparse.Namespace) -> int:
         from sync_bench import write_docs_page
 
         page = Path(__file__).resolve().parents[1] / "docs/results/hosts_fan_out.md"
-        write_docs_page(page, text, "hosts_bench.py --fan-out")
+        write_docs_page(page, text, MEASURES)
     print(f"\nJSON written to {out} ({time.perf_counter() - started:.0f}s)", file=sys.stderr)
     return 0
 

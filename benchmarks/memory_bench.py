@@ -36,6 +36,16 @@ import psutil
 import torch
 from torch import nn
 
+# The code this benchmark's results measure (benchmarks/provenance.py).
+MEASURES = [
+    "benchmarks/memory_bench.py",
+    "shmsync/torchrl",
+    "shmsync/writer",
+    "shmsync/reader",
+    "shmsync/store",
+    "shmsync/core",
+]
+
 warnings.filterwarnings("ignore")
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMES = ("shmsync", "shmsync private copy", "SharedMem", "MultiProcess")
@@ -225,11 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     text = table(report)
     print(text)
     if args.docs:
-        out = ROOT / "docs" / "results"
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "memory_bench.md").write_text(
-            f"# memory_bench\n\n`python benchmarks/memory_bench.py {' '.join(argv or sys.argv[1:])}`\n\n{text}\n"
-        )
+        from provenance import write
+
+        write("memory_bench", text, MEASURES)
     return 0
 
 

@@ -34,6 +34,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+# The code this benchmark's results measure (benchmarks/provenance.py).
+MEASURES = ["benchmarks/soak.py", "shmsync/writer", "shmsync/reader", "shmsync/store", "shmsync/core"]
+
 SIZES = {"4KB": 4 << 10, "1MB": 1 << 20, "16MB": 16 << 20}
 KINDS = ("plain", "zero-copy", "pinned")
 
@@ -193,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     text = report(runs)
     print(text)
     if args.docs:
-        command = " ".join(["python benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])])
-        stamp = time.strftime("%Y-%m-%d")
-        Path(args.docs).write_text(f"Written by `{command}` on {stamp}.\n\n```text\n{text}\n```\n")
+        from provenance import write
+
+        write(Path(args.docs).stem, f"```text\n{text}\n```", MEASURES)
     return 1 if any(run["torn"] for run in runs) else 0
 
 

@@ -30,6 +30,16 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
+# The code this benchmark's results measure (benchmarks/provenance.py).
+MEASURES = [
+    "benchmarks/sync_bench.py",
+    "shmsync/torchrl",
+    "shmsync/writer",
+    "shmsync/reader",
+    "shmsync/store",
+    "shmsync/core",
+]
+
 warnings.filterwarnings("ignore")
 os.environ.setdefault("RL_WARNINGS", "False")
 
@@ -683,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(report)
     print(text)
     if args.docs:
-        write_docs_page(Path(__file__).resolve().parents[1] / "docs/results/sync_bench.md", text, "sync_bench.py")
+        write_docs_page(Path(__file__).resolve().parents[1] / "docs/results/sync_bench.md", text, MEASURES)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
@@ -691,14 +701,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def write_docs_page(path: Path, text: str, script: str) -> None:
-    """The tables as a page of the docs, saying which run wrote them."""
-    stamp = time.strftime("%Y-%m-%d")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        f"Written by `python benchmarks/{script} --docs` on {stamp}; each table's numbers come from one run.\n\n"
-        f"```text\n{text}\n```\n"
-    )
+def write_docs_page(path: Path, text: str, measures: list[str]) -> None:
+    """The tables as a page of the docs, with where they came from (benchmarks/provenance.py)."""
+    from provenance import write
+
+    write(path.stem, f"Each table's numbers come from one run.\n\n```text\n{text}\n```", measures)
     print(f"docs page written to {path}", file=sys.stderr)
 
 

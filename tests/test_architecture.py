@@ -4,7 +4,7 @@ A steady-state ``update_policy_weights_()`` of a ``MultiSyncCollector`` (2 CPU w
 scheme) with the next batch's hand-out that publishes it, and a CPU reader's ``poll()`` that loads a
 version are traced (``sys.setprofile``: every shmsync function called, comprehensions and lambdas
 aside); the distinct functions, in the order first called, must be the page's, no more than the
-page counts (the trainer's 47 in 15 files: the update noted, the hand-out, the source matched, what
+page counts (the trainer's 48 in 15 files: the update noted, the hand-out, the source matched, what
 changed found by the pages written and a comparison, the copy and the commit; the worker's 12 in
 5), and no two of one name.
 """
@@ -178,4 +178,4 @@ def test_one_update_takes_the_documented_path():
     copier = tracer.path(f"shmsync-publish-{scheme.store.name}")
     assert trainer == documented("trainer"), f"the trainer's thread took:\n{trainer}"
     assert copier == documented("copier"), f"the copier's thread took:\n{copier}"
-    check_walk(trainer, 47, 15)
+    check_walk(trainer, 48, 15)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 from shmsync.errors import ShmSyncError, StoreCorruptError, StoreNotFoundError, warn_deprecated
 
@@ -145,7 +146,20 @@ LEASE_COLUMNS = (R_LEASE, R_DEVICE_LEASE)  # per bank
 ROW_WORDS = tuple(range(W_READERS + r * READER_WORDS, W_READERS + (r + 1) * READER_WORDS) for r in range(MAX_READERS))
 
 
-class Mode(str, enum.Enum):
+class _ModeType(enum.EnumMeta):
+    """Mode's class, which answers 0.2.0's name for :attr:`Mode.COPY` with a warning."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name == "PRIVATE":  # 0.2.0's name, where it also meant DEVICE
+            warn_deprecated("Mode.PRIVATE", "Mode.COPY, or mode.private (which covers Mode.DEVICE too)", "0.4.0")
+            return cls.COPY
+        parent = getattr(enum.EnumMeta, "__getattr__", None)  # Python 3.10 finds members there
+        if parent is not None:
+            return parent(cls, name)
+        raise AttributeError(name)
+
+
+class Mode(str, enum.Enum, metaclass=_ModeType):
     """How a reader's module holds its weights: the one value its
     :class:`~shmsync.WeightReader` keeps, writes into its row as it changes (its ``flags``, beside
     the lease its leases keep), and the readers' table reads back from the row (:meth:`of_row`).
@@ -171,7 +185,6 @@ class Mode(str, enum.Enum):
     FALLEN_BACK = "copy (fallback)"  # in place where it can, on no slot now: not loaded yet, or none to lease
     DEVICE = "device"  # a private copy for good, in an accelerator's memory
     DEVICE_IN_PLACE = "device in place"  # the parameters view a leased device slot
-    PRIVATE = "copy"  # deprecated (0.2.0's name, where it also meant DEVICE): COPY, or ``mode.private``
 
     # Shown, formatted and sent (JSON) as its word alone, as a plain string would be.
     __str__ = str.__str__

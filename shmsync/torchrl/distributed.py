@@ -72,7 +72,8 @@ class _NumberedPushes:
 
     def __init__(self, collector: Any, *, wait_until_ready: bool, leaves: dict[int, TrainerLeaves]) -> None:
         self.collector = collector
-        self.count = 0
+        self.numbered = 0  # pushes numbered: the last may still be on its way
+        self.confirmed = 0  # the newest push every node it was sent to confirmed: a complete version
         self.failed = False  # shmsync raised: the nodes are to be stopped, not waited for
         self.waiting = wait_until_ready
         self.stores: list[torch.distributed.Store] = []
@@ -84,14 +85,15 @@ class _NumberedPushes:
             send = functools.partial(_bound, self.push, store, leaves.get(id(scheme)))
             compat.wrap_push(scheme, send)
         self.ranks = list(range(1, collector.num_workers + 1))
-        self.book = ReportBook(version=lambda: self.count)
+        self.book = ReportBook(version=lambda: self.confirmed)
         self._seen: dict[int, int] = {}  # rank -> the number of its last report taken
         self._looked = 0.0
 
     # -- the nodes' readers ---------------------------------------------------------------------------
     @property
     def version(self) -> int:
-        return self.count
+        """The newest push every node it was sent to confirmed (a push on its way counts once confirmed)."""
+        return self.confirmed
 
     def remote_rows(self, store_version: int) -> tuple[list[HostReport], list[ReaderRow]]:
         """The nodes' last reports (``shmsync.store.reader_table.RemoteRows``): read from the TCPStore, where each
@@ -123,19 +125,21 @@ class _NumberedPushes:
         worker_ids: Any = None,
     ) -> Any:
         self.wait_until_ready()
-        self.count += 1
-        store.set(VERSION_KEY, str(self.count))
+        self.numbered += 1
+        number = self.numbered
+        store.set(VERSION_KEY, str(number))
         if leaves is not None:
-            leaves.begin(self.count)
+            leaves.begin(number)
         result = send(weights=weights, worker_ids=worker_ids)
         problems = []
         for rank in self._ranks(worker_ids):
             answer = _read(store, PUBLISHED_KEY.format(rank=rank))
             if leaves is not None:  # the node's buffer holds this push, or nothing known
-                leaves.confirmed(rank, self.count, answer == str(self.count))
-            if answer != str(self.count):
-                problems.append(f"node {rank} answered {answer!r} for push {self.count}")
-        self._confirmed(problems)
+                leaves.confirmed(rank, number, answer == str(number))
+            if answer != str(number):
+                problems.append(f"node {rank} answered {answer!r} for push {number}")
+        self._confirmed(problems)  # raises where a node did not confirm it
+        self.confirmed = number
         return result
 
     def _confirmed(self, problems: list[str]) -> None:
@@ -319,8 +323,9 @@ class RayCollector(torchrl_distributed.RayCollector):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._shmsync_schemes = claim_remote_schemes(kwargs.get("collector_kwargs"), "ray", "RayCollector")
-        self._shmsync_pushes = 0
-        self._shmsync_book = ReportBook(version=lambda: self._shmsync_pushes)
+        self._shmsync_pushes = 0  # pushes numbered: the last may still be on its way
+        self._shmsync_confirmed = 0  # the newest push every actor it was sent to confirmed
+        self._shmsync_book = ReportBook(version=lambda: self._shmsync_confirmed)
         for scheme in self._shmsync_schemes:  # scheme.readers() lists every actor's workers
             scheme.remote_rows.add(self._shmsync_book)
         super().__init__(*args, **kwargs)
@@ -346,6 +351,7 @@ class RayCollector(torchrl_distributed.RayCollector):
                 if v != number
             ]
         )
+        self._shmsync_confirmed = number
         for (i, _), (_, report) in zip(actors, answers):
             self._shmsync_heard(i, report)
         return result

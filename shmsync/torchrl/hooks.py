@@ -9,7 +9,7 @@ from typing import Any, Literal
 from tensordict import TensorDict
 from torchrl.trainers import UpdateWeights as _TorchRLUpdateWeights
 
-from shmsync.errors import InvalidArgumentError
+from shmsync.errors import InvalidArgumentError, warn_deprecated
 from shmsync.torchrl import compat
 from shmsync.torchrl.attribute_paths import resolve_path
 from shmsync.watch.frames import lag_stats
@@ -41,12 +41,13 @@ class UpdateWeights(_TorchRLUpdateWeights):
             collector is needed.
         interval_unit: ``"batches"`` (registers at ``post_steps``) or ``"optim_steps"``
             (registers at ``post_optim`` and counts the trainer's optimizer steps).
-        version: what a published version counts. ``"publishes"`` (default): one more per
+        versioning: what a published version counts. ``"publishes"`` (default): one more per
             update. ``"optim_steps"``: the trainer's optimizer-step count at the update, so
             the version a frame carries (and the staleness computed from it) is in optimizer
             steps; an update with no optimizer step since the last one publishes nothing (the
             weights did not change). Needs a collector whose schemes are all
             :class:`~shmsync.ShmWeightSyncScheme`, or a :class:`~shmsync.WeightSender`.
+        version: deprecated: ``versioning`` (its name until 0.2.0; removed in 0.4.0).
 
     Examples:
         >>> import torch
@@ -78,10 +79,14 @@ class UpdateWeights(_TorchRLUpdateWeights):
         *,
         sender: Any | None = None,
         interval_unit: Literal["batches", "optim_steps"] = "batches",
-        version: Literal["publishes", "optim_steps"] = "publishes",
+        versioning: Literal["publishes", "optim_steps"] = "publishes",
+        version: Literal["publishes", "optim_steps"] | None = None,
     ) -> None:
-        if version not in ("publishes", "optim_steps"):
-            raise InvalidArgumentError(f"version must be 'publishes' or 'optim_steps', got {version!r}")
+        if version is not None:
+            warn_deprecated("UpdateWeights(version=...)", "UpdateWeights(versioning=...)", "0.4.0")
+            versioning = version
+        if versioning not in ("publishes", "optim_steps"):
+            raise InvalidArgumentError(f"versioning must be 'publishes' or 'optim_steps', got {versioning!r}")
         if HOOK_TAKES_SENDER:
             super().__init__(
                 collector,
@@ -107,9 +112,9 @@ class UpdateWeights(_TorchRLUpdateWeights):
         # The interval state is this hook's own (TorchRL's hook keeps its own under other names).
         self.counter = 0
         self._steps_at_last_update = 0  # with interval_unit="optim_steps"
-        self.version = version
-        self._version_published = -1  # with version="optim_steps": the step count last published
-        if version == "optim_steps":
+        self.versioning = versioning
+        self._version_published = -1  # with versioning="optim_steps": the step count last published
+        if versioning == "optim_steps":
             self._check_takes_versions()
         if weight_update_map is not None:
             self._resolve_mapped()
@@ -128,14 +133,14 @@ class UpdateWeights(_TorchRLUpdateWeights):
         if self.sender is not None:
             if not isinstance(self.sender, WeightSender):
                 raise InvalidArgumentError(
-                    f"version='optim_steps' needs a shmsync WeightSender, got {type(self.sender).__name__}"
+                    f"versioning='optim_steps' needs a shmsync WeightSender, got {type(self.sender).__name__}"
                 )
             return
         schemes = compat.schemes_of(self.collector)
         others = [k for k, s in schemes.items() if not isinstance(s, ShmWeightSyncScheme)]
         if not schemes or others:
             raise InvalidArgumentError(
-                "version='optim_steps' needs a collector whose weight_sync_schemes are all ShmWeightSyncScheme "
+                "versioning='optim_steps' needs a collector whose weight_sync_schemes are all ShmWeightSyncScheme "
                 f"(got {sorted(others) or 'none'} without it), or sender=WeightSender(...)"
             )
 
@@ -158,7 +163,7 @@ class UpdateWeights(_TorchRLUpdateWeights):
             self.counter += 1
             if self.counter % self.update_weights_interval != 0:
                 return
-        version = compat.optimizer_step_count(self.trainer) if self.version == "optim_steps" else None
+        version = compat.optimizer_step_count(self.trainer) if self.versioning == "optim_steps" else None
         if version is not None and version <= self._version_published:
             return  # no optimizer step since the last publish: same weights, and versions never repeat
         if self.sender is not None:
@@ -177,7 +182,7 @@ class UpdateWeights(_TorchRLUpdateWeights):
 
     def state_dict(self) -> dict:
         state = {"counter": self.counter, "last_update_count": self._steps_at_last_update}
-        if self.version == "optim_steps":
+        if self.versioning == "optim_steps":
             state["last_version"] = self._version_published
         return state
 

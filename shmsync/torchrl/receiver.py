@@ -69,7 +69,7 @@ class Receiver:
                 model,
                 destination=self.scheme.model_id,
                 zero_copy=self.scheme.settings.zero_copy,
-                worker=getattr(self.scheme, "worker_idx", None),
+                worker=self.scheme.worker_idx,
             )
             self.reader.private_on_write = True  # TorchRL's load_state_dict writes the policy's weights
             self.reader.set_waiting(self.waiting)

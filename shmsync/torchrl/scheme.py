@@ -120,6 +120,8 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         self.sender_side = SenderSide()  # the trainer's (or a node's): stores, the route of a publish
         self.receiver_side = ReceiverSide()  # what a worker's copy needs, and its receiver there
         super().__init__(strategy)
+        self.model_id: str | None = None  # the key, once TorchRL hands it (init_on_sender, init_on_receiver)
+        self.worker_idx: int | None = None  # in a worker: its index, once TorchRL hands it
         self.settings = SchemeSettings(
             poll_every_steps=poll_every_steps,
             version_key=version_key,
@@ -261,14 +263,14 @@ class ShmWeightSyncScheme(WeightSyncScheme):
     def promised(self) -> int:
         """Sender: the newest promised version of any store, that of the last update (its copy may
         still be in flight, from CUDA or in the background); :attr:`version` once it landed.
-        Receiver: the version loaded in this worker, as :attr:`version`.
+        Receiver: the newest promised version of the store this worker loads from.
 
         Raises:
             NotAttachedError: as :attr:`version`.
         """
         receiver = self.receiver_side.receiver
         if receiver is not None:
-            return receiver.version
+            return receiver.store.promised
         if self.group is None and self.sender_side.remote_kind is None:
             raise NotAttachedError(self._why_unattached("it has no version"))
         return max((s.promised for s in self.stores), default=-1)
@@ -322,7 +324,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         tables = [store.readers(processes=processes) for store in self.stores if not store.closed]
         version = max((t.version for t in tables), default=self.version)
         # The nodes' or actors' reports, on the trainer's side of a distributed or Ray collector.
-        remote = assemble(getattr(self, "model_id", None) or "policy", version, [], [], self.remote_rows)
+        remote = assemble(self.model_id or "policy", version, [], [], self.remote_rows)
         return merge([*tables, remote])
 
     def _why_unattached(self, what: str) -> str:

@@ -503,14 +503,28 @@ class WeightStore:
             elif self.unsafe_background_copy and not checked:
                 version = w.background_copy().publish(tensors, version)
             else:
-                if self.memory.layout.tied:  # the entries holding bytes of their own
-                    tensors, newest = _owned(self.memory, tensors), newest and _owned(self.memory, newest)
-                found = w.copy.changes.find(tensors, newest, "checked" if checked else "plain")
-                if if_changed and not any(found):
-                    return None
-                version = w.copy.copy_source(tensors, found, version, checked and others_may_write())
+                version = self._copy_changes(w, tensors, newest, version, checked, if_changed)
             w.seconds += time.perf_counter() - start
             return version
+
+    def _copy_changes(
+        self,
+        w: Writer,
+        tensors: list[torch.Tensor],
+        newest: list[torch.Tensor] | None,
+        version: int | None,
+        checked: bool,
+        if_changed: bool,
+    ) -> int | None:
+        """A publish from the CPU: what changed since the newest version found, and copied into a
+        slot (checked where another thread could write the source meanwhile); None where
+        ``if_changed`` and nothing changed."""
+        if self.memory.layout.tied:  # the entries holding bytes of their own
+            tensors, newest = _owned(self.memory, tensors), newest and _owned(self.memory, newest)
+        found = w.copy.changes.find(tensors, newest, "checked" if checked else "plain")
+        if if_changed and not any(found):
+            return None
+        return w.copy.copy_source(tensors, found, version, checked and others_may_write())
 
     def _enqueue(
         self,

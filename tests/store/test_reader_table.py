@@ -295,7 +295,8 @@ def test_a_readers_mode_is_the_one_its_row_shows(store_factory):
     assert sorted(r.viewing for r in rows) == [False, True]
     with pytest.warns(DeprecationWarning, match="ReaderRow.viewing"):
         assert sorted(r.zero_copy for r in rows) == [False, True]
-    assert Mode.PRIVATE is Mode.COPY  # 0.2.0's name
+    with pytest.warns(DeprecationWarning, match=r"Mode.PRIVATE is deprecated \(removed in 0.4.0\): use Mode.COPY"):
+        assert Mode.PRIVATE is Mode.COPY  # 0.2.0's name
     copying.close()
     in_place.close()
     assert in_place.mode is Mode.COPY and not in_place.zero_copy

@@ -116,7 +116,7 @@ def play_hook() -> None:
             trainer=trainer,
             sender=WeightSender(store, {"policy": "acting"}, root=trainer),
             interval_unit="optim_steps",
-            version="optim_steps",
+            versioning="optim_steps",
         )
         hook.register(trainer)
         trainer.train()

@@ -2,6 +2,8 @@
 imported, whichever of the two comes first; ``import shmsync`` alone changes nothing in TorchRL)
 and the Hydra config entry of config-driven trainers."""
 
+from pathlib import Path
+
 import pytest
 
 from shmsync.torchrl.compat import TORCHRL_VERSION
@@ -55,3 +57,20 @@ def test_a_config_driven_trainer_selects_shmsync_by_an_override(tmp_path):
     assert result["schemes"] == {"policy": "ShmWeightSyncScheme"}
     # 6 batches, one publish after each: frames carry the versions as they were published.
     assert result["versions"][0] == 0 and max(result["versions"]) >= 3, result
+
+
+def test_the_hydra_config_says_the_python_defaults():
+    """Every value the config group names is ShmWeightSyncScheme's own default: a config-driven
+    trainer gets what `ShmWeightSyncScheme()` gives."""
+    import inspect
+
+    import yaml
+
+    import shmsync
+    from shmsync import ShmWeightSyncScheme
+
+    path = Path(shmsync.__file__).parent / "conf" / "weight_sync_scheme" / "shmsync.yaml"
+    config = yaml.safe_load(path.read_text())
+    assert config.pop("_target_") == "shmsync.ShmWeightSyncScheme"
+    defaults = {k: p.default for k, p in inspect.signature(ShmWeightSyncScheme.__init__).parameters.items()}
+    assert {k: defaults.get(k, "not an argument") for k in config} == config

@@ -178,7 +178,7 @@ def test_update_weights_can_version_by_optimizer_steps(store_factory, unit):
         trainer=trainer,
         sender=WeightSender(store, {"policy": "loss_module.value_network"}, root=trainer),
         interval_unit=unit,
-        version="optim_steps",
+        versioning="optim_steps",
     )
     hook.register(trainer)
     seen = []
@@ -198,7 +198,9 @@ def test_versions_in_optimizer_steps_need_a_target_that_takes_them():
     policy = make_policy()
     collector = Collector(make_env, policy, frames_per_batch=20, total_frames=40)
     trainer = make_trainer(collector, make_loss(policy), 40)
-    with pytest.raises(ValueError, match="version='optim_steps' needs"):
-        UpdateWeights(collector, 1, trainer=trainer, version="optim_steps")
-    with pytest.raises(ValueError, match="version must be 'publishes' or 'optim_steps'"):
-        UpdateWeights(collector, 1, trainer=trainer, version="frames")
+    with pytest.raises(ValueError, match="versioning='optim_steps' needs"):
+        UpdateWeights(collector, 1, trainer=trainer, versioning="optim_steps")
+    with pytest.raises(ValueError, match="versioning must be 'publishes' or 'optim_steps'"):
+        UpdateWeights(collector, 1, trainer=trainer, versioning="frames")
+    with pytest.warns(DeprecationWarning, match=r"UpdateWeights\(version=...\) is deprecated"):
+        assert UpdateWeights(collector, 1, trainer=trainer, version="publishes").versioning == "publishes"
