@@ -9,9 +9,11 @@ changed found by the pages written and a comparison, the copy and the commit; th
 5), and no two of one name.
 """
 
+import json
 import mmap
 import os
 import re
+import subprocess
 import sys
 import threading
 from types import CodeType, FunctionType
@@ -124,10 +126,9 @@ def test_a_cpu_readers_load_takes_the_documented_path():
     check_walk(path, 12, 5)  # when (poll, reload), then how (_load): in place or a copy
 
 
-@pytest.mark.slow
-@pytest.mark.torchrl
-@pytest.mark.timeout(180)
-def test_one_update_takes_the_documented_path():
+def trace_one_update() -> dict[str, list[tuple[str, str]]]:
+    """One update published by a ``MultiSyncCollector``'s hand-out, traced: the functions the
+    trainer's thread and the store's copier thread called, by thread."""
     from tensordict.nn import TensorDictModule
     from torchrl.collectors import MultiSyncCollector
     from torchrl.modules import MLP
@@ -174,8 +175,33 @@ def test_one_update_takes_the_documented_path():
         sys.setprofile(None)
         threading.setprofile(None)
         collector.shutdown()
-    trainer = tracer.path(threading.current_thread().name)
-    copier = tracer.path(f"shmsync-publish-{scheme.store.name}")
+    return {
+        "trainer": tracer.path(threading.current_thread().name),
+        "copier": tracer.path(f"shmsync-publish-{scheme.store.name}"),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.torchrl
+@pytest.mark.timeout(180)
+def test_one_update_takes_the_documented_path():
+    # In a process of its own: a thread that an earlier test in this process left running would
+    # count as one that may write the weights, and the copy would then be checked after it (a
+    # longer path, the right one for such a process, not the one documented).
+    run = subprocess.run(
+        [sys.executable, "-c", TRACE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    paths = {thread: [tuple(step) for step in path] for thread, path in json.loads(run.stdout.splitlines()[-1]).items()}
+    trainer, copier = paths["trainer"], paths["copier"]
     assert trainer == documented("trainer"), f"the trainer's thread took:\n{trainer}"
     assert copier == documented("copier"), f"the copier's thread took:\n{copier}"
     check_walk(trainer, 48, 15)
+
+
+TRACE = "import json; from tests.test_architecture import trace_one_update; print(json.dumps(trace_one_update()))"
