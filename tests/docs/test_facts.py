@@ -70,7 +70,6 @@ def _figures() -> list[tuple[str, str, tuple]]:
         ("docs/memory.md", r"`num_slots`\*\* \((\d+) by default\)", (slots,)),
         ("docs/gpus.md", r"\((\d+) M by default\)", (slots,)),
         ("docs/operations.md", r"`stale_after` seconds while it runs \((\d+) by default\)", (alarm.STALE_AFTER,)),
-        ("README.md", r"stays at an old version for (\d+) s while it runs", (alarm.STALE_AFTER,)),
         (
             "docs/torchrl.md",
             r"`ShmWeightSyncScheme\(stale_after=([\d.]+), max_lag=(\w+), on_stale=\"(\w+)\"\)`",
@@ -124,7 +123,6 @@ def _figures() -> list[tuple[str, str, tuple]]:
         ("docs/security.md", r"printable and at most (\d+) characters", (remote_rows.MAX_NAME,)),
         ("docs/security.md", r"only this user's, at most (\d+) MiB", (remote_rows.MAX_REPORT_FILE >> 20,)),
         ("docs/security.md", r"`shmsync new-secret FILE` writes (\d+) random bytes", (secret_file.SECRET_BYTES,)),
-        ("README.md", r"`shmsync new-secret FILE` \((\d+) random bytes", (secret_file.SECRET_BYTES,)),
         ("docs/security.md", r"shorter than (\d+) bytes is refused", (secret_file.MIN_SECRET_BYTES,)),
         # The shape of a relay tree.
         (
@@ -134,18 +132,6 @@ def _figures() -> list[tuple[str, str, tuple]]:
             (messages.CHAIN_FROM_PIECES, messages.FANOUT),
         ),
         ("docs/hosts.md", r"in pieces \((\d+) MiB by default\)", (messages.BUCKET_BYTES >> 20,)),
-        (
-            "README.md",
-            r"down a chain \(the default for a version of (\d+) pieces or more, a piece being (\d+) MiB\), or to "
-            r"(two), each feeding two more",
-            (messages.CHAIN_FROM_PIECES, messages.BUCKET_BYTES >> 20, "two" * (messages.FANOUT == 2)),
-        ),
-        (
-            "README.md",
-            r"the trainer sends the payload once per publish by default from (\d+) pieces on \(a chain\), "
-            r"(twice) below that",
-            (messages.CHAIN_FROM_PIECES, "twice" * (messages.FANOUT == 2)),
-        ),
         (
             "docs/performance.md",
             r"the payload once with the chain \(the default from (\d+) pieces on\), (twice) with "
@@ -260,18 +246,10 @@ class Legs:
 def test_the_pages_say_which_tests_run_where_as_the_makefile_runs_them():
     legs = Legs()
     marks = " and ".join(f"`{m}`" for m in legs.full_marks if m != "or")
-    others = _and([f"{v} (torch {legs.torch_for[v]})" for v in legs.others])
     says = {
-        "README.md": [
-            f"every test on Python {legs.main_python} with torch {legs.main_torch} and torchrl {legs.torchrl}",
-            f"tested as installed on Python {legs.newest} with torch {legs.current}",
-            f"the release-dependent tests again on torchrl {', '.join(legs.legs)}",
-            f"every test against the wheel on Python {legs.newest}",
-            f"the wheel's and the sdist's tests on Python {others}",
-            f"the {marks} tests on torch {legs.full_torch}",
-        ],
         "docs/testing.md": [
             f"| the checkout, installed editable (`.venv`) | {legs.main_torch}, {legs.torchrl} |",
+            f"runs the {marks} tests on torch {legs.full_torch} as well",
             f"on Python {legs.newest} in `.venv-wheel-{legs.newest}`",
             f"| {legs.current} (the current release), {legs.torchrl} |",
             f"| {legs.main_torch}; {', '.join(legs.legs)} |",
