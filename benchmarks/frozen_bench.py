@@ -74,13 +74,16 @@ class Adapted(nn.Linear):
         self.adapter_a = nn.Parameter(torch.randn(rank, width) / width)
         self.adapter_b = nn.Parameter(torch.zeros(width, rank))
 
+    def adapters(self) -> list[nn.Parameter]:
+        return [self.adapter_a, self.adapter_b]
 
-class Block(nn.Module):
+
+class Block(nn.Sequential):
+    """An attention block's shape: four adapted layers (query, key, value, out), a norm and an MLP."""
+
     def __init__(self, width: int, rank: int) -> None:
-        super().__init__()
-        self.query, self.key, self.value, self.out = (Adapted(width, rank) for _ in range(4))
-        self.norm = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        super().__init__(*(Adapted(width, rank) for _ in range(4)), nn.LayerNorm(width), mlp)
 
 
 class AdaptedModel(nn.Module):
@@ -91,7 +94,7 @@ class AdaptedModel(nn.Module):
         self.blocks = nn.Sequential(*(Block(width, rank) for _ in range(blocks)))
 
     def trained(self) -> list[torch.Tensor]:
-        return [p for name, p in self.named_parameters() if "adapter" in name]
+        return [p for m in self.modules() if isinstance(m, Adapted) for p in m.adapters()]
 
 
 class Adapters(nn.Module):

@@ -235,7 +235,8 @@ class PageMap:
             raise
         self.uffd, self.pagemap = uffd, pagemap
         # The two questions asked: pages written (protected again as reported), pages registered.
-        self.written_pages, self.registered_pages = Scan(pagemap, PAGE_IS_WRITTEN, 0, regions), None
+        self.written_pages = Scan(pagemap, PAGE_IS_WRITTEN, 0, regions)
+        self.registered_pages: Scan | None = None  # made at its first use (a scan found a range not registered)
         self.regions = regions
         self.msync = libc.msync
 

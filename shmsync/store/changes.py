@@ -145,7 +145,8 @@ class LeafWatch:
             self.let_go(moved)
             ids = [i for i in ids if tracked[i] is not None]
         looked = {}
-        for i, spans in zip(ids, pages.look([tracked[i] for i in ids]) if ids else ()):
+        ranges = [r for r in (tracked[i] for i in ids) if r is not None]  # each of ids: one
+        for i, spans in zip(ids, pages.look(ranges) if ids else ()):
             if spans is None:
                 tracked[i] = None  # its memory went, or a fork left it behind: compared from now on
             else:

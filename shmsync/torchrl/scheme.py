@@ -215,7 +215,7 @@ class ShmWeightSyncScheme(WeightSyncScheme):
         devices) limits the update to those workers (``per_worker_weights``, or all of them).
         """
         sender = self.sender_side
-        if sender.group is None:
+        if sender.group is None or self.model_id is None:
             raise NotAttachedError(self._why_unattached("send() has no store to publish into"))
         if sender.publisher is None:
             sender.publisher = Publisher()  # no collector yet: the same route, nothing wrapped

@@ -49,7 +49,7 @@ def others_may_write() -> bool:
         >>> done.set(); writer.join()
     """
     me = threading.get_ident()
-    names = {t.ident: t.name for t in threading.enumerate()}
+    names = {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
     frames = sys._current_frames()
     return any(
         i != me and not names.get(i, "").startswith("shmsync-") and not _started_by_multiprocessing(frames.get(i))

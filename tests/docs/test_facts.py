@@ -398,3 +398,47 @@ def test_what_the_changelog_lists_as_removed_is_gone():
     assert names, "no removed names found: the check reads nothing"
     still = sorted(n for n in names if _resolve(n))
     assert not still, f"CHANGELOG.md lists as removed what the code still has: {still}"
+
+
+# -- the tables the command prints, as the pages show them ---------------------------------------------
+def _printed_heads() -> dict[str, list[str]]:
+    """The header line of each table `shmsync ls` prints, as the code prints it (its words), by
+    its first two words."""
+    from shmsync.store.reader_table import HostReport, ReaderTable, Transfer, format_rows
+    from shmsync.tools.cli import _table
+
+    host = HostReport("host-b", "relay 1", "s", 0.5, "linked", 1, Transfer(2, 10, True, 1, 1, 20))
+    lines = [*format_rows(ReaderTable("s", 2, [], hosts=[host])).splitlines()[1:], _table([])]
+    return {" ".join(line.split()[:2]): line.split() for line in lines if line and line.isupper()}
+
+
+def _shown_heads() -> list[tuple[str, list[str]]]:
+    """Every header line of a `shmsync ls` table in the pages' samples: ``(page, its words)``."""
+    shown = []
+    for page in ["README.md", *(p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "docs").glob("*.md")))]:
+        for line in (ROOT / page).read_text().splitlines():
+            cells = re.split(r"\s{2,}", line.strip())
+            if len(cells) > 3 and cells[0] in ("NAME", "HOST") and all(c.isupper() for c in cells):
+                shown.append((page, line.split()))
+    return shown
+
+
+def test_the_pages_show_the_columns_the_command_prints():
+    printed = _printed_heads()
+    assert set(printed) == {"NAME VERSION", "HOST WORKER", "HOST VIA"}, sorted(printed)
+    shown = _shown_heads()
+    assert shown, "no sample of `shmsync ls` found in the pages"
+    wrong = [f"{page}: {' '.join(words)}" for page, words in shown if printed.get(" ".join(words[:2])) != words]
+    assert not wrong, "samples whose columns are not the ones `shmsync ls` prints:\n" + "\n".join(wrong)
+
+
+def test_the_operations_page_lists_every_field_of_a_readers_row():
+    from dataclasses import fields
+
+    from shmsync.store.reader_table import ReaderRow
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    table = text[text.index("| field | meaning |") : text.index("Readers whose process died")]
+    rows = [line.split("|")[1] for line in table.splitlines()[2:] if line.startswith("|")]
+    listed = [name for cells in rows for name in re.findall(r"`(\w+)`", cells)]
+    assert sorted(listed) == sorted(f.name for f in fields(ReaderRow))
