@@ -442,3 +442,18 @@ def test_the_operations_page_lists_every_field_of_a_readers_row():
     rows = [line.split("|")[1] for line in table.splitlines()[2:] if line.startswith("|")]
     listed = [name for cells in rows for name in re.findall(r"`(\w+)`", cells)]
     assert sorted(listed) == sorted(f.name for f in fields(ReaderRow))
+
+
+def test_the_protocol_page_lists_every_configuration_the_checker_explores():
+    """One row per configuration of tests/core/test_protocol_interleavings.py, and `make test`'s
+    column says which of them the main tier explores (the `full` ones: no)."""
+    from _pytest.mark.structures import ParameterSet
+
+    from tests.core.test_protocol_interleavings import CONFIGURATIONS
+
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    table = text[text.index("| configuration | slots |") : text.index("About ")]
+    rows = [line.split("|") for line in table.splitlines()[2:] if line.startswith("|")]
+    full = sum(isinstance(c, ParameterSet) for c in CONFIGURATIONS.values())
+    assert len(rows) == len(CONFIGURATIONS), f"{len(rows)} rows for {len(CONFIGURATIONS)} configurations"
+    assert [r[-2].strip() for r in rows].count("no") == full
