@@ -49,6 +49,11 @@ def write(policy: Policy, how: str, k: float) -> None:
         optimizer = torch.optim.Adam([w], lr=0.5, fused=True)
         w.grad = torch.ones_like(w)
         optimizer.step()
+    elif how == "foreach adam":  # one kernel call over the list of tensors
+        w.requires_grad_(True)
+        optimizer = torch.optim.Adam([w], lr=0.5, foreach=True)
+        w.grad = torch.ones_like(w)
+        optimizer.step()
     elif how == "another thread":
         thread = threading.Thread(target=lambda: w.data.add_(k))
         thread.start()
@@ -68,6 +73,6 @@ def write(policy: Policy, how: str, k: float) -> None:
 
 
 ROUTES = [
-    "in place", ".data", "numpy", "load_state_dict", "swapped", "unfrozen and stepped", "fused adam",
+    "in place", ".data", "numpy", "load_state_dict", "swapped", "unfrozen and stepped", "fused adam", "foreach adam",
     "another thread", "readinto", "copy_ from a state dict tensor", "vector_to_parameters", "buffer in forward",
 ]  # fmt: skip

@@ -70,7 +70,10 @@ class Internal:
 
 # Entry names, as errors, tests and the docs name them.
 SCHEMES = "BaseCollector._weight_sync_schemes"
-METHODS = "MultiCollector.update_policy_weights_ / shutdown / load_state_dict / iterator, wrapped on the instance"
+METHODS = (
+    "MultiCollector.update_policy_weights_ / shutdown / state_dict / load_state_dict / iterator, "
+    "wrapped on the instance"
+)
 CONNECT = "WeightSyncScheme.initialized_on_sender, asked by the collector before init_on_sender(context=...)"
 NEXT_BATCH = "MultiSyncCollector's next batch runs the weights update_policy_weights_() sent"
 WORKERS_SET_UP = "WeightSyncScheme.init_on_receiver and connect, in every worker"
@@ -109,10 +112,11 @@ CATALOGUE: dict[str, Internal] = {
             "0.11-0.14",
             "public methods wrapped per collector: an update call publishes the shmsync keys it names straight "
             "into their stores as one version (under `version=` if given), as TorchRL documents `weights_dict` "
-            "(atomic), without TorchRL's per-key loop; shutdown frees the stores; a restored state dict restores "
+            "(atomic), without TorchRL's per-key loop; shutdown frees the stores; a read of the state dict "
+            "publishes an update waiting for the hand-out first, and a restored one restores "
             "the workers' versions; each batch gets `('next', key)` where a worker could not tag it. Only the "
             "methods' public signatures are relied on",
-            "the collector has the four methods and an instance dictionary, when the scheme meets it",
+            "the collector has the five methods and an instance dictionary, when the scheme meets it",
             "TorchRLChangedError then; if a wrapper is bypassed, TorchRL's loop calls `send()`, which publishes each "
             "key at once",
             "a scheme hook around one update call (`begin_update` / `end_update`) and a public version argument",
