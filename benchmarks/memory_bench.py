@@ -11,8 +11,7 @@ shmsync's default (CPU workers run on the published memory in place), shmsync wi
 every worker process: PSS (proportional set size: shared pages split between their users, so the
 sum over processes is what the machine holds) and USS (each worker's private memory), and the
 growth of ``/dev/shm``. Each figure is net of the same run with a tiny MLP, in multiples of the
-model. ``update`` is the median time of ``update_policy_weights_()``, against one plain copy of
-the weights in the same run.
+model. What the updates cost in time is ``loop_bench.py``'s to say: the whole loop, side by side.
 
 Last, the trainer writes its weights in place without publishing (its last bias to +1000, which
 saturates every action at 2.0), and one more batch is collected: "runs unpublished writes" says
@@ -109,7 +108,6 @@ def measure(kind: str, nbytes: int, workers: int, batches: int) -> dict:
         total_frames=-1,
         weight_sync_schemes={"policy": make_scheme(kind)},
     )
-    updates = []
     try:
         batches_of = iter(collector)  # one iterator: a MultiSyncCollector's is not restartable
         for _ in range(batches):
@@ -117,10 +115,7 @@ def measure(kind: str, nbytes: int, workers: int, batches: int) -> dict:
             with torch.no_grad():
                 for p in policy.parameters():
                     p.mul_(0.999)  # a training step's change
-            t = time.perf_counter()
             collector.update_policy_weights_()
-            updates.append(time.perf_counter() - t)
-        copies = plain_copy_seconds(model_bytes)  # the floor, in the same process and moment
         next(batches_of)  # every worker has loaded the last publish
         time.sleep(0.5)
         me = psutil.Process()
@@ -151,21 +146,8 @@ def measure(kind: str, nbytes: int, workers: int, batches: int) -> dict:
         "pss": pss,
         "worker_uss_mean": statistics.fmean(sorted(worker_uss)[-workers:]) if worker_uss else 0,
         "shm": shm,
-        "update_p50": statistics.median(updates[1:] or updates),
-        "copy_p50": copies,
         "runs_unpublished": unpublished,
     }
-
-
-def plain_copy_seconds(nbytes: int, reps: int = 7) -> float:
-    src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
-    dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def measured(kind: str, nbytes: int, workers: int, batches: int) -> dict:
@@ -192,22 +174,19 @@ def run(args: Args) -> dict:
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
-    return {"mb": args.mb, "rows": rows}
+    return {"mb": args.mb, "batches": args.batches, "rows": rows}
 
 
 def table(report: dict) -> str:
     lines = [
-        f"MLP of {report['mb']:.0f} MB, MultiSyncCollector on Pendulum, 5 publishes; the plain copy: one copy_ of "
-        "the weights in the trainer, timed right after the updates; measured beside the test suite and two busy loops",
+        f"MLP of {report['mb']:.0f} MB, MultiSyncCollector on Pendulum, {report['batches']} publishes",
         "",
-        "| workers | scheme | summed PSS | per worker (USS) | /dev/shm | update, median | plain copy "
-        "| runs unpublished writes |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workers | scheme | summed PSS | per worker (USS) | /dev/shm | runs unpublished writes |",
+        "|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         lines.append(
             f"| {r['workers']} | {r['scheme']} | {r['pss_x']:.2f}x | {r['worker_uss_x']:.2f}x | {r['shm_x']:.2f}x "
-            f"| {r['update_p50'] * 1e3:.1f} ms | {r['copy_p50'] * 1e3:.1f} ms ({r['update_p50'] / r['copy_p50']:.2f}x) "
             f"| {'yes' if r['runs_unpublished'] else 'no'} |"
         )
     lines.append("")
