@@ -13,7 +13,6 @@ import json
 import mmap
 import os
 import re
-import subprocess
 import sys
 import threading
 from types import CodeType, FunctionType
@@ -23,7 +22,7 @@ import torch
 
 import shmsync
 from shmsync import WeightReader, WeightStore
-from tests.commands import CHECKOUT
+from tests.commands import CHECKOUT, python, run_command, with_tests_importable
 
 ROOT = CHECKOUT
 PACKAGE = os.path.dirname(shmsync.__file__)
@@ -188,15 +187,7 @@ def test_one_update_takes_the_documented_path():
     # In a process of its own: a thread that an earlier test in this process left running would
     # count as one that may write the weights, and the copy would then be checked after it (a
     # longer path, the right one for such a process, not the one documented).
-    run = subprocess.run(
-        [sys.executable, "-c", TRACE],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
+    run = run_command(python("-c", TRACE), env=with_tests_importable(), check=True, timeout=150)
     paths = {thread: [tuple(step) for step in path] for thread, path in json.loads(run.stdout.splitlines()[-1]).items()}
     trainer, copier = paths["trainer"], paths["copier"]
     assert trainer == documented("trainer"), f"the trainer's thread took:\n{trainer}"
