@@ -1,7 +1,8 @@
 """Where a result in ``docs/results/`` comes from: the commit, date, machine and command that made
 it, and the code it measures. A benchmark run with ``--docs`` writes its table with that header;
-``tests/docs/test_results.py`` fails when the code a result measures changed after its commit, so
-a table in the docs is always one that today's code of its path made (or says it is older).
+``tests/docs/test_results.py`` fails when the code a result measures changed after its commit
+(comments and docstrings aside), so a table in the docs is always one that today's code of its path
+made (or says it is older).
 
 The header's first line is for the check to read, the second for people::
 

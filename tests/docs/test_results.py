@@ -1,8 +1,10 @@
 """Every result in docs/results/ says where it came from (benchmarks/provenance.py): the commit,
 the command and the code it measures; and it is a result of today's code of that path, or says that
 it is older. A change to the code a result measures, made after the result, fails here until the
-result is made again (or marked older, saying so where the docs show it)."""
+result is made again (or marked older, saying so where the docs show it). A change of comments and
+docstrings alone is no change to the code: no figure can move with it."""
 
+import ast
 import re
 import shutil
 import subprocess
@@ -26,9 +28,29 @@ def _history() -> bool:
     return shutil.which("git") is not None and _git("rev-parse", "--is-inside-work-tree").stdout.strip() == "true"
 
 
+def _code(text: str) -> str:
+    """A Python module's code: its syntax tree without docstrings (comments are not in it)."""
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                if isinstance(body[0].value.value, str):
+                    node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
 def _changed_since(commit: str, measures: list[str]) -> list[str]:
-    """The files of ``measures`` that changed between ``commit`` and the checkout."""
-    return _git("diff", "--name-only", commit, "HEAD", "--", *measures).stdout.split()
+    """The files of ``measures`` whose code changed between ``commit`` and the checkout: added,
+    removed, or different other than in comments and docstrings (a Python file's syntax tree)."""
+    changed = []
+    for path in _git("diff", "--name-only", commit, "HEAD", "--", *measures).stdout.split():
+        before, after = _git("show", f"{commit}:{path}"), _git("show", f"HEAD:{path}")
+        if before.returncode or after.returncode or not path.endswith(".py"):
+            changed.append(path)
+        elif _code(before.stdout) != _code(after.stdout):
+            changed.append(path)
+    return changed
 
 
 def _header(path):
@@ -72,3 +94,19 @@ def test_the_check_sees_a_change_made_after_a_result():
     first = _git("rev-list", "--max-parents=0", "HEAD").stdout.split()[-1]
     head = _git("rev-parse", "HEAD").stdout.strip()
     assert _changed_since(first, ["shmsync"]) and not _changed_since(head, ["shmsync"])
+
+
+def test_comments_and_docstrings_are_not_code_and_a_changed_constant_is():
+    source = '''"""A module."""
+
+LIMIT = 64  # rows
+
+
+def f(x):
+    """Twice ``x``."""
+    return 2 * x
+'''
+    reworded = source.replace("A module.", "The module.").replace("# rows", "# a row each").replace("Twice", "Double")
+    assert _code(reworded) == _code(source)
+    assert _code(source.replace("64", "32")) != _code(source)
+    assert _code(source.replace("2 * x", "x * 2")) != _code(source)
