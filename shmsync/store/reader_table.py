@@ -100,7 +100,7 @@ class ReaderRow:
         device_bytes: GPU memory the reader holds of its own (a private device copy; 0 in place).
         steps_behind: optimizer steps the trainer took on the weights since the version the
             reader loaded was published (None where not known: before its first load, a version
-            more than 32 publishes old, a store a relay fills).
+            more than 64 publishes old, a store a relay fills).
         copied_bytes: bytes its last reload copied into its module: a copying reader copies what
             changed since the version it held (all of it at its first load), one in place its
             buffers (see :mod:`shmsync.reader.held_copy`).

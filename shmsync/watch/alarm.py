@@ -12,7 +12,7 @@ starting a rollout is not.
 
 The alarm reads the readers' table (:mod:`shmsync.store.reader_table`) on a thread of its own, twice a
 second: no message to any reader, nothing on the publish path. What it does with a stale reader
-is ``on_stale``'s choice: log a warning (``"warn"``, the default; logger ``shmsync.watch.alarm``),
+is ``on_stale``'s choice: log a warning (``"warn"``, the default; logger ``shmsync.alarm``),
 log it and raise :class:`~shmsync.errors.StaleReaderError` at the trainer's next publish
 (``"raise"``), or call a function with a :class:`StaleEvent` (in the alarm's thread).
 

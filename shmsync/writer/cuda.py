@@ -11,7 +11,7 @@ One publish, on the trainer's thread (:meth:`CudaWriter.enqueue`)::
 and on the store's copier thread: wait for the event, commit the device slot (readers on the same
 GPU run it in place from now on), and, while a reader needs the host slots (a CPU worker, a GPU
 worker without peer access, a relay), copy the device slot into a host slot in chunks on a side
-stream and commit that. One write is open at a time: the next publish waits (``StoreWriter.flush``)
+stream and commit that. One write is open at a time: the next publish waits (``WeightStore.flush``)
 only if the previous copy has not landed (the copy engine is slower than the trainer publishes).
 """
 
@@ -43,7 +43,7 @@ WATCH_EVERY_S = 0.02  # how often an idle CUDA writer looks for a reader asking 
 
 class CudaWriter:
     """The writing of a store published from CUDA tensors: copies them into its device slots,
-    and fills its host slots from those. Held by the store's ``StoreWriter`` from the first
+    and fills its host slots from those. Held by the store's ``Writer`` from the first
     publish from CUDA on.
 
     Args:

@@ -377,7 +377,7 @@ class WeightStore:
         state = "closed" if self.closed else f"version={self.version}"
         return f"WeightStore(name={self.name!r}, {state}, nbytes={self.nbytes})"
 
-    # -- publishing (this process's StoreWriter) ------------------------------------------------
+    # -- publishing (this process's Writer) ------------------------------------------------------
     def publish(
         self,
         source: Any,
