@@ -161,7 +161,9 @@ test-legs: $(foreach v,$(TORCHRL_LEGS),.venv-torchrl-$(v)/.installed)
 # A torch release installed once per machine, outside the checkout (`pip install --target`), by
 # the Python it is for: a folder of its own, keyed by the release, the Python, the machine and
 # TORCH_PIP_ARGS, made under another name and renamed when whole, so that a cut-off install is
-# never taken for one.
+# never taken for one. Precious: make would otherwise delete the mark after each run as a file
+# it made on the way (a pattern rule's target), and install the release again the next time.
+.PRECIOUS: $(CACHE)/torch-%/.complete
 $(CACHE)/torch-%/.complete:
 	rm -rf "$(@D).partial-$$PPID" && mkdir -p "$(CACHE)"
 	PIP_CONSTRAINT=/dev/null $(call need_python,$(patsubst cp3%,3.%,$(word 2,$(subst -, ,$*)))) -m pip install -q \
