@@ -33,10 +33,10 @@ def _code(text: str) -> str:
     tree = ast.parse(text)
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-                if isinstance(body[0].value.value, str):
-                    node.body = body[1:] or [ast.Pass()]
+            first = node.body[0] if node.body else None
+            value = first.value if isinstance(first, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                node.body = node.body[1:] or [ast.Pass()]
     return ast.dump(tree)
 
 
@@ -46,9 +46,8 @@ def _changed_since(commit: str, measures: list[str]) -> list[str]:
     changed = []
     for path in _git("diff", "--name-only", commit, "HEAD", "--", *measures).stdout.split():
         before, after = _git("show", f"{commit}:{path}"), _git("show", f"HEAD:{path}")
-        if before.returncode or after.returncode or not path.endswith(".py"):
-            changed.append(path)
-        elif _code(before.stdout) != _code(after.stdout):
+        comparable = before.returncode == 0 and after.returncode == 0 and path.endswith(".py")
+        if not comparable or _code(before.stdout) != _code(after.stdout):
             changed.append(path)
     return changed
 
