@@ -27,7 +27,8 @@ opt-in ``unsafe_background_copy=True`` returns before the bytes are copied
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -137,6 +138,18 @@ class Writer:
                 self.cuda.close()
 
 
+@contextmanager
+def _removed_if_failed(store: WeightStore) -> Iterator[None]:
+    """The steps that finish a new store: if one fails, the store's file is removed and its
+    memory let go before the error goes on (no half-made store is left for others to attach)."""
+    try:
+        yield
+    except BaseException:
+        store.unlink()
+        store.close()
+        raise
+
+
 class WeightStore:
     """A store open in this process: versioned weights in shared memory, published by one process,
     read by many. Its job is the store's versions: where they live is its :attr:`memory`'s (a
@@ -232,14 +245,10 @@ class WeightStore:
         layout.match(td, "weights given to WeightStore.create()")
         name = default_name() if name is None else name
         store = cls.create_empty(layout, destinations, name, num_slots=num_slots, unlink_at_exit=unlink_at_exit)
-        try:
+        with _removed_if_failed(store):
             store.publish(source, version=version)  # the first version is copied before create() returns
             store.flush()
             store.unsafe_background_copy = bool(unsafe_background_copy)
-        except BaseException:
-            store.unlink()
-            store.close()
-            raise
         return store
 
     @classmethod
@@ -259,12 +268,8 @@ class WeightStore:
             layout, destinations, name, num_slots, unlink_at_exit=unlink_at_exit, make_segment=make_segment
         )
         store = cls(memory, owner=True)
-        try:
+        with _removed_if_failed(store):
             store.writer.role.acquire()
-        except BaseException:
-            store.unlink()
-            store.close()
-            raise
         return store
 
     @classmethod

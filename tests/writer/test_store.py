@@ -4,6 +4,7 @@ import os
 import pickle
 import signal
 import time
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -107,6 +108,32 @@ def test_context_manager_unlinks():
         name = store.name
         assert WeightStore.attach(name).version == 0
     with pytest.raises(StoreNotFoundError):
+        WeightStore.attach(name)
+
+
+class ChangesOnceTheFileExists(Mapping):
+    """A destination -> module mapping that hands out a differently shaped module once the store's
+    file exists: the store is laid out from the first shape, and its first publish meets the other."""
+
+    def __init__(self, name: str) -> None:
+        self.path = f"/dev/shm/shmsync-{name}"
+
+    def __getitem__(self, key: str) -> nn.Module:
+        return nn.Linear(3, 3) if os.path.exists(self.path) else nn.Linear(2, 2)
+
+    def __iter__(self):
+        return iter(["policy"])
+
+    def __len__(self) -> int:
+        return 1
+
+
+def test_a_create_whose_first_publish_fails_leaves_no_store():
+    name = f"half-made-{os.getpid()}"
+    with pytest.raises(WeightMismatchError, match="policy"):
+        WeightStore.create(ChangesOnceTheFileExists(name), name=name)
+    assert not os.path.exists(f"/dev/shm/shmsync-{name}")
+    with pytest.raises(StoreNotFoundError, match=name):
         WeightStore.attach(name)
 
 
