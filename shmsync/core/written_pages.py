@@ -482,10 +482,10 @@ class WrittenPages:
     def _take(self, r: TrackedRange) -> Spans | None:
         """``r``'s written bytes as spans within it, forgotten once taken; ``None`` if not tracked."""
         pending = self._pending.get(r)
-        if pending is None:
-            if r.unknown is None:
+        if not pending:  # the common answer: nothing written (or not tracked)
+            if pending is None and r.unknown is None:
                 r.unknown = "not tracked by this tracker"
-            return None
+            return None if pending is None else []
         self._pending[r] = []
         low, high = r.address, r.address + r.length
         return [(max(s, low) - low, min(e, high) - max(s, low)) for s, e in pending if s < high and e > low]

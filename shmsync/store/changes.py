@@ -222,10 +222,10 @@ class LeafWatch:
     ) -> list[bool]:
         """Per leaf, whether it changed or was written since the last look (see :meth:`settle`)."""
         versions, active = self.versions, []
-        for i, differs in enumerate(changed):
-            version, spans = tensors[i]._version, looked.get(i)
+        for i, (t, differs) in enumerate(zip(tensors, changed)):
+            version, spans = t._version, looked.get(i)
             moved = version != versions[i] >= 0 and i not in own
-            active.append(differs or moved or (spans is not None and sum(n for _, n in spans) > 2 * PAGE))
+            active.append(differs or moved or (bool(spans) and sum(n for _, n in spans) > 2 * PAGE))
             versions[i] = version
         return active
 

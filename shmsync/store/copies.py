@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from shmsync.core.pages import same_memory
+from shmsync.core.pages import same_memories, same_memory
 from shmsync.errors import InvalidArgumentError, ShmSyncError, WaitTimeoutError
 
 PARALLEL_MIN_BYTES = 4 << 20
@@ -86,10 +86,10 @@ def same_all(ranges: list[tuple[int, int, int]], threads: int | None = None) -> 
     total = sum(n for _, _, n in ranges)
     n = copy_threads() if threads is None else threads
     if n <= 1 or total < PARALLEL_MIN_BYTES:
-        return [same_memory(a, b, length) for a, b, length in ranges]
+        return same_memories(ranges)
     # Most ranges that differ do so at once (a leaf an optimizer stepped): their first bytes tell,
     # on this thread, and only the ranges still equal there are split across the threads.
-    head = [same_memory(a, b, min(length, FIRST_BYTES)) for a, b, length in ranges]
+    head = same_memories([(a, b, min(length, FIRST_BYTES)) for a, b, length in ranges])
     if not any(head):
         return head
     rest = [(k, (a, b, n_)) for k, (same, (a, b, n_)) in enumerate(zip(head, ranges)) if same]
