@@ -122,7 +122,9 @@ class HeldCopy:
         self.version = -1
         self.copied_bytes = 0
         self.skipped_bytes = 0
-        self.watch = LeafWatch(len(targets))
+        # A reload writes the small and the changed tensors beside the tracked ones: their shared
+        # pages are compared at each reload rather than tracked (no fault in each reload's copy).
+        self.watch = LeafWatch(len(targets), edges_tracked=False)
         weakref.finalize(self, self.watch.close)
 
     @property

@@ -13,7 +13,12 @@ each exact (:class:`~shmsync.core.header.Proof`):
   unchanged, at no cost. The bytes on a written page are compared, so a neighbour's write to a
   page the leaf shares (small tensors sit beside other objects), or a write of the same bytes (a
   ``load_state_dict`` of an unchanged checkpoint), costs a comparison, not a copy. Only leaves of
-  :data:`TRACK_MIN_BYTES` or more, in this process's private memory, are tracked.
+  :data:`TRACK_MIN_BYTES` or more, in this process's private memory, are tracked. A watch may
+  leave a leaf's *edges* (its first and last page, which it shares with its neighbours) out of
+  the tracking and compare its bytes on them at every look instead: where the neighbours are
+  written at every look (a copying reader's reload writes the small tensors beside the large
+  ones), a tracked edge page would fault on each of those writes and be protected again at each
+  look.
 * **Comparison**: the leaf's bytes against the reference's (``memcmp``, split across idle cores
   when large, as integers of the element's size where a view is needed: ``-0.0`` and ``0.0``, or
   two NaNs of different payloads, differ). It stops at the first byte that differs: a leaf an
@@ -94,6 +99,8 @@ class LeafWatch:
 
     Args:
         count: the number of leaves.
+        edges_tracked: whether a leaf's edge pages are tracked with the rest (False: only the
+            pages it fills whole are, and its bytes on the others are compared at each look).
 
     Attributes:
         why_compared: why write tracking is unavailable here (None: it is available), so that
@@ -114,9 +121,11 @@ class LeafWatch:
         >>> watch.close()
     """
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, *, edges_tracked: bool = True) -> None:
+        self.edges_tracked = edges_tracked
         self.tracked: list[TrackedRange | None] = [None] * count
         self.where: list[tuple[int, tuple[int, ...]]] = [(0, ())] * count  # memory when tracked: address, strides
+        self.edges: list[Spans] = [[]] * count  # per tracked leaf, its bytes on pages not tracked
         self.changing = [False] * count  # found changed lately: compared, tracked only over quiet stretches
         self.still = [0] * count  # looks in a row it was found unchanged
         self.quiet_after: list[dict[str | None, bool]] = [{} for _ in range(count)]  # per moment
@@ -133,10 +142,11 @@ class LeafWatch:
         return Proof.COMPARISON if self.why_compared is not None else Proof.WRITTEN_PAGES
 
     def pages_written(self, tensors: Sequence[torch.Tensor]) -> dict[int, Spans]:
-        """Per tracked leaf, the bytes of it on pages written since its last look (``[]``: none),
-        and those pages protected again. A leaf whose memory moved since it was tracked, or whose
-        pages the tracker lost, is let go and missing from the answer: compare it."""
-        pages, tracked, where = self._pages, self.tracked, self.where
+        """Per tracked leaf, the bytes of it to compare: those on its tracked pages written since
+        its last look, and its edges where they are not tracked (``[]``: nothing, it is unchanged),
+        the written pages protected again. A leaf whose memory moved since it was tracked, or
+        whose pages the tracker lost, is let go and missing from the answer: compare it."""
+        pages, tracked, where, edges = self._pages, self.tracked, self.where, self.edges
         if pages is None:
             return {}
         ids = [i for i, r in enumerate(tracked) if r is not None]
@@ -146,12 +156,21 @@ class LeafWatch:
             ids = [i for i in ids if tracked[i] is not None]
         looked = {}
         ranges = [r for r in (tracked[i] for i in ids) if r is not None]  # each of ids: one
-        for i, spans in zip(ids, pages.look(ranges) if ids else ()):
+        for i, r, spans in zip(ids, ranges, pages.look(ranges) if ids else ()):
             if spans is None:
                 tracked[i] = None  # its memory went, or a fork left it behind: compared from now on
-            else:
+            elif not edges[i]:
                 looked[i] = spans
+            else:  # spans within the tracked pages, at the leaf's own offsets, between its edges
+                head = r.address - where[i][0]
+                first = edges[i][: head > 0]
+                looked[i] = [*first, *((o + head, n) for o, n in spans), *edges[i][len(first) :]]
         return looked
+
+    def inside(self, i: int, spans: Spans) -> bool:
+        """Whether ``spans``, from :meth:`pages_written`, name bytes on leaf ``i``'s tracked pages
+        (not only its untracked edges): a write reached them since the last look."""
+        return len(spans) > len(self.edges[i])
 
     def differing(
         self, tensors: Sequence[torch.Tensor], which: Sequence[tuple[int, torch.Tensor, Spans | None]]
@@ -221,11 +240,13 @@ class LeafWatch:
         self, tensors: Sequence[torch.Tensor], changed: Sequence[bool], looked: dict[int, Spans], own: Collection[int]
     ) -> list[bool]:
         """Per leaf, whether it changed or was written since the last look (see :meth:`settle`)."""
-        versions, active = self.versions, []
+        versions, edges, active = self.versions, self.edges, []
         for i, (t, differs) in enumerate(zip(tensors, changed)):
             version, spans = t._version, looked.get(i)
             moved = version != versions[i] >= 0 and i not in own
-            active.append(differs or moved or (bool(spans) and sum(n for _, n in spans) > 2 * PAGE))
+            # More than two pages of its tracked ones written (its untracked edges left out).
+            written = spans is not None and sum(n for _, n in spans) - sum(n for _, n in edges[i]) > 2 * PAGE
+            active.append(differs or moved or written)
             versions[i] = version
         return active
 
@@ -257,11 +278,19 @@ class LeafWatch:
             except OSError as e:  # refused after all (WriteTrackingError): every leaf is compared
                 self.why_compared = str(e)
                 return
-        spans = [(tensors[i].data_ptr(), tensors[i].nbytes) for i in ids]
-        for i, r in zip(ids, self._pages.track(spans)):
+        spans, edges = [], []
+        for i in ids:
+            address, nbytes = tensors[i].data_ptr(), tensors[i].nbytes
+            start, end = address, address + nbytes
+            if not self.edges_tracked:  # the pages it fills whole (a tracked leaf fills several)
+                start, end = -(-address // PAGE) * PAGE, end // PAGE * PAGE
+            spans.append((start, end - start))
+            head, tail = start - address, address + nbytes - end
+            edges.append([(0, head)] * (head > 0) + [(nbytes - tail, tail)] * (tail > 0))
+        for i, r, own_edges in zip(ids, self._pages.track(spans), edges):
             t = tensors[i]
             if r.unknown is None:
-                self.tracked[i], self.where[i] = r, (t.data_ptr(), t.stride())
+                self.tracked[i], self.where[i], self.edges[i] = r, (t.data_ptr(), t.stride()), own_edges
             else:
                 self.untrackable[i] = t.data_ptr()
 

@@ -137,7 +137,7 @@ class SourceChanges:
         which = []
         for i in range(len(source)):
             spans = looked.get(i)
-            if spans:
+            if spans and self.watch.inside(i, spans):
                 self._dirty[i] = True  # the look cleared their record: keep it here
             if spans != []:
                 which.append((i, copied[i], spans))

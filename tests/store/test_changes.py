@@ -131,3 +131,40 @@ def test_leaves_off_the_plain_layout_are_compared_as_integers():
     zero, negative = torch.tensor([0.0]), torch.tensor([-0.0])
     assert watch.differing([a, zero, zero], [(0, b, None), (1, negative, None), (2, zero.clone(), None)]) == {1}
     assert same_bytes(a, b) and not same_bytes(zero, negative)
+
+
+@needs_tracking
+@pytest.mark.parametrize("edges_tracked", [True, False], ids=["edges tracked", "edges compared"])
+def test_neighbours_written_at_every_look_on_the_pages_a_leaf_shares(edges_tracked):
+    """A leaf shares its first and last pages with neighbours written before every look (a reload's
+    copy of the small tensors beside the large ones). Edges tracked: the neighbours' writes are
+    reported there and the leaf's bytes on them compared. Edges compared: those bytes are compared
+    at every look, and no write of a neighbour is reported. Either way the leaf stays tracked and
+    unchanged, and a write to its own bytes, on an edge page or between, is found."""
+    floats_per_page = 4096 // 4
+    block = torch.zeros(BIG + 4 * floats_per_page)
+    # The leaf starts half way into a page, whatever the allocator's alignment.
+    start = (2048 - block.data_ptr() % 4096) % 4096 // 4 + floats_per_page
+    # Each through its own .data: three tensors, as a module's are, each with its own version counter.
+    before, leaf, after = block.data[:start], block.data[start : start + BIG], block.data[start + BIG :]
+    reference = [leaf.clone()]
+    watch = LeafWatch(1, edges_tracked=edges_tracked)
+    try:
+        for k in range(4):
+            before[-1] += 1.0
+            after[0] += 1.0
+            looked = watch.pages_written([leaf])
+            if k > 1:  # tracked since the first look
+                assert looked[0], f"look {k}: the leaf's bytes on its shared pages were not compared"
+                assert watch.inside(0, looked[0]) == edges_tracked, f"look {k}: {looked[0]}"
+            changed = watch.differing([leaf], [(0, reference[0], looked.get(0))])
+            assert changed == set(), f"look {k}"
+            watch.settle([leaf], [False], "publish", looked)
+            assert watch.tracked[0] is not None, f"look {k}: the leaf is not tracked"
+        for where in (0, BIG // 2, BIG - 1):  # its first page, one it fills, its last page
+            leaf.data[where] += 1.0  # through .data: torch's version counter does not move
+            looked = watch.pages_written([leaf])
+            assert watch.differing([leaf], [(0, reference[0], looked.get(0))]) == {0}, f"element {where}"
+            leaf.data[where] -= 1.0
+    finally:
+        watch.close()
