@@ -14,7 +14,10 @@ The reader's own process may have written its module since it loaded it: TorchRL
 that the module writes in its forward pass, another thread. So a tensor is left as it is only when
 a proof says that its bytes equal the slot's: the pages the kernel says were written since the
 last reload (a tensor tracked from the moment a reload left it holding ``r``), or a comparison,
-as :mod:`shmsync.store.changes` decides for a writer's source too.
+as :mod:`shmsync.store.changes` decides for a writer's source too. Only the pages a tensor fills
+whole are tracked here, and its bytes on its first and last page are compared at every reload:
+a reload copies the small and the changed tensors beside the large ones, and a tracked page they
+share would fault on that copy and be protected again at the next reload.
 
 Tensors smaller than :data:`~shmsync.store.changes.TRACK_MIN_BYTES` (biases, norms) are copied at
 every reload, with no proof: copied together in one batch they cost less than a comparison each,

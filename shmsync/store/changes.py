@@ -144,7 +144,8 @@ class LeafWatch:
     def pages_written(self, tensors: Sequence[torch.Tensor]) -> dict[int, Spans]:
         """Per tracked leaf, the bytes of it to compare: those on its tracked pages written since
         its last look, and its edges where they are not tracked (``[]``: nothing, it is unchanged),
-        the written pages protected again. A leaf whose memory moved since it was tracked, or
+        the written pages protected again. The spans are sorted and apart, but an edge and a
+        written page beside it may touch. A leaf whose memory moved since it was tracked, or
         whose pages the tracker lost, is let go and missing from the answer: compare it."""
         pages, tracked, where, edges = self._pages, self.tracked, self.where, self.edges
         if pages is None:
@@ -169,7 +170,9 @@ class LeafWatch:
 
     def inside(self, i: int, spans: Spans) -> bool:
         """Whether ``spans``, from :meth:`pages_written`, name bytes on leaf ``i``'s tracked pages
-        (not only its untracked edges): a write reached them since the last look."""
+        (not only its untracked edges): a write reached those pages since the last look. (The
+        spans are its edges and the written pages between them, as :meth:`pages_written` puts
+        them together: so one more than its edges.)"""
         return len(spans) > len(self.edges[i])
 
     def differing(
@@ -278,16 +281,22 @@ class LeafWatch:
             except OSError as e:  # refused after all (WriteTrackingError): every leaf is compared
                 self.why_compared = str(e)
                 return
-        spans, edges = [], []
+        spans, edges, whole = [], [], []
         for i in ids:
             address, nbytes = tensors[i].data_ptr(), tensors[i].nbytes
             start, end = address, address + nbytes
-            if not self.edges_tracked:  # the pages it fills whole (a tracked leaf fills several)
+            if not self.edges_tracked:  # the pages it fills whole
                 start, end = -(-address // PAGE) * PAGE, end // PAGE * PAGE
+                if end <= start:  # none (pages of 64 KiB): compared while its memory stays there
+                    self.untrackable[i] = address
+                    continue
+            whole.append(i)
             spans.append((start, end - start))
             head, tail = start - address, address + nbytes - end
             edges.append([(0, head)] * (head > 0) + [(nbytes - tail, tail)] * (tail > 0))
-        for i, r, own_edges in zip(ids, self._pages.track(spans), edges):
+        if not whole:
+            return
+        for i, r, own_edges in zip(whole, self._pages.track(spans), edges):
             t = tensors[i]
             if r.unknown is None:
                 self.tracked[i], self.where[i], self.edges[i] = r, (t.data_ptr(), t.stride()), own_edges

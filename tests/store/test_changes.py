@@ -6,6 +6,7 @@ the same bytes is found equal; a leaf whose memory moved is let go and compared.
 import pytest
 import torch
 
+from shmsync.core.page_map import PAGE
 from shmsync.core.written_pages import unavailable_reason
 from shmsync.store.changes import COOL_AFTER, TRACK_MIN_BYTES, LeafWatch, same_bytes
 
@@ -138,15 +139,18 @@ def test_leaves_off_the_plain_layout_are_compared_as_integers():
 def test_neighbours_written_at_every_look_on_the_pages_a_leaf_shares(edges_tracked):
     """A leaf shares its first and last pages with neighbours written before every look (a reload's
     copy of the small tensors beside the large ones). Edges tracked: the neighbours' writes are
-    reported there and the leaf's bytes on them compared. Edges compared: those bytes are compared
-    at every look, and no write of a neighbour is reported. Either way the leaf stays tracked and
-    unchanged, and a write to its own bytes, on an edge page or between, is found."""
-    floats_per_page = 4096 // 4
+    reported there and the leaf's bytes on them compared. Edges compared: exactly those bytes are
+    compared at every look, and no write of a neighbour is reported. Either way the leaf stays
+    tracked and unchanged, and a write to its own bytes, on an edge page or between, is found."""
+    floats_per_page = PAGE // 4
     block = torch.zeros(BIG + 4 * floats_per_page)
     # The leaf starts half way into a page, whatever the allocator's alignment.
-    start = (2048 - block.data_ptr() % 4096) % 4096 // 4 + floats_per_page
+    half = PAGE // 2
+    start = (half - block.data_ptr() % PAGE) % PAGE // 4 + floats_per_page
     # Each through its own .data: three tensors, as a module's are, each with its own version counter.
     before, leaf, after = block.data[:start], block.data[start : start + BIG], block.data[start + BIG :]
+    nbytes = leaf.nbytes
+    assert leaf.data_ptr() % PAGE == half
     reference = [leaf.clone()]
     watch = LeafWatch(1, edges_tracked=edges_tracked)
     try:
@@ -154,17 +158,21 @@ def test_neighbours_written_at_every_look_on_the_pages_a_leaf_shares(edges_track
             before[-1] += 1.0
             after[0] += 1.0
             looked = watch.pages_written([leaf])
-            if k > 1:  # tracked since the first look
-                assert looked[0], f"look {k}: the leaf's bytes on its shared pages were not compared"
+            if k >= 1:  # tracked since the first look
+                if edges_tracked:  # the two shared pages, written by the neighbours: its bytes on them
+                    assert looked[0] == [(0, half), (nbytes - half, half)], f"look {k}"
+                else:  # its bytes on them, compared although no write was reported
+                    assert looked[0] == watch.edges[0] == [(0, half), (nbytes - half, half)], f"look {k}"
                 assert watch.inside(0, looked[0]) == edges_tracked, f"look {k}: {looked[0]}"
             changed = watch.differing([leaf], [(0, reference[0], looked.get(0))])
             assert changed == set(), f"look {k}"
             watch.settle([leaf], [False], "publish", looked)
             assert watch.tracked[0] is not None, f"look {k}: the leaf is not tracked"
-        for where in (0, BIG // 2, BIG - 1):  # its first page, one it fills, its last page
-            leaf.data[where] += 1.0  # through .data: torch's version counter does not move
+        for element in (0, BIG // 2, BIG - 1):  # on its first page, on one it fills, on its last page
+            leaf.data[element] += 1.0  # through .data: torch's version counter does not move
             looked = watch.pages_written([leaf])
-            assert watch.differing([leaf], [(0, reference[0], looked.get(0))]) == {0}, f"element {where}"
-            leaf.data[where] -= 1.0
+            assert 0 in looked, f"element {element}: the leaf was let go"
+            assert watch.differing([leaf], [(0, reference[0], looked[0])]) == {0}, f"element {element}"
+            leaf.data[element] -= 1.0
     finally:
         watch.close()

@@ -12,6 +12,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from shmsync import StoreNotFoundError, WeightMismatchError, WeightReader, WeightStore, WriterBusyError
+from shmsync.core.segment import path_of
 from shmsync.errors import InvalidArgumentError
 from shmsync.testing import ordering_of
 from tests.processes import lease_and_hang, slow_reader, stress_reader, stuck_reader, wait_for_the_promise, writer
@@ -116,7 +117,7 @@ class ChangesOnceTheFileExists(Mapping):
     file exists: the store is laid out from the first shape, and its first publish meets the other."""
 
     def __init__(self, name: str) -> None:
-        self.path = f"/dev/shm/shmsync-{name}"
+        self.path = path_of(name)
 
     def __getitem__(self, key: str) -> nn.Module:
         return nn.Linear(3, 3) if os.path.exists(self.path) else nn.Linear(2, 2)
@@ -132,7 +133,7 @@ def test_a_create_whose_first_publish_fails_leaves_no_store():
     name = f"half-made-{os.getpid()}"
     with pytest.raises(WeightMismatchError, match="policy"):
         WeightStore.create(ChangesOnceTheFileExists(name), name=name)
-    assert not os.path.exists(f"/dev/shm/shmsync-{name}")
+    assert not os.path.exists(path_of(name))
     with pytest.raises(StoreNotFoundError, match=name):
         WeightStore.attach(name)
 
