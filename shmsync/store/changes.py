@@ -248,7 +248,11 @@ class LeafWatch:
             version, spans = t._version, looked.get(i)
             moved = version != versions[i] >= 0 and i not in own
             # More than two pages of its tracked ones written (its untracked edges left out).
-            written = spans is not None and sum(n for _, n in spans) - sum(n for _, n in edges[i]) > 2 * PAGE
+            written = (
+                spans is not None
+                and len(spans) > len(edges[i])
+                and sum(n for _, n in spans) - sum(n for _, n in edges[i]) > 2 * PAGE
+            )
             active.append(differs or moved or written)
             versions[i] = version
         return active
