@@ -35,6 +35,7 @@ leaf whose memory moved (``p.data = other``) since it was tracked is let go and 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import cast
 
 import torch
 
@@ -156,17 +157,20 @@ class LeafWatch:
             self.let_go(moved)
             ids = [i for i in ids if tracked[i] is not None]
         looked = {}
-        ranges = [r for r in (tracked[i] for i in ids) if r is not None]  # each of ids: one
+        ranges = cast(list[TrackedRange], [tracked[i] for i in ids])  # each of ids is tracked
         for i, r, spans in zip(ids, ranges, pages.look(ranges) if ids else ()):
             if spans is None:
                 tracked[i] = None  # its memory went, or a fork left it behind: compared from now on
-            elif not edges[i]:
-                looked[i] = spans
-            else:  # spans within the tracked pages, at the leaf's own offsets, between its edges
-                head = r.address - where[i][0]
-                first = edges[i][: head > 0]
-                looked[i] = [*first, *((o + head, n) for o, n in spans), *edges[i][len(first) :]]
+            else:
+                looked[i] = self._with_edges(i, r, spans) if edges[i] else spans
         return looked
+
+    def _with_edges(self, i: int, r: TrackedRange, spans: Spans) -> Spans:
+        """Leaf ``i``'s untracked edges, and ``spans`` (within its tracked range ``r``) at its own
+        offsets between them."""
+        head, edges = r.address - self.where[i][0], self.edges[i]
+        first = edges[: head > 0]
+        return [*first, *((o + head, n) for o, n in spans), *edges[len(first) :]]
 
     def inside(self, i: int, spans: Spans) -> bool:
         """Whether ``spans``, from :meth:`pages_written`, name bytes on leaf ``i``'s tracked pages

@@ -204,8 +204,8 @@ def _held(last: CheckedSource) -> list[Any]:
     """What the parts of ``last`` hold: each module's submodules, parameters and buffers (its own
     registries: a module or tensor swapped anywhere below shows there), each TensorDict's leaves."""
     held: list[Any] = []
-    for m in last.modules:  # the registries themselves: cheaper than children(), which walks a generator
-        held += m._modules.values()
+    for m in last.modules:
+        held += m.children()
         held += m._parameters.values()
         held += m._buffers.values()
     held += [part.get(k, None) for part, keys in last.parts if keys is not None for k in keys]
