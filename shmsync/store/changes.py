@@ -93,7 +93,9 @@ def _trackable(t: torch.Tensor) -> bool:
 
 class LeafWatch:
     """What is known of each leaf of a list of tensors since it was last looked at: whether its
-    pages are tracked, and whether it is changing. Held by a writer's
+    pages are tracked, and whether it is changing (kept only for leaves of
+    :data:`TRACK_MIN_BYTES` or more: a look at a model of many small tensors passes over the
+    others, which are compared or copied whole). Held by a writer's
     :class:`~shmsync.writer.changes.SourceChanges` and a reader's
     :class:`~shmsync.reader.held_copy.HeldCopy`, one per list; the tensors are passed at each
     call (the same leaves, in the same order: their memory may move between calls).
@@ -132,6 +134,7 @@ class LeafWatch:
         self.quiet_after: list[dict[str | None, bool]] = [{} for _ in range(count)]  # per moment
         self.untrackable = [0] * count  # the address it was found not trackable at (0: never)
         self.versions = [-1] * count  # torch's version counter at the last look
+        self.sized: list[int] | None = None  # the leaves large enough to track, found at the first settle
         self.why_compared = written_pages.unavailable_reason()
         self._pages: WrittenPages | None = None
         self._moment: str | None = None  # the moment of the last settle
@@ -149,9 +152,9 @@ class LeafWatch:
         written page beside it may touch. A leaf whose memory moved since it was tracked, or
         whose pages the tracker lost, is let go and missing from the answer: compare it."""
         pages, tracked, where, edges = self._pages, self.tracked, self.where, self.edges
-        if pages is None:
+        if pages is None or self.sized is None:  # nothing tracked yet
             return {}
-        ids = [i for i, r in enumerate(tracked) if r is not None]
+        ids = [i for i in self.sized if tracked[i] is not None]
         moved = [i for i in ids if (tensors[i].data_ptr(), tensors[i].stride()) != where[i]]
         if moved:
             self.let_go(moved)
@@ -222,20 +225,23 @@ class LeafWatch:
         costs more than comparing it), unless the stretch after this kind of moment was quiet
         last time."""
         last, self._moment = self._moment, moment
-        keep = self._keep(self._active(tensors, changed, looked or {}, own), last, moment)
+        if self.sized is None:  # a leaf's size stays (the layout's); a smaller one is never tracked
+            self.sized = [i for i, t in enumerate(tensors) if t.nbytes >= TRACK_MIN_BYTES]
+        ids = self.sized
+        keep = self._keep(ids, self._active(ids, tensors, changed, looked or {}, own), last, moment)
         tracked, untrackable = self.tracked, self.untrackable
-        gone = [i for i, k in enumerate(keep) if not k and tracked[i] is not None]
-        wanted = [i for i, k in enumerate(keep) if k and tracked[i] is None and untrackable[i] != tensors[i].data_ptr()]
+        gone = [i for i, k in zip(ids, keep) if not k and tracked[i] is not None]
+        wanted = [i for i, k in zip(ids, keep) if k and tracked[i] is None and untrackable[i] != tensors[i].data_ptr()]
         if gone:
             self.let_go(gone)
         if wanted and self.why_compared is None:
             self._track(tensors, wanted)
 
-    def _keep(self, active: list[bool], last: str | None, moment: str | None) -> list[bool]:
-        """Per leaf, from whether it was ``active`` since the ``last`` moment: whether it is
-        changing now, and whether to track it over the stretch after this ``moment``."""
+    def _keep(self, ids: list[int], active: list[bool], last: str | None, moment: str | None) -> list[bool]:
+        """Per leaf of ``ids``, from whether it was ``active`` since the ``last`` moment: whether it
+        is changing now, and whether to track it over the stretch after this ``moment``."""
         changing, still, quiet_after, keep = self.changing, self.still, self.quiet_after, []
-        for i, written in enumerate(active):
+        for i, written in zip(ids, active):
             if changing[i] and last is not None:
                 quiet_after[i][last] = not written
             still[i] = 0 if written else still[i] + 1
@@ -244,11 +250,18 @@ class LeafWatch:
         return keep
 
     def _active(
-        self, tensors: Sequence[torch.Tensor], changed: Sequence[bool], looked: dict[int, Spans], own: Collection[int]
+        self,
+        ids: list[int],
+        tensors: Sequence[torch.Tensor],
+        changed: Sequence[bool],
+        looked: dict[int, Spans],
+        own: Collection[int],
     ) -> list[bool]:
-        """Per leaf, whether it changed or was written since the last look (see :meth:`settle`)."""
+        """Per leaf of ``ids``, whether it changed or was written since the last look (see
+        :meth:`settle`)."""
         versions, edges, active = self.versions, self.edges, []
-        for i, (t, differs) in enumerate(zip(tensors, changed)):
+        for i in ids:
+            t, differs = tensors[i], changed[i]
             version, spans = t._version, looked.get(i)
             moved = version != versions[i] >= 0 and i not in own
             # More than two pages of its tracked ones written (its untracked edges left out).
