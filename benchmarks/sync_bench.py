@@ -870,10 +870,10 @@ def render(r: dict) -> str:
     parts.append(
         table(
             f"Worker side: version check with nothing new {rd['version_check_s'] * 1e9:.0f} ns; reload against copy_",
-            ["payload", "copy_ from shared memory", "reload p50", "ratio", "zero-copy reload p50"],
+            ["payload", "copy_ from shared memory", "reload p50", "ratio", "in-place reload p50"],
             rows,
         )
-        + "\nthe floor copies the same tensors out of the same slot, one plain copy_ each; a zero-copy reload"
+        + "\nthe floor copies the same tensors out of the same slot, one plain copy_ each; a reload in place"
         "\nleases the slot and points the parameters at it (the default for CPU workers; reload: zero_copy=False)."
     )
     by = {}
@@ -959,7 +959,7 @@ def render(r: dict) -> str:
         )
         + "\nupdate call: the update_policy_weights_() call itself (p50), as a share of the median cycle without"
         "\npublishing; copy floor: one copy into shared memory (trainer, warm source) plus one out of it (worker;"
-        "\nnone with zero-copy), as the same share. SharedMem's plain update copies nothing (its"
+        "\nnone in place), as the same share. SharedMem's plain update copies nothing (its"
         "\nworkers alias the trainer's weights): a design that never lets workers see half-written weights"
         "\nmust copy at least once per publish."
     )

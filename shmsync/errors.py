@@ -89,8 +89,8 @@ class NotLoadedError(ShmSyncError):
 
 
 class SharedWeightsWrittenError(ShmSyncError):
-    """This process wrote into parameters that run on a store's shared memory in place (a
-    zero-copy reader's). The write stayed in this process and was undone: no other process
+    """This process wrote into parameters that view a store's shared memory (those of a reader
+    in place). The write stayed in this process and was undone: no other process
     saw it. A policy that writes its own weights needs a private copy (``zero_copy=False``)."""
 
 

@@ -22,7 +22,7 @@ class Blob(nn.Module):
 
 
 class ParamBlob(nn.Module):
-    """Like :class:`Blob`, with parameters (what a zero-copy reader points at shared memory)."""
+    """Like :class:`Blob`, with parameters (what a reader in place points at shared memory)."""
 
     def __init__(self, sizes: dict[str, int]):
         super().__init__()

@@ -169,7 +169,7 @@ class Mode(str, enum.Enum, metaclass=_ModeType):
 
     Examples:
         >>> Mode.of_row(Mode.IN_PLACE.flags, lease=2, device_lease=0)
-        <Mode.IN_PLACE: 'zero-copy'>
+        <Mode.IN_PLACE: 'in place'>
         >>> Mode.of_row(Mode.IN_PLACE.flags, lease=0, device_lease=0)  # no lease: a copy this time
         <Mode.FALLEN_BACK: 'copy (fallback)'>
         >>> Mode.DEVICE_IN_PLACE.viewing, Mode.FALLEN_BACK.viewing, Mode.FALLEN_BACK.private
@@ -181,7 +181,7 @@ class Mode(str, enum.Enum, metaclass=_ModeType):
     flags: int  # the row's ROW_* bits that say this mode (with the row's lease words)
 
     COPY = "copy"  # a private copy for good: asked for, or the module wrote its weights
-    IN_PLACE = "zero-copy"  # the parameters view a leased host slot
+    IN_PLACE = "in place"  # the parameters view a leased host slot
     FALLEN_BACK = "copy (fallback)"  # in place where it can, on no slot now: not loaded yet, or none to lease
     DEVICE = "device"  # a private copy for good, in an accelerator's memory
     DEVICE_IN_PLACE = "device in place"  # the parameters view a leased device slot

@@ -56,7 +56,7 @@ SlotReader, bounded fallback (slot pinning, :meth:`SlotReader.read_pinned`): aft
 ``max_attempts`` failed optimistic copies a reader takes the bank's single reader token
 (a kernel lock, released if the reader dies) and asks the writer to pin a slot by writing
 a fresh ticket into ``pin_request``. At the start of its next publish the writer sets
-``pin_slot = latest`` (or a slot leased by a zero-copy reader, already safe from it) and
+``pin_slot = latest`` (or a slot leased by a reader in place, already safe from it) and
 ``pin_grant = ticket``, and from then on never writes into ``pin_slot`` until
 ``pin_release >= pin_grant`` (tickets only grow: a ticket released before its grant, by a
 reader whose optimistic copy succeeded meanwhile, pins nothing). With 3 slots there is always a
@@ -77,9 +77,9 @@ reader's copy, if it ever resumes, fails validation and is retried. A holder tha
 however slowly, keeps its pin: two slow readers taking the pin off each other would never
 finish.
 
-Leases (zero-copy readers, :meth:`Leases.lease_latest`)
+Leases (readers in place, :meth:`Leases.lease_latest`)
 --------------------------------------------------------
-A zero-copy reader points its module's parameters at the read-only memory of one slot and
+A reader in place points its module's parameters at the read-only memory of one slot and
 holds a *lease* on it; the writer never writes a leased slot. Leases are recorded in the
 reader table (each row's lease word of the bank: ``slot + 1``, or ``-(slot + 1)`` while the
 lease is being decided) and summed per slot into ``leases[i]``, which is what the writer reads
@@ -499,7 +499,7 @@ class ReaderRows:
         """Deprecated: a bank's lease methods, called on the rows as in 0.2.0 (use :class:`Leases`)."""
         if name in _LEASE_METHODS:
             warn_deprecated(f"ReaderRows.{name}", f"Leases.{name} (WeightStore.leases)", "0.4.0")
-            bank = getattr(self, "_bank", None)  # None: made from the header words, as now
+            bank = self._bank  # None: made from the header words, as now
             return getattr(bank or Leases(Words(self.h), self.locks), name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 

@@ -595,7 +595,7 @@ _TABLE_GIVE = struct.pack(_FLOCK, fcntl.F_UNLCK, 0, TABLE_LOCK, 1, 0)
 def _track(name: str, *, register: bool) -> bool:
     """(Un)register the segment with multiprocessing's resource tracker, a helper process that
     outlives this one and unlinks what is still registered once every process of this tree has
-    exited: a creator killed by a signal (SIGKILL, a SIGSEGV from a write through a zero-copy
+    exited: a creator killed by a signal (SIGKILL, a SIGSEGV from a write through an in-place
     view) then leaves no store behind. The tracker unlinks POSIX shared memory, so only
     segments in /dev/shm qualify. True if registered."""
     if os.path.realpath(SHM_DIR) != "/dev/shm":

@@ -84,7 +84,9 @@ class InPlace:
         )
         self.viewing = viewing
         self.slot = -1
-        self.versions: list[int] = []  # the parameters' version counters as pointed: a write moves one
+        self.write_counts: list[
+            int
+        ] = []  # torch's write counters (`_version`) of the parameters as pointed: a write moves one
 
     def point(self, slot: int) -> None:
         """Point the parameters at ``slot`` (leased) and copy its buffers."""
@@ -100,7 +102,7 @@ class InPlace:
             mark(self.params, self.names, self.memory.name)
         self.viewing[:] = self.params
         self.slot = slot
-        self.versions = [p._version for p in self.params]
+        self.write_counts = [p._version for p in self.params]
 
     def leave(self) -> None:
         """Before the lease on the slot goes: the device work queued on it has ended."""
@@ -127,7 +129,7 @@ class InPlace:
             SharedWeightsWrittenError: there were writes (without ``keep``), naming what was written
                 and the fix.
         """
-        written = [n for p, n, v in zip(self.params, self.names, self.versions) if p._version != v]
+        written = [n for p, n, v in zip(self.params, self.names, self.write_counts) if p._version != v]
         address, length = self.ranges[self.slot] if self.ranges is not None else (0, 0)
         own = private_copies(address, length) if self.ranges is not None else 0
         if not written and not own:
@@ -136,7 +138,7 @@ class InPlace:
             make_private(self.viewing)  # before the pages go: they hold the writes
         if self.ranges is not None:
             discard_private(address, length)
-        self.versions = [p._version for p in self.params]
+        self.write_counts = [p._version for p in self.params]
         if keep:
             return True
         what = f"parameters {written}" if written else f"{own} pages of its parameters"
@@ -160,7 +162,7 @@ def make_private(params: list[torch.Tensor]) -> None:
 
 # id(parameter) -> (the parameter, its name, the store's name, its requires_grad before).
 _VIEWING: dict[int, tuple[weakref.ref, str, str, bool]] = {}
-# Re-entrant: a zero-copy reader's finalizer unmarks its parameters, and garbage collection can
+# Re-entrant: a reader in place's finalizer unmarks its parameters, and garbage collection can
 # run it on a thread that is inside mark() or unmark() (any allocation can collect).
 _LOCK = threading.RLock()
 _HOOKED = False

@@ -86,7 +86,7 @@ class ReaderRow:
         since_reload_s: seconds since its last reload (None before its first load).
         reloads: how many times it loaded a version.
         mode: how its module holds its weights, the value of a :class:`~shmsync.core.header.Mode`:
-            ``"zero-copy"`` (its module views the store in place), ``"copy"`` (a private copy),
+            ``"in place"`` (its module views the store), ``"copy"`` (a private copy),
             ``"copy (fallback)"`` (in place where it can, and copies now: not loaded yet, or every
             slot it could lease was taken), ``"device"`` (a private copy in an accelerator's
             memory) or ``"device in place"`` (its GPU module views a device slot of the store).
@@ -131,9 +131,9 @@ class ReaderRow:
 
     @property
     def zero_copy(self) -> bool:
-        """Deprecated: whether its module views a host slot in place (``mode == "zero-copy"``); use
+        """Deprecated: whether its module views a host slot in place (``mode == "in place"``); use
         :attr:`viewing` (``zero_copy`` names a reader's wish to run in place where it can)."""
-        warn_deprecated("ReaderRow.zero_copy", "ReaderRow.viewing (or mode == 'zero-copy')", "0.4.0")
+        warn_deprecated("ReaderRow.zero_copy", "ReaderRow.viewing (or mode == 'in place')", "0.4.0")
         return self.mode == Mode.IN_PLACE
 
     @property

@@ -47,9 +47,9 @@ from shmsync.torchrl.push_deltas import NodeTransports, TrainerLeaves
 from shmsync.torchrl.remote_nodes import (
     ERROR,
     PUBLISHED_KEY,
+    PUSH_KEY,
     READERS_KEY,
     READY_KEY,
-    VERSION_KEY,
     decode_report,
     name_push,
     published_version,
@@ -80,7 +80,7 @@ class _NumberedPushes:
         self.leaves = leaves  # by id of the scheme: what each push sends each node
         for scheme in compat.schemes_of(collector).values():
             store = compat.push_store(scheme)
-            store.set(VERSION_KEY, "0")
+            store.set(PUSH_KEY, "0")
             self.stores.append(store)
             send = functools.partial(_bound, self.push, store, leaves.get(id(scheme)))
             compat.wrap_push(scheme, send)
@@ -127,7 +127,7 @@ class _NumberedPushes:
         self.wait_until_ready()
         self.numbered += 1
         number = self.numbered
-        store.set(VERSION_KEY, str(number))
+        store.set(PUSH_KEY, str(number))
         if leaves is not None:
             leaves.begin(number)
         result = send(weights=weights, worker_ids=worker_ids)

@@ -42,7 +42,7 @@ from shmsync.watch.remote_rows import (
     report_to_wire,
 )
 
-VERSION_KEY = "shmsync/version"  # the trainer's number of its latest push
+PUSH_KEY = "shmsync/push"  # the number of the trainer's latest push, set before it is sent
 PUBLISHED_KEY = "shmsync/published/{rank}"  # what a node published last, or what went wrong
 READY_KEY = "shmsync/ready/{rank}"
 READERS_KEY = "shmsync/readers/{rank}"  # the node's readers' table, rewritten about once a second
@@ -116,7 +116,7 @@ class NodePushes:
         store = self._store()
         if store is None:
             raise compat.changed(compat.NODES_START, "the trainer told this node no push store")
-        number = int(store.get(VERSION_KEY)) if store.check([VERSION_KEY]) else None
+        number = int(store.get(PUSH_KEY)) if store.check([PUSH_KEY]) else None
         if number is None or number <= self.last:
             raise ShmSyncError(
                 f"a push reached node {self.rank} that the trainer did not number (the store says {number}, this node "

@@ -778,7 +778,7 @@ class WeightStore:
             ...     reader = WeightReader(store, torch.nn.Linear(4, 2))
             ...     _ = reader.poll()
             ...     [(row.version, row.behind, row.mode) for row in store.readers()]
-            [(0, 0, 'zero-copy')]
+            [(0, 0, 'in place')]
         """
         mapped = self.memory
         version, alive = mapped.header[W_VERSION], mapped.locks.rows_alive

@@ -1,12 +1,12 @@
 """The slot protocol of ``shmsync/core/protocol.py`` as parties for :mod:`interleavings`: the writer,
-a plain reader (optimistic copies, then the token and a pinned copy), a zero-copy reader (leases),
+a plain reader (optimistic copies, then the token and a pinned copy), a reader in place (leases),
 and a reader stopped for good while it asks for a pin; each follows the code line by line, one
 step per load, store and fence of a header word (the slots' contents are ``CELLS`` words).
 
 The invariant (:func:`check`) in every state:
 
 * no slot is being written (a write begun and not committed, or a store of it still in a buffer)
-  while a zero-copy reader uses it under its lease, nor, with 3 slots or more, while a reader
+  while a reader in place uses it under its lease, nor, with 3 slots or more, while a reader
   copies it under a pin;
 * a live reader's lease is counted in its slot's lease count whenever nobody changes the counts
   (they may only be too high);
@@ -75,7 +75,7 @@ class Options:
     no_give_back_handshake: bool = False  # a slot is given back without marking it odd and looking at its leases
     give_back_pinned: bool = False  # giving back does not leave the pinned slot alone
     accept_empty: bool = False  # try_read copies a slot whose version is -1 (given back after `latest` was read)
-    reloads: int = 2  # the zero-copy reader's reloads (its lease moves between them)
+    reloads: int = 2  # the reader in place's reloads (its lease moves between them)
     promises: bool = False  # each publish promises its version first; its copy may fail
     copy_fails: int | None = None  # with promises: 1 every copy fails, 0 none does (None: both explored)
     no_withdraw: bool = False  # a failed copy leaves its promise standing
@@ -494,7 +494,7 @@ def await_pin(o: Options, ticket: int, have: list | None = None) -> Generator:
 
 
 def zero_copy_reader(o: Options) -> Generator:
-    """``reload`` of a zero-copy reader, ``o.reloads`` times, through its bank's ``Leases``:
+    """``reload`` of a reader in place, ``o.reloads`` times, through its bank's ``Leases``:
     ``lease_latest`` (``_move_lease``, ``_lease_holds``) and a copy-free use of the slot, or,
     refused, ``release_lease`` and a copy; at the end ``release_lease``. Its row is row 0, and the
     model's word ``("row", 0)`` is that row's lease word of the bank (``ROW_WORDS[0][R_LEASE]``):
@@ -574,7 +574,7 @@ def move_lease(o: Options, slot: int) -> Generator:
 
 
 def recount(o: Options) -> Generator:
-    """``Leases.recount``: the counts from the rows of live readers (the one zero-copy reader's row
+    """``Leases.recount``: the counts from the rows of live readers (the one reader in place's row
     is its own)."""
     lease = abs((yield Load(("row", 0))))
     for s in range(o.slots):
@@ -652,7 +652,7 @@ def observe(x: Explorer, state: tuple) -> tuple:
 def check(facts: tuple) -> str | None:
     slots, writing, leased, pinned_copy, leases, row, table_held, row_alive, pinned = facts
     if writing & leased:
-        return f"slot {min(writing & leased)} is being written while a zero-copy reader uses it under its lease"
+        return f"slot {min(writing & leased)} is being written while a reader in place uses it under its lease"
     if slots > 2 and writing & pinned_copy:
         return f"slot {min(writing & pinned_copy)} is being written while a reader copies it under a pin"
     if not table_held and row_alive and row and leases[abs(row) - 1] < 1:  # counts change under the table lock
@@ -675,7 +675,7 @@ def explorer(
     options: Options | None = None,
     *,
     publishes: int = 3,
-    readers: str = "plain,zero-copy",
+    readers: str = "plain,in-place",
     crashes: bool = False,
     new_writer: bool = True,
     begun: bool = False,
@@ -685,7 +685,7 @@ def explorer(
 
     ``readers``: a comma-separated list of ``plain`` (optimistic copies first, or the pin at once
     when its copies outlast the writer's interval: both explored), ``optimistic`` and ``pinned``
-    (each of those two alone), ``zero-copy``, ``stopped`` (takes the token, asks for a pin and
+    (each of those two alone), ``in-place``, ``stopped`` (takes the token, asks for a pin and
     is stopped there for good) and ``waiting`` (waits for a promised version, with
     ``promises``). With ``crashes``, any party may die anywhere; with ``new_writer``
     a new writer publishing once then takes over from a dead one, without it the readers must
@@ -698,10 +698,10 @@ def explorer(
         if kind in ("plain", "pinned", "optimistic"):
             outpaced = {"plain": None, "pinned": True, "optimistic": False}[kind]
             parties.append(Party(f"{kind} reader", lambda oc=outpaced: reader(o, outpaced=oc), stores=READER_STORES))
-        elif kind == "zero-copy":
+        elif kind == "in-place":
             parties.append(
                 Party(
-                    "zero-copy reader",
+                    "reader in place",
                     lambda: zero_copy_reader(o),
                     locks=("row0",),
                     stores=frozenset({"row", "leases"}),
@@ -719,7 +719,7 @@ def explorer(
         elif kind == "waiting":
             parties.append(Party("waiting reader", lambda: waiting_reader(o)))
         else:
-            raise ValueError(f"reader {kind!r}: plain, pinned, zero-copy, stopped or waiting")
+            raise ValueError(f"reader {kind!r}: plain, pinned, in-place, stopped or waiting")
     replacement = (
         Party("new writer", lambda: writer(o, o.takeover_publishes, takeover=True), stores=WRITER_STORES, writer=True)
         if crashes and new_writer

@@ -135,13 +135,13 @@ def test_a_store_of_a_word_a_party_does_not_list_is_an_error():
 @pytest.mark.parametrize(
     ("mode", "kwargs"),
     [
-        pytest.param("sc", {"publishes": 2, "readers": "optimistic,zero-copy"}, id="sc"),
-        pytest.param("tso", {"publishes": 3, "readers": "zero-copy"}, id="tso"),
+        pytest.param("sc", {"publishes": 2, "readers": "optimistic,in-place"}, id="sc"),
+        pytest.param("tso", {"publishes": 3, "readers": "in-place"}, id="tso"),
         pytest.param("weak", {"publishes": 1, "readers": "optimistic"}, id="weak"),
         pytest.param("sc", {"publishes": 2, "readers": "pinned,stopped"}, id="stopped"),
         # Every crash point explored twice over: seconds of CPU.
         pytest.param(
-            "sc", {"publishes": 2, "readers": "zero-copy", "crashes": True}, id="crashes", marks=pytest.mark.slow
+            "sc", {"publishes": 2, "readers": "in-place", "crashes": True}, id="crashes", marks=pytest.mark.slow
         ),
     ],
 )

@@ -412,9 +412,9 @@ def stop_at_call(turns: Turns, who: str, fence, n: int):
 
 def test_a_lease_decided_while_a_pin_is_granted_never_leaves_the_writer_short():
     """The checker's schedule (tests/core/test_protocol_interleavings.py, no_granting_check): a
-    zero-copy reader reads ``latest`` just before a publish; a reader's ticket comes in; the
+    reader in place reads ``latest`` just before a publish; a reader's ticket comes in; the
     writer picks the pin's slot (the new latest, no lease being there yet), and before it grants
-    it, the zero-copy reader leases the old latest. The lease and the pin would hold 2 slots of
+    it, the reader in place leases the old latest. The lease and the pin would hold 2 slots of
     3, and the writer would have to write into one of them. The lease must be refused."""
     store = Store(3)
     zero_copy = store.protocol(3)
@@ -443,7 +443,7 @@ def test_a_lease_decided_while_a_pin_is_granted_never_leaves_the_writer_short():
 
 def test_with_two_slots_a_lease_being_decided_and_a_pin_never_make_the_writer_wait():
     """The checker's schedule for 2 slots: a reader copies the old latest under a pin while a
-    zero-copy reader decides a lease on it. The only slot the writer may write is both: it writes
+    reader in place decides a lease on it. The only slot the writer may write is both: it writes
     through them (the lease is then given up when its reader checks the sequence, and the pinned
     reader retries, as with 2 slots it must)."""
     store = Store(2)

@@ -4,7 +4,7 @@ weak order of aarch64, with crashes; and the checker shown to fail when a fence 
 protocol's argument rests on is taken away.
 
 Each configuration is the writer publishing a few times beside two readers, with one load each
-(the zero-copy reader's first lease moves to another slot on its second reload where it has
+(the reader in place's first lease moves to another slot on its second reload where it has
 two); the explored state counts are printed at the end of the run. What each mode does not
 cover is said in docs/protocol.md."""
 
@@ -26,11 +26,11 @@ def heavier(*config):
 # id: (mode, slots, explore's arguments)
 CONFIGURATIONS = {
     # Sequential consistency: the rules, slot choice, pins, leases, the stopped token holder.
-    "sc: optimistic and zero-copy readers, 3 publishes": heavier(
-        "sc", 3, {"readers": "optimistic,zero-copy", "reloads": 2}
+    "sc: optimistic and readers in place, 3 publishes": heavier(
+        "sc", 3, {"readers": "optimistic,in-place", "reloads": 2}
     ),
-    "sc: a pinned and a zero-copy reader": heavier("sc", 3, {"publishes": 2, "readers": "pinned,zero-copy"}),
-    "sc: 2 slots, optimistic and zero-copy readers": ("sc", 2, {"readers": "optimistic,zero-copy"}),
+    "sc: a pinned and a reader in place": heavier("sc", 3, {"publishes": 2, "readers": "pinned,in-place"}),
+    "sc: 2 slots, optimistic and readers in place": ("sc", 2, {"readers": "optimistic,in-place"}),
     "sc: 2 slots, a reader either way": ("sc", 2, {"readers": "plain"}),
     "sc: a reader beside a token holder stopped for good": ("sc", 3, {"readers": "plain,stopped"}),
     # Crashes: any party dies anywhere; a new writer takes over, or none does.
@@ -40,55 +40,55 @@ CONFIGURATIONS = {
         3,
         {"readers": "plain", "crashes": True, "new_writer": False},
     ),
-    "sc crashes: a zero-copy reader": heavier("sc", 3, {"readers": "zero-copy", "reloads": 2, "crashes": True}),
+    "sc crashes: a reader in place": heavier("sc", 3, {"readers": "in-place", "reloads": 2, "crashes": True}),
     "sc crashes: a pinned reader and a stopped one": heavier(
         "sc",
         3,
         {"publishes": 2, "readers": "pinned,stopped", "crashes": True},
     ),
     # x86-TSO: store buffers, the full fences of the handshakes.
-    "tso: a zero-copy reader": ("tso", 3, {"readers": "zero-copy", "reloads": 2}),
+    "tso: a reader in place": ("tso", 3, {"readers": "in-place", "reloads": 2}),
     "tso: a reader either way": ("tso", 3, {"readers": "plain"}),
-    "tso: a pinned and a zero-copy reader": heavier("tso", 3, {"publishes": 1, "readers": "pinned,zero-copy"}),
+    "tso: a pinned and a reader in place": heavier("tso", 3, {"publishes": 1, "readers": "pinned,in-place"}),
     "tso: 2 slots, a reader either way": ("tso", 2, {"publishes": 2, "readers": "plain"}),
-    "tso crashes: a zero-copy reader": heavier("tso", 3, {"readers": "zero-copy", "crashes": True}),
+    "tso crashes: a reader in place": heavier("tso", 3, {"readers": "in-place", "crashes": True}),
     # The weak order: every fence, stale loads, stores out of order.
     "weak: 2 slots, an optimistic reader": heavier("weak", 2, {"publishes": 2, "readers": "optimistic"}),
     "weak: 2 slots, a reader either way, one publish": ("weak", 2, {"publishes": 1, "readers": "plain"}),
-    "weak: a zero-copy reader": heavier("weak", 3, {"publishes": 2, "readers": "zero-copy"}),
+    "weak: a reader in place": heavier("weak", 3, {"publishes": 2, "readers": "in-place"}),
     # Memory given back after each publish (WriterParty.give_back_idle, as StoreWriter._give_back_idle), in every mode.
-    "sc give-backs: a zero-copy reader (two reloads)": (
+    "sc give-backs: a reader in place (two reloads)": (
         "sc",
         3,
-        {"readers": "zero-copy", "reloads": 2, "give_back": True},
+        {"readers": "in-place", "reloads": 2, "give_back": True},
     ),
-    "sc give-backs: an optimistic and a zero-copy reader": (
+    "sc give-backs: an optimistic and a reader in place": (
         "sc",
         3,
-        {"publishes": 2, "readers": "optimistic,zero-copy", "reloads": 2, "give_back": True},
+        {"publishes": 2, "readers": "optimistic,in-place", "reloads": 2, "give_back": True},
     ),
-    "sc give-backs: a pinned and a zero-copy reader": heavier(
+    "sc give-backs: a pinned and a reader in place": heavier(
         "sc",
         3,
-        {"publishes": 2, "readers": "pinned,zero-copy", "give_back": True},
+        {"publishes": 2, "readers": "pinned,in-place", "give_back": True},
     ),
-    "sc give-backs: a pinned and a zero-copy reader, one publish": (
+    "sc give-backs: a pinned and a reader in place, one publish": (
         "sc",
         3,
-        {"publishes": 1, "readers": "pinned,zero-copy", "give_back": True},
+        {"publishes": 1, "readers": "pinned,in-place", "give_back": True},
     ),
-    "sc crashes, give-backs: a zero-copy reader": (
+    "sc crashes, give-backs: a reader in place": (
         "sc",
         3,
-        {"publishes": 2, "readers": "zero-copy", "reloads": 2, "crashes": True, "give_back": True},
+        {"publishes": 2, "readers": "in-place", "reloads": 2, "crashes": True, "give_back": True},
     ),
-    "tso give-backs: a zero-copy reader (two reloads)": (
+    "tso give-backs: a reader in place (two reloads)": (
         "tso",
         3,
-        {"readers": "zero-copy", "reloads": 2, "give_back": True},
+        {"readers": "in-place", "reloads": 2, "give_back": True},
     ),
-    "weak give-backs: a zero-copy reader": heavier(
-        "weak", 3, {"publishes": 2, "readers": "zero-copy", "give_back": True}
+    "weak give-backs: a reader in place": heavier(
+        "weak", 3, {"publishes": 2, "readers": "in-place", "give_back": True}
     ),
     # Promises: each version promised before its copy, which may fail; a worker waits for it.
     "sc crashes, promises: a waiting reader, a new writer": (
@@ -114,10 +114,10 @@ CONFIGURATIONS = {
     # Records: the writer writes only what a slot lacks, with its records; a reader that holds
     # version 0 copies only the leaves whose record is newer (Options.records), in every mode.
     "sc records: 2 slots, a reader either way": ("sc", 2, {"readers": "plain", "records": True}),
-    "sc records, give-backs: an optimistic and a zero-copy reader": (
+    "sc records, give-backs: an optimistic and a reader in place": (
         "sc",
         3,
-        {"publishes": 2, "readers": "optimistic,zero-copy", "give_back": True, "records": True},
+        {"publishes": 2, "readers": "optimistic,in-place", "give_back": True, "records": True},
     ),
     "sc crashes, records: 2 slots, an optimistic reader, a new writer publishing twice": (
         "sc",
@@ -179,16 +179,16 @@ def test_every_interleaving_keeps_the_protocols_guarantees(mode, slots, argument
 
 # A rule or fence taken away, where its absence shows, and what the checker then finds.
 MUTATIONS = {
-    "no_writer_full_fence": ("tso", 3, {"readers": "zero-copy"}, "being written while a zero-copy reader uses it"),
-    "no_confirm_fence": ("tso", 3, {"readers": "zero-copy"}, "being written while a zero-copy reader uses it"),
+    "no_writer_full_fence": ("tso", 3, {"readers": "in-place"}, "being written while a reader in place uses it"),
+    "no_confirm_fence": ("tso", 3, {"readers": "in-place"}, "being written while a reader in place uses it"),
     "no_reader_full_fence": (  # from mid-publish, the readers' moves tried first: met at 168,000 states
         "tso",
         3,
-        {"publishes": 2, "readers": "pinned,zero-copy", "begun": True, "later_first": True},
+        {"publishes": 2, "readers": "pinned,in-place", "begun": True, "later_first": True},
         "under a confirmed lease or a pin",
     ),
-    "no_granting_check": ("sc", 3, {"publishes": 2, "readers": "pinned,zero-copy"}, "under a confirmed lease or a pin"),
-    "no_give_way": ("sc", 2, {"publishes": 2, "readers": "optimistic,zero-copy"}, "would have to wait"),
+    "no_granting_check": ("sc", 3, {"publishes": 2, "readers": "pinned,in-place"}, "under a confirmed lease or a pin"),
+    "no_give_way": ("sc", 2, {"publishes": 2, "readers": "optimistic,in-place"}, "would have to wait"),
     "latest_before_even": (
         "sc",
         3,
@@ -197,20 +197,20 @@ MUTATIONS = {
     ),
     "no_read_fences": ("weak", 2, {"publishes": 2, "readers": "optimistic"}, "accepted slot"),
     "no_commit_fence": ("weak", 2, {"publishes": 2, "readers": "optimistic"}, "accepted slot"),
-    "no_lease_version_fence": ("weak", 3, {"readers": "zero-copy"}, "accepted slot"),
+    "no_lease_version_fence": ("weak", 3, {"readers": "in-place"}, "accepted slot"),
     "no_give_back_handshake": (
         "sc",
         3,
-        {"readers": "zero-copy", "reloads": 2, "give_back": True},
+        {"readers": "in-place", "reloads": 2, "give_back": True},
         "accepted slot",  # a lease confirmed on a slot given back meanwhile
     ),
     "give_back_pinned": (  # the readers' moves tried first: met at 37,000 states
         "sc",
         3,
-        {"readers": "pinned,zero-copy", "reloads": 2, "give_back": True, "later_first": True},
+        {"readers": "pinned,in-place", "reloads": 2, "give_back": True, "later_first": True},
         "being written while a reader copies",
     ),
-    "accept_empty": ("sc", 3, {"readers": "zero-copy", "reloads": 2, "give_back": True}, "accepted slot"),
+    "accept_empty": ("sc", 3, {"readers": "in-place", "reloads": 2, "give_back": True}, "accepted slot"),
     # A promise left hanging: a worker waiting for it, with its writer alive, never gets done.
     "no_withdraw": ("sc", 3, {"publishes": 1, "readers": "waiting", "promises": True}, "can never all get done"),
     "wait_on_withdrawn": ("sc", 3, {"publishes": 1, "readers": "waiting", "promises": True}, "can never all get done"),

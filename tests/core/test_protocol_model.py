@@ -197,7 +197,7 @@ class Pair:
         self.locks = LocalLocks()
         self.writer = WriterParty(self.h, self.locks, ordering="tso", pid=1)
         self.zero_copy_row = WriterParty(self.h, self.locks, ordering="tso", pid=3).claim_row()
-        assert self.zero_copy_row == 0  # the model's zero-copy reader has row 0
+        assert self.zero_copy_row == 0  # the model's reader in place has row 0
 
     def protocol(self, pid: int, log: list, on_store=None) -> WriterParty:
         p = WriterParty(Recorded(self.h, self.names, log, on_store), RecordedLocks(self.locks, log), pid=pid)

@@ -103,7 +103,7 @@ def test_close_leaves_the_module_its_weights_in_private_memory(store_factory):
 
     survivor = ParamBlob(SMALL)
     WeightReader(store, survivor, zero_copy=True).poll()
-    store.close()  # closes its zero-copy readers first: the module keeps its weights
+    store.close()  # closes its readers in place first: the module keeps its weights
     assert mixed_values(survivor) == {9.0}
 
 
@@ -182,7 +182,7 @@ def test_a_write_through_data_is_found_by_its_pages_and_undone(store_factory):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("num_slots", [3, 4])
 def test_zero_copy_stress(store_factory, start, num_slots):
-    """A writer publishes 16 MB flat out; two zero-copy readers check that every version they
+    """A writer publishes 16 MB flat out; two readers in place check that every version they
     load is whole and stays unchanged while they hold it."""
     store = store_factory(blob_weights(STRESS_SIZES, 0.0), num_slots=num_slots)
     store.release_writer()

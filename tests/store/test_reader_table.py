@@ -63,7 +63,7 @@ def test_each_reader_has_a_row_with_its_worker_version_lag_mode_and_state(store_
         1: (children[1].pid, 0, 3),
         2: (children[2].pid, 0, 3),
     }
-    assert [by_worker[w].mode for w in range(3)] == ["copy", "zero-copy", "copy"]
+    assert [by_worker[w].mode for w in range(3)] == ["copy", "in place", "copy"]
     assert [by_worker[w].waiting for w in range(3)] == [False, False, True]
     assert table[0].behind == 3 and table[-1].worker == 0, "the worst lagging readers come first"
     assert all(r.state in ("sleeping", "running") and r.uss and r.uss > 0 for r in table)
@@ -135,7 +135,7 @@ def _row(**changes):
 def test_a_row_from_another_host_round_trips():
     row = row_from_wire(_row(), "host-b", "policy", 1.5)  # a row of an older relay: 9 fields
     assert (row.host, row.worker, row.pid, row.version, row.mode, row.report_age_s) == (
-        "host-b", 3, 1234, 7, "zero-copy", 1.5,
+        "host-b", 3, 1234, 7, "in place", 1.5,
     )  # fmt: skip
     assert (row.device_bytes, row.copied_bytes) == (0, 0)
     assert row_from_wire(row_to_wire(row), "host-b", "policy", 1.5) == row

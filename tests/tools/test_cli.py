@@ -121,8 +121,8 @@ def test_ls_name_lists_every_reader_worst_first_in_text_and_json(store_dir, star
         doc = json.loads(cli("ls", "policy", "--json", env=_env(store_dir)).stdout)
         assert set(doc) == {"store", "version", "taken_ns", "readers", "gone", "hosts"}
         assert [(r["worker"], r["pid"], r["version"], r["behind"], r["mode"]) for r in doc["readers"]] == [
-            (0, first.pid, 0, 1, "zero-copy"),  # CPU readers run on the store in place
-            (1, second.pid, 1, 0, "zero-copy"),
+            (0, first.pid, 0, 1, "in place"),  # CPU readers run on the store in place
+            (1, second.pid, 1, 0, "in place"),
         ]
         assert all(r["state"] in ("sleeping", "running") and r["uss"] > 0 for r in doc["readers"])
 

@@ -95,7 +95,7 @@ def test_a_reader_in_another_pid_namespace_keeps_its_lease(store_dir, start, ctx
         leased = read_header_word(store, ROW_WORDS[row][R_LEASE]) - 1
         write_header_word(store, ROW_WORDS[row][R_PID], _dead_pid(ctx))  # its pid, as this namespace sees it: nobody
         before = read_header_word(store, bank_word(HOST, B_SEQ + leased))
-        # Two more zero-copy readers on two newer slots: the third distinct leased slot is one
+        # Two more readers in place on two newer slots: the third distinct leased slot is one
         # too many, so the table is recounted, which must keep the live reader's lease.
         store.publish(torch.nn.Linear(64, 64))
         second = WeightReader(WeightStore.attach("policy"), torch.nn.Linear(64, 64), zero_copy=True)

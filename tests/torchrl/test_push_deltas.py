@@ -103,7 +103,7 @@ def test_a_node_that_refused_a_push_publishes_nothing_of_it_and_the_trainer_is_t
     monkeypatch.setattr(push_deltas, "_NODES", [node])
     pushes = remote_nodes.NodePushes(SimpleNamespace(worker_idx=1), "policy", None)
     pushes._client = store
-    store.set(remote_nodes.VERSION_KEY, "6")
+    store.set(remote_nodes.PUSH_KEY, "6")
     with pytest.raises(ShmSyncError, match=r"node 1 refused the leaves it was sent: push 6 sent node 1 the leaves"):
         pushes.take()
     assert pushes.take() == 6, "a refusal is answered once, for its push"

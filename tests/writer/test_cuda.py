@@ -64,7 +64,7 @@ def test_the_next_optimizer_step_does_not_race_the_copy(store_factory):
         ("cuda", {}, True, "device in place"),  # the default: runs on the leased device slot
         ("cuda", {"zero_copy": False}, False, "device"),  # a private device copy, for a policy that writes
         ("cuda", {"device_slots": False}, False, "device"),  # through the host slots
-        ("cpu", {}, True, "zero-copy"),  # a CPU reader of a CUDA store: host slots, filled once per version
+        ("cpu", {}, True, "in place"),  # a CPU reader of a CUDA store: host slots, filled once per version
     ],
 )
 def test_readers_in_other_processes_load_every_version_whole(store_factory, start, device, options, viewing, mode):

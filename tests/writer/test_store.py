@@ -251,7 +251,7 @@ def test_no_starvation_under_back_to_back_publishing(store_factory, start, besid
     """A reader whose copy takes longer than several publishes still completes its loads, through
     the pinned fallback, while the writer republishes a large store back to back.
 
-    Beside a lease: one of the 3 slots is leased by a zero-copy reader that never reloads; the
+    Beside a lease: one of the 3 slots is leased by a reader in place that never reloads; the
     slow reader's pin then goes to the leased slot, which costs the writer nothing."""
     big = {"a": 4_000_000, "b": 4_000_000}  # 32 MB
     store = store_factory(blob_weights(big, 0.0))
