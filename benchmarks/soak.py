@@ -50,7 +50,7 @@ class Args:
 
 
 class Weights(nn.Module):
-    """``nbytes`` of int64 weights (a parameter: what a zero-copy reader views in place)."""
+    """``nbytes`` of int64 weights (a parameter: what a reader in place views)."""
 
     def __init__(self, nbytes: int) -> None:
         super().__init__()

@@ -14,6 +14,7 @@ RETIRED = {
     r"reclaim": "give back (StoreMemory.give_back: a slot's pages returned to the system; a dead reader's row freed)",
     r"cuda[ _-]publisher": "CUDA writer (shmsync/writer/cuda.py's CudaWriter)",
     r"pinned d2h cop(y|ies)": "page-locked device-to-host copy (docs/results/gpu_bench.md)",
+    r"zero-copy readers?": "reader in place (the mode `in place`; `zero_copy=` is the argument that asks for it)",
 }
 WHERE = ["shmsync", "docs", "tests", "examples", "benchmarks", "README.md"]
 NOT_SOURCES = {"__pycache__", "_build", ".pytest_cache"}  # what a build or a run writes there

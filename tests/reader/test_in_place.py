@@ -1,4 +1,4 @@
-"""Zero-copy readers: parameters that point at leased, read-only slots of the store."""
+"""Readers in place: parameters that point at leased, read-only slots of the store."""
 
 import os
 import signal
