@@ -1,4 +1,4 @@
-"""Soak: a writer publishing flat out beside a plain, a zero-copy and a pinned reader, every
+"""Soak: a writer publishing flat out beside a plain reader, one in place and a pinned one, every
 accepted copy checked element by element.
 
     python benchmarks/soak.py                                # 30 s per store size

@@ -102,7 +102,7 @@ def stress_reader(store: WeightStore, sizes, min_reloads: int, conn) -> None:
     store.close()
 
 
-def zero_copy_reader(store: WeightStore, sizes, min_reloads: int, hold: float, conn) -> None:
+def in_place_reader(store: WeightStore, sizes, min_reloads: int, hold: float, conn) -> None:
     """Reload with ``zero_copy``; check each version is whole, then that it stays unchanged for
     ``hold`` seconds while the writer keeps publishing (its slot is leased)."""
     torch.set_num_threads(1)

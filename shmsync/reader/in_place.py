@@ -84,9 +84,8 @@ class InPlace:
         )
         self.viewing = viewing
         self.slot = -1
-        self.write_counts: list[
-            int
-        ] = []  # torch's write counters (`_version`) of the parameters as pointed: a write moves one
+        # torch's write counters (`_version`) of the parameters as pointed: a write moves one
+        self.write_counts: list[int] = []
 
     def point(self, slot: int) -> None:
         """Point the parameters at ``slot`` (leased) and copy its buffers."""

@@ -493,7 +493,7 @@ def await_pin(o: Options, ticket: int, have: list | None = None) -> Generator:
                 return got
 
 
-def zero_copy_reader(o: Options) -> Generator:
+def in_place_reader(o: Options) -> Generator:
     """``reload`` of a reader in place, ``o.reloads`` times, through its bank's ``Leases``:
     ``lease_latest`` (``_move_lease``, ``_lease_holds``) and a copy-free use of the slot, or,
     refused, ``release_lease`` and a copy; at the end ``release_lease``. Its row is row 0, and the
@@ -702,7 +702,7 @@ def explorer(
             parties.append(
                 Party(
                     "reader in place",
-                    lambda: zero_copy_reader(o),
+                    lambda: in_place_reader(o),
                     locks=("row0",),
                     stores=frozenset({"row", "leases"}),
                 )

@@ -48,7 +48,7 @@ def bank(word: int) -> int:
     return H.bank_word(H.HOST, word)
 
 
-ZERO_COPY_STORES = frozenset({"row", "leases"})
+IN_PLACE_STORES = frozenset({"row", "leases"})
 
 
 def header_index(word) -> int | None:
@@ -196,8 +196,8 @@ class Pair:
         self.slots = [[0] * CELLS] + [[-1] * CELLS for _ in range(slots - 1)]
         self.locks = LocalLocks()
         self.writer = WriterParty(self.h, self.locks, ordering="tso", pid=1)
-        self.zero_copy_row = WriterParty(self.h, self.locks, ordering="tso", pid=3).claim_row()
-        assert self.zero_copy_row == 0  # the model's reader in place has row 0
+        self.in_place_row = WriterParty(self.h, self.locks, ordering="tso", pid=3).claim_row()
+        assert self.in_place_row == 0  # the model's reader in place has row 0
 
     def protocol(self, pid: int, log: list, on_store=None) -> WriterParty:
         p = WriterParty(Recorded(self.h, self.names, log, on_store), RecordedLocks(self.locks, log), pid=pid)
@@ -260,16 +260,16 @@ class Pair:
 
     def lease(self):
         code: list = []
-        got = self.protocol(3, code).lease_latest(self.zero_copy_row)
+        got = self.protocol(3, code).lease_latest(self.in_place_row)
         model, result = run_model(lease_latest(self.o), self.memory)
         assert got == result
-        return relevant(code, ZERO_COPY_STORES), relevant(model, ZERO_COPY_STORES)
+        return relevant(code, IN_PLACE_STORES), relevant(model, IN_PLACE_STORES)
 
     def release(self):
         code: list = []
-        self.protocol(3, code).release_lease(self.zero_copy_row)
+        self.protocol(3, code).release_lease(self.in_place_row)
         model, _ = run_model(release_lease(self.o), self.memory)
-        return relevant(code, ZERO_COPY_STORES), relevant(model, ZERO_COPY_STORES)
+        return relevant(code, IN_PLACE_STORES), relevant(model, IN_PLACE_STORES)
 
     def pinned_read(self):
         """A reader that asks for a pin at once; the writer publishes as soon as the ticket is in

@@ -10,7 +10,7 @@ from torch import nn
 
 from shmsync import SharedWeightsWrittenError, WeightReader, WeightStore
 from shmsync.testing import hold_table_lock, slot_views
-from tests.processes import lease_and_hang, poll_in_place, write_through_view, writer, zero_copy_reader
+from tests.processes import in_place_reader, lease_and_hang, poll_in_place, write_through_view, writer
 from tests.waiting import STUCK_S
 from tests.weights import STRESS_SIZES, ParamBlob, blob_weights, mixed_values
 
@@ -181,12 +181,12 @@ def test_a_write_through_data_is_found_by_its_pages_and_undone(store_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("num_slots", [3, 4])
-def test_zero_copy_stress(store_factory, start, num_slots):
+def test_in_place_stress(store_factory, start, num_slots):
     """A writer publishes 16 MB flat out; two readers in place check that every version they
     load is whole and stays unchanged while they hold it."""
     store = store_factory(blob_weights(STRESS_SIZES, 0.0), num_slots=num_slots)
     store.release_writer()
-    readers = [start(zero_copy_reader, store, STRESS_SIZES, 150, 0.002) for _ in range(2)]
+    readers = [start(in_place_reader, store, STRESS_SIZES, 150, 0.002) for _ in range(2)]
     for r in readers:
         r.expect("ready")
     w = start(writer, store.name, STRESS_SIZES, 10**9)
@@ -198,7 +198,7 @@ def test_zero_copy_stress(store_factory, start, num_slots):
     assert reloads == 300
     assert mixed == 0 and wrong_tag == 0, results
     assert changed == 0, f"a leased slot was rewritten: {results}"
-    assert viewed > 0, "no reload was zero-copy: the test did not exercise leases"
+    assert viewed > 0, "no reload was in place: the test did not exercise leases"
 
 
 @pytest.mark.slow  # every row of the table claimed first: seconds of CPU

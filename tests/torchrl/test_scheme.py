@@ -69,7 +69,7 @@ def _collector(cls, workers, policy, frames=40, **scheme_kwargs):
         # Private copies under MultiSync with 1 worker: MultiAsync's private copies take the same path.
         pytest.param(MultiSyncCollector, 1, False, marks=pytest.mark.full),
         (MultiAsyncCollector, 2, False),
-        (MultiSyncCollector, 2, True),  # zero-copy
+        (MultiSyncCollector, 2, True),  # in place
     ],
 )
 def test_published_weights_reach_every_worker_and_edits_do_not(cls, workers, zero_copy):
