@@ -84,7 +84,7 @@ class InPlace:
         )
         self.viewing = viewing
         self.slot = -1
-        # torch's write counters (`_version`) of the parameters as pointed: a write moves one
+        # torch's version counters (`_version`) of the parameters as pointed: each write moves one
         self.write_counts: list[int] = []
 
     def point(self, slot: int) -> None:
