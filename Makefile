@@ -100,11 +100,14 @@ demo: $(VENV)/.demo-installed
 # CI's command. Beside the main tier: lint, the docs, the shipped legs (the wheel on the newest
 # Python and the current torch, the sdist) and the older minors, whose installs mostly wait on the
 # package index; the legs run one process each, filling what the main tier leaves of the cores.
+# .venv's install is one of the jobs, not a step before them: the shipped legs' torch and the
+# dist tools install meanwhile, on the core pip leaves idle (the sdist is built after it: both
+# write shmsync.egg-info in the checkout).
 # Each target's output is printed whole when it ends. The `full` tier (heavier variants of paths
 # this also runs) and the wheel on the other Pythons wait for test-full.
-test: install
+test:
 	@$(MAKE) --no-print-directory -j7 -Otarget lint test-main test-legs test-wheel test-sdist docs \
-		LEGS_PYTEST_ARGS="-p no:xdist"
+		LEGS_PYTEST_ARGS="-p no:xdist" DIST_AFTER=$(VENV)/.installed
 
 test-main: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS) $(DURATIONS) --tier main tests shmsync workers
@@ -183,7 +186,9 @@ $(CACHE)/torch-%/.complete:
 # the compiled fence needs nothing from the system beyond the manylinux policy's libraries); all
 # checked as an index checks them (twine check --strict: the metadata and the long description;
 # .ci/check_dist.py: one wheel per Python, each with a platform tag PyPI takes, one version).
-dist: .venv-dist/.installed
+# DIST_AFTER: what must be made first where both run at once (make test: .venv's editable install).
+DIST_AFTER ?=
+dist: .venv-dist/.installed | $(DIST_AFTER)
 	rm -rf dist && mkdir -p dist/.built
 	.venv-dist/bin/python -m build --quiet --sdist --outdir dist .
 	$(foreach v,$(PYTHONS),$(call need_python,$(v)) -m pip wheel -q --no-deps --wheel-dir dist/.built dist/shmsync-*.tar.gz &&) true

@@ -44,7 +44,8 @@ def _marks(code: str) -> list:
 
 
 BLOCKS = _blocks()
-# A block shown on several pages (the README repeats the TorchRL page's) runs once.
+# A block shown on several pages (the README's example is the first on Getting started and on the
+# TorchRL page) runs once.
 DISTINCT: dict[str, tuple[str, str, str]] = {}
 for _block in BLOCKS:
     DISTINCT.setdefault(_block[2], _block)
@@ -54,6 +55,11 @@ def test_the_pages_have_their_blocks():
     pages = {page for page, _, _ in BLOCKS}
     assert {"README.md", "getting-started.md", "torchrl.md", "hosts.md"} <= pages, pages
     assert len(BLOCKS) >= 10
+    example = {(page, title): code for page, title, code in BLOCKS}
+    readme = example["README.md", "Example"]
+    # One example, word for word: a copy that drifts would be a second one to read and to run.
+    assert example["getting-started.md", "A TorchRL collector on shmsync"] == readme
+    assert example["torchrl.md", "Collectors"] == readme
 
 
 @pytest.mark.timeout(300)
