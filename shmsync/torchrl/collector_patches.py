@@ -17,6 +17,7 @@ these wrappers) at the first scheme of the collector.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -120,38 +121,18 @@ class CollectorPatches:
         return {w: loaded.get(w) for w in range(workers)}
 
     def iterator(self, original: Callable, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        """Each batch of TorchRL's iterator; before TorchRL hands out work (the first, and each one
-        after the caller's code ran on a batch), the hand-out; each batch gets ``("next", key)``
-        where a worker could not tag it. An update still waiting for a hand-out when the iteration
-        ends (the last batch, ``break``) is published then."""
+        """Each batch of TorchRL's iterator, handed out as :meth:`HandOuts.batches` says; each gets
+        ``("next", key)`` where a worker could not tag it."""
         self.publisher.check_attached()  # before the first batch: a worker left out would run its first weights
-        version_keys, hand_outs = self.publisher.version_keys, self.hand_outs
-        batches = original(*args, **kwargs)
-        me = threading.get_ident()
-        hand_outs.iterating[me] += 1
-        try:
-            while True:
-                hand_outs.hand_out()
-                hand_outs.handing_out = me
-                try:
-                    batch = next(batches)
-                except StopIteration:
-                    return
-                finally:
-                    hand_outs.handing_out = 0
+        version_keys = self.publisher.version_keys
+        # Closed with this generator (a `break`): the hand-outs then publish what still waits.
+        with contextlib.closing(self.hand_outs.batches(original(*args, **kwargs))) as batches:
+            for batch in batches:
                 if version_keys and isinstance(batch, TensorDictBase):
                     for key in version_keys:
                         if batch.get(("next", key), None) is None and key in batch.keys():
                             tag_next(batch, key)
                 yield batch
-        finally:
-            hand_outs.iterating[me] -= 1
-            try:
-                batches.close()
-            finally:
-                if hand_outs.iterating[me] <= 0:
-                    del hand_outs.iterating[me]
-                    hand_outs.publish_due(me)  # nothing is handed out on this thread any more
 
 
 def _bind(method: Callable, original: Callable) -> Callable:

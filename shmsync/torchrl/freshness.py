@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import threading
 import warnings
-from collections.abc import Collection
+from collections.abc import Collection, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,7 +80,16 @@ class HandOuts:
         """An update of the collector's shmsync keys ``mine`` (key -> weights, or None for the
         key's model): noted for the next hand-out on this thread, or published now."""
         me = threading.get_ident()
-        if mine and self._deferred(mine, worker_ids, me):
+        # No weights, no worker_ids, on a thread that iterates a collector whose workers wait
+        # between batches, outside TorchRL's own iterator: published at the next hand-out.
+        if (
+            mine
+            and self.defers
+            and worker_ids is None
+            and self.iterating[me] > 0
+            and self.handing_out != me
+            and all(w is None for w in mine.values())
+        ):
             self._defer(set(mine), version, me)
             return
         if self.handing_out != me:  # an update this thread made before, still waiting: published first
@@ -93,18 +102,6 @@ class HandOuts:
                     self.numbered.pop(key, None)
                     if w is None:
                         (self.fresh if version is None else self.numbered)[key] = me
-
-    def _deferred(self, mine: dict[str, Any], worker_ids: Any, me: int) -> bool:
-        """Whether this update is published at the next hand-out rather than now: no weights, no
-        ``worker_ids``, on a thread that iterates a collector whose workers wait between batches,
-        outside TorchRL's own iterator."""
-        return (
-            self.defers
-            and worker_ids is None
-            and self.iterating[me] > 0
-            and self.handing_out != me
-            and all(w is None for w in mine.values())
-        )
 
     def _defer(self, keys: set[str], version: int | None, me: int) -> None:
         """Note an update of ``keys`` for the next hand-out on this thread. Under ``version``, if
@@ -133,6 +130,32 @@ class HandOuts:
             publisher.tell_tracker(number)
 
     # -- the hand-out ---------------------------------------------------------------------------
+    def batches(self, batches: Generator[Any, None, None]) -> Generator[Any, None, None]:
+        """TorchRL's ``batches``, each asked for after the hand-out's publish (:meth:`hand_out`),
+        on the thread that iterates them. An update still waiting for a hand-out when the iteration
+        ends (the last batch, ``close()`` after a ``break``) is published then."""
+        me = threading.get_ident()
+        self.iterating[me] += 1
+        try:
+            while True:
+                self.hand_out()
+                self.handing_out = me  # TorchRL's own update, right before it hands out, is published now
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
+                finally:
+                    self.handing_out = 0
+                yield batch
+        finally:
+            self.iterating[me] -= 1
+            try:
+                batches.close()
+            finally:
+                if self.iterating[me] <= 0:
+                    del self.iterating[me]
+                    self.publish_due(me)  # nothing is handed out on this thread any more
+
     def hand_out(self) -> None:
         """The collector is about to hand its workers their next work: publish the updates made on
         this thread since the last hand-out, those deferred (one new version of the trainer's

@@ -116,6 +116,12 @@ class Receiver:
         if self.reader is not None:
             self.reader.set_waiting(waiting)
 
+    def set_in_rollout(self, in_rollout: bool) -> None:
+        """A rollout that shmsync's shadow saw begin (the policy's hook then checks the version at
+        every ``poll_every_steps``-th call), or its end (the worker waits, as the table says)."""
+        self.in_rollout = in_rollout
+        self.set_waiting(not in_rollout)  # after its poll: never seen running with the old version
+
     def _install_hooks(self, model: nn.Module) -> None:
         if getattr(model, "_shmsync_hooks", None) == self.token:
             return  # copied along with the module: the closures already point here
@@ -164,14 +170,12 @@ class PollingRollout:
             compat.set_policy_version(first.collector, first.version)
         hooked, version = (first.hooked_calls, first.version) if first is not None else (0, -1)
         for receiver in receivers:
-            receiver.in_rollout = True
-            receiver.set_waiting(False)  # after its poll: never seen running with the old version
+            receiver.set_in_rollout(True)
         try:
             batch = self.rollout(*args, **kwargs)
         finally:
             for receiver in receivers:
-                receiver.in_rollout = False
-                receiver.set_waiting(True)
+                receiver.set_in_rollout(False)
         key = first.scheme.settings.version_key if first is not None else None
         if first is not None and key is not None and isinstance(batch, TensorDictBase):
             if first.hooked_calls == hooked:
