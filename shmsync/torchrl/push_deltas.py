@@ -242,6 +242,11 @@ class NodeLeaves:
             )
         return doc
 
+    def take_refusal(self, push: int) -> str | None:
+        """Why push ``push``'s list was refused, or a list that could not be read (None: neither),
+        forgotten once told."""
+        return self.refused.pop(push, None) or self.refused.pop(UNREADABLE, None)
+
     def _count(self, push: int | None, nbytes: int, delta: bool) -> None:
         t = self.transfer or Transfer(-1, 0, False, 0, 0, 0)
         version = push if push is not None else t.version
@@ -325,7 +330,7 @@ def refusal(push: int) -> str | None:
     with _NODES_LOCK:
         nodes = list(_NODES)
     for node in nodes:
-        why = node.refused.pop(push, None) or node.refused.pop(UNREADABLE, None)
+        why = node.take_refusal(push)
         if why is not None:
             return why
     return None
