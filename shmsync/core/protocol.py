@@ -1,6 +1,6 @@
 """The protocol between one writer and many readers of a bank of slots (no torch here).
 
-Three roles work on the shared words of one bank (:class:`Words`): the :class:`SlotWriter` (the
+Three parts work on the shared words of one bank (:class:`Words`): the :class:`SlotWriter` (the
 one process that publishes), a :class:`SlotReader` (each process that copies a version out) and
 the bank's :class:`Leases` (which slot each reader in place holds). Each holds the words; the slot
 writer also holds the leases, to ask whether a slot is leased. The readers' rows in the header

@@ -70,7 +70,7 @@ class TrainerLeaves:
     def __init__(self, store: torch.distributed.Store) -> None:
         self.store = store
         self.push = 0  # the push under way (the trainer's number of it)
-        self.held: dict[int, int] = {}  # rank -> the version its buffer holds, as confirmed
+        self.buffer_versions: dict[int, int] = {}  # rank -> the version its buffer holds, as confirmed
         self.sent: dict[int, Transfer] = {}  # rank -> what the pushes to it cost
         self._keys: list[tuple[str, ...]] | None = None
         self._changes: SourceChanges | None = None
@@ -90,9 +90,9 @@ class TrainerLeaves:
     def confirmed(self, rank: int, push: int, ok: bool) -> None:
         """Node ``rank`` answered push ``push``: it holds that version (``ok``), or nothing known."""
         if ok:
-            self.held[rank] = push
+            self.buffer_versions[rank] = push
         else:
-            self.held.pop(rank, None)
+            self.buffer_versions.pop(rank, None)
 
     def _initial_sender(self, rank: int) -> Callable[[Callable], Callable]:
         def wrap(original: Callable) -> Callable:
@@ -100,7 +100,7 @@ class TrainerLeaves:
                 result = original(weights)
                 if _is_tensordict(weights):
                     self._find(weights, 0)
-                    self.held[rank] = 0  # the weights every node starts from: version 0
+                    self.buffer_versions[rank] = 0  # the weights every node starts from: version 0
                 return result
 
             return send_initial_weights
@@ -114,7 +114,7 @@ class TrainerLeaves:
                     return original(weights)
                 keys = self._find(weights, self.push)
                 leaves = self._leaves_for(rank)
-                base = self.held.get(rank, -1) if leaves is not None else -1
+                base = self.buffer_versions.get(rank, -1) if leaves is not None else -1
                 doc = {"push": self.push, "base": base, "leaves": leaves, "names": _names_digest(keys)}
                 self.store.set(LEAVES_KEY.format(rank=rank), json.dumps(doc, separators=(",", ":")))
                 sent = keys if leaves is None else [keys[i] for i in leaves]
@@ -136,7 +136,7 @@ class TrainerLeaves:
         keys = leaf_keys(weights)
         if keys != self._keys:  # other weights: nothing known of them
             self._keys, self._changes, self._reference, self._found_at = keys, SourceChanges(len(keys)), None, -1
-            self.held.clear()
+            self.buffer_versions.clear()
         if self._found_at == push:
             return keys
         changes = self._changes
@@ -157,11 +157,11 @@ class TrainerLeaves:
     def _leaves_for(self, rank: int) -> list[int] | None:
         """The leaves that changed since the version node ``rank`` holds; None: all of them (it
         holds none known, or every leaf changed)."""
-        held, changes = self.held.get(rank, -1), self._changes
-        if held < 0 or changes is None:
+        base, changes = self.buffer_versions.get(rank, -1), self._changes
+        if base < 0 or changes is None:
             return None
         at = changes.changed_at
-        leaves = [i for i, a in enumerate(at) if not 0 <= a <= held]
+        leaves = [i for i, a in enumerate(at) if not 0 <= a <= base]
         return None if len(leaves) == len(at) else leaves
 
 
@@ -181,14 +181,14 @@ class NodeLeaves:
 
     def __init__(self, store: torch.distributed.Store, rank: int, buffer: Any) -> None:
         self.store, self.rank, self.buffer = store, rank, buffer
-        self.held = -1  # the version its buffer holds whole (-1: none known)
+        self.buffer_version = -1  # the version its buffer holds whole (-1: none known)
         self.refused: dict[int, str] = {}  # push -> why its list was refused
         self.transfer: Transfer | None = None
 
     def wrap_initial(self, original: Callable) -> Callable:
         def receive_initial_weights(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
-            self.held = 0
+            self.buffer_version = 0
             return result
 
         return receive_initial_weights
@@ -206,17 +206,17 @@ class NodeLeaves:
                 # node cannot tell what the trainer sends, so it receives nothing, and its
                 # collector refuses the push (see refusal()): the trainer's push fails naming it.
                 self.refused[UNREADABLE] = str(e)
-                self.held = -1
+                self.buffer_version = -1
                 return buffer
             part = buffer if leaves is None else buffer.select(*[keys[i] for i in leaves])
             received = original(timeout, weights=part, model=None, strategy=None)
             if received is None:  # timed out: nothing whole arrived
-                self.held = -1
+                self.buffer_version = -1
                 return None
             if model is not None and strategy is not None:
                 strategy.apply_weights(model, part)
             refused = push is not None and push in self.refused
-            self.held = push if push is not None and not refused else -1
+            self.buffer_version = push if push is not None and not refused else -1
             sent = keys if leaves is None else [keys[i] for i in leaves]
             self._count(push, _nbytes(buffer, sent), leaves is not None)
             return buffer
@@ -235,8 +235,12 @@ class NodeLeaves:
         self.store.delete_key(key)
         doc = parse_list(raw, keys)
         push, base, leaves = doc
-        if leaves is not None and base != self.held:
-            have = f"holds version {self.held}" if self.held >= 0 else "holds no version the trainer sent whole"
+        if leaves is not None and base != self.buffer_version:
+            have = (
+                f"holds version {self.buffer_version}"
+                if self.buffer_version >= 0
+                else "holds no version the trainer sent whole"
+            )
             self.refused[push] = (
                 f"push {push} sent node {self.rank} the leaves changed since version {base}, but its buffer {have}"
             )

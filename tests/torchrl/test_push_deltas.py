@@ -32,7 +32,7 @@ def test_each_node_is_sent_the_leaves_changed_since_the_version_it_holds(monkeyp
     keys = leaf_keys(td)
     assert keys == [("head", "bias"), ("head", "weight"), ("trunk", "weight")]
     trainer._find(td, 0)
-    trainer.held = {1: 0, 2: 0}  # both started from version 0
+    trainer.buffer_versions = {1: 0, 2: 0}  # both started from version 0
     for push in (1, 2, 3):
         td["head", "bias"].data += 1.0  # through .data: torch's version counter does not see it
         if push == 3:
@@ -81,7 +81,7 @@ def test_a_list_that_does_not_fit_the_nodes_weights_is_refused_by_name(doc, matc
 def test_a_node_refuses_a_push_of_the_leaves_changed_since_another_version_than_its_buffer_holds():
     td, store = weights(), torch.distributed.HashStore()
     node = NodeLeaves(store, 1, td)
-    node.held = 4
+    node.buffer_version = 4
     keys = leaf_keys(td)
     doc = {"push": 6, "base": 3, "leaves": [0], "names": _names_digest(keys)}
     store.set(LEAVES_KEY.format(rank=1), json.dumps(doc))
