@@ -13,7 +13,7 @@ TORCH_PIP_ARGS ?=
 EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
 # Three test processes on two cores: tests spend part of their time waiting on their children
 # (deadlines, handshakes), and a third keeps both cores busy meanwhile. Each is handed its tests
-# one at a time, longest first (tests/conftest.py), so none is left with a long one at the end.
+# one or two at a time, longest first (tests/conftest.py), so none is left with a long one at the end.
 # CI prints the slowest.
 PYTEST_ARGS ?= -n 3 --maxschedchunk 1
 DURATIONS ?= --durations=30

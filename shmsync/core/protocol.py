@@ -1,12 +1,12 @@
 """The protocol between one writer and many readers of a bank of slots (no torch here).
 
-Three parts work on the shared words of one bank (:class:`Words`): the :class:`SlotWriter` (the
+Three classes work on the shared words of one bank (:class:`Words`): the :class:`SlotWriter` (the
 one process that publishes), a :class:`SlotReader` (each process that copies a version out) and
-the bank's :class:`Leases` (which slot each reader in place holds). Each holds the words; the slot
-writer also holds the leases, to ask whether a slot is leased. The readers' rows in the header
-(:class:`ReaderRows`: a reader's pid, version, reloads) are the store's, not a bank's: they
-outlive the banks, and each row holds one lease word per bank (its address, as every row word's:
-:data:`~shmsync.core.header.ROW_WORDS`).
+the bank's :class:`Leases` (which slot each row holds leased: a reader in place's, a relay
+link's). Each holds the words; the slot writer also holds the leases, to ask whether a slot is
+leased. The readers' rows in the header (:class:`ReaderRows`: a reader's pid, version, reloads)
+are the store's, not a bank's: they outlive the banks, and each row holds one lease word per
+bank (its address, as every row word's: :data:`~shmsync.core.header.ROW_WORDS`).
 
 Nothing here moves bytes: a caller copies between its own calls (the writer between
 :meth:`SlotWriter.begin_write` and :meth:`SlotWriter.commit`, a reader inside the ``copy(slot)``
@@ -571,10 +571,11 @@ _LEASE_METHODS = frozenset({"row_leased", "recount", "lease_latest", "lease_writ
 
 
 class Leases:
-    """The leases of one bank: which slot each reader in place holds (its row's lease word of the
-    bank) and how many readers hold each slot (the bank's ``leases[i]`` counts). A reader holds one
-    per bank it loads from, made with the bank; the writer of a bank holds one to ask whether a slot
-    is leased. The rows they live in are :class:`ReaderRows`'; the rules are in the module's *Leases* above.
+    """The leases of one bank: which slot each row holds leased, a reader in place's or a relay
+    link's (its row's lease word of the bank) and how many rows hold each slot (the bank's
+    ``leases[i]`` counts). A reader holds one per bank it loads from, made with the bank; the
+    writer of a bank holds one to ask whether a slot is leased. The rows they live in are
+    :class:`ReaderRows`'; the rules are in the module's *Leases* above.
 
     Args:
         words: the bank's words.

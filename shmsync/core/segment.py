@@ -511,7 +511,7 @@ class Segment:
 class SegmentLocks:
     """The reader token, the reader table's lock and the rows' locks of a segment, excluding
     other processes (kernel locks, dropped if the holder dies) and this process's other threads
-    alike. What the parts of :mod:`shmsync.core.protocol` take as ``locks``."""
+    alike. What the classes of :mod:`shmsync.core.protocol` take as ``locks``."""
 
     def __init__(self, segment: Segment) -> None:
         self.segment = segment

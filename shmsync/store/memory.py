@@ -3,7 +3,7 @@ each bank, the tensor layout, per slot the tensor views that copies go through, 
 
 What clients of a store build on (the store's publish, the readers, the CUDA writer, relays,
 tools and tests): they copy through :attr:`StoreMemory.slots` (a writer's) or
-:meth:`StoreMemory.private_slots` (a reader's) between the protocol's steps, and take their parts
+:meth:`StoreMemory.private_slots` (a reader's) between the protocol's steps, and build its classes
 (:mod:`shmsync.core.protocol`) on :attr:`StoreMemory.host` or :attr:`StoreMemory.device`.
 
 Memory: a new store reserves its head and one slot; any other slot gets its pages when it is
@@ -418,7 +418,7 @@ class StoreMemory:
             self.closed = True
             mapped = self.header
             self.header = memoryview(bytearray(mapped.tobytes())).cast("q")
-            # The protocol parts' words view the mapping still: released, any use of them raises ValueError.
+            # The protocol objects' words view the mapping still: released, any use of them raises ValueError.
             mapped.release()
             self.records.release()
             self._finalizer()

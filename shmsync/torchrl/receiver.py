@@ -120,7 +120,8 @@ class Receiver:
         """A rollout that shmsync's shadow saw begin (the policy's hook then checks the version at
         every ``poll_every_steps``-th call), or its end (the worker waits, as the table says)."""
         self.in_rollout = in_rollout
-        self.set_waiting(not in_rollout)  # after its poll: never seen running with the old version
+        # At a rollout's start, after its poll: never seen running with the old version.
+        self.set_waiting(not in_rollout)
 
     def _install_hooks(self, model: nn.Module) -> None:
         if getattr(model, "_shmsync_hooks", None) == self.token:

@@ -1,5 +1,6 @@
-"""One party's roles on a protocol header, as the protocol's tests drive them: a process's words of
-the host bank (its own, so that a test can hook its fences), and the roles it takes on them."""
+"""One party's protocol objects, as the protocol's tests drive them: the classes of
+:mod:`shmsync.core.protocol` on a process's words of the host bank (its own, so that a test can
+hook its fences)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from shmsync.core.protocol import Leases, Locks, ReaderRows, SlotReader, SlotWri
 
 
 class Party:
-    """A reader's roles (:class:`SlotReader`, :class:`ReaderRows` and :class:`Leases`) on words of its own.
+    """A reader's protocol objects (:class:`SlotReader`, :class:`ReaderRows` and :class:`Leases`) on words of its own.
 
     Attribute lookups go to the reader, then the leases, then the rows (``try_read``, ``lease_latest``,
     ``claim_row``, ...);
@@ -23,9 +24,9 @@ class Party:
         self.reader = SlotReader(self.words, locks, pid=pid, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        for role in (self.__dict__["reader"], self.__dict__["leases"], self.__dict__["rows"]):
-            if hasattr(role, name):
-                return getattr(role, name)
+        for obj in (self.__dict__["reader"], self.__dict__["leases"], self.__dict__["rows"]):
+            if hasattr(obj, name):
+                return getattr(obj, name)
         raise AttributeError(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -46,7 +47,7 @@ class Party:
 
 
 class WriterParty(Party):
-    """The writer's roles: :class:`SlotWriter` first, then the reader's, the rows' and the leases'."""
+    """The writer's protocol objects: :class:`SlotWriter` first, then the reader's, the rows' and the leases'."""
 
     def __init__(self, h: Any, locks: Locks, *, pid: int = 1, ordering: str | None = None, **kwargs: Any) -> None:
         super().__init__(h, locks, pid=pid, ordering=ordering, **kwargs)
