@@ -12,10 +12,8 @@ TORCH_PIP_ARGS ?=
 # setuptools say that folders named like the package could shadow it: nothing to act on here.
 EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
 # Three test processes on two cores: tests spend part of their time waiting on their children
-# (deadlines, handshakes), and a third keeps both cores busy meanwhile. Each is handed its tests
-# one or two at a time, longest first (tests/conftest.py), so none is left with a long one at the end.
-# CI prints the slowest.
-PYTEST_ARGS ?= -n 3 --maxschedchunk 1
+# (deadlines, handshakes), and a third keeps both cores busy meanwhile. CI prints the slowest.
+PYTEST_ARGS ?= -n 3
 DURATIONS ?= --durations=30
 
 # Every Python shmsync names: pyproject.toml's classifiers list exactly these, and the GitHub

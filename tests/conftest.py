@@ -92,10 +92,11 @@ def _mark_problems(item: pytest.Item) -> list[str]:
     return problems
 
 
-# Started first: the longest tests (30-100 s), then the rest of the slow ones, the fast tier's
-# last, so that under xdist no long test begins last and keeps one worker busy while the others
-# sit idle: the quick tests fill the end (the Makefile hands each worker its tests one or two at
-# a time, `--maxschedchunk 1`, so that the long ones spread over the workers).
+# Started first: the longest tests (30-100 s), so that under xdist none of them begins last and
+# keeps one worker busy while the others sit idle. The rest run as collected: under `make test`
+# the other legs start interpreters of their own meanwhile, and quick tests between the heavy ones
+# keep the load on two cores even (every heavy test first would start more processes at once than
+# two cores hold, and take longer).
 LONGEST_FIRST = ("tests/core/test_protocol_interleavings.py::", "tests/torchrl/test_distributed.py::")
 
 
@@ -112,8 +113,7 @@ def pytest_collection_modifyitems(config, items):
         (kept if TIERS.index(tier(item)) <= highest else left).append(item)
     if left:
         config.hook.pytest_deselected(items=left)
-    # Stable: otherwise as collected.
-    kept.sort(key=lambda item: (not item.nodeid.startswith(LONGEST_FIRST), tier(item) == "fast"))
+    kept.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))  # stable: otherwise as collected
     items[:] = kept
 
 
