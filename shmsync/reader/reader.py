@@ -43,6 +43,7 @@ from shmsync.errors import (
     NotLoadedError,
     ReloadTimeoutError,
     WriterGoneError,
+    warn_deprecated,
 )
 from shmsync.reader.binding import Binding, is_meta, parts_of
 from shmsync.reader.in_place import InPlace, make_private
@@ -80,6 +81,10 @@ class WeightReader:
             (:meth:`WeightStore.readers`) and in the stale-reader alarm's messages.
         device_slots: a GPU module loads from the store's device slots where it can (default);
             False: through the host slots, as a GPU without peer access to them does.
+        keep_writes: a write into parameters that run in place makes them a private copy that
+            keeps the write (with a warning) instead of raising
+            :class:`~shmsync.errors.SharedWeightsWrittenError` at the next reload (TorchRL's
+            collectors load state dicts into their policies: its scheme asks for this).
 
     Attributes:
         mode: how the module holds its weights, a :class:`~shmsync.core.header.Mode`: the one
@@ -127,6 +132,7 @@ class WeightReader:
         zero_copy: bool | None = None,
         worker: int | None = None,
         device_slots: bool = True,
+        keep_writes: bool = False,
     ) -> None:
         memory = getattr(store, "memory", None)
         if not isinstance(memory, StoreMemory):
@@ -142,7 +148,7 @@ class WeightReader:
         self.reloads = 0
         self.worker = worker  # the index its collector gave it, or None
         self.device_slots = device_slots
-        self.private_on_write = False  # a write into the parameters: a private copy, not an error (TorchRL's)
+        self.keep_writes = keep_writes  # a write into the parameters: a private copy, not an error
         self.fallbacks = 0  # reloads that could not lease a slot (a copy instead)
         self.copied_bytes = 0  # bytes the last reload copied into the module
         self.skipped_bytes = 0  # bytes of the module the last reload did not copy: in place, or unchanged
@@ -178,6 +184,17 @@ class WeightReader:
         ``Mode.FALLEN_BACK``), False once it keeps a private copy for good. Whether it views a slot
         now is :attr:`viewing`."""
         return not self.mode.private
+
+    @property
+    def private_on_write(self) -> bool:
+        """Deprecated: :attr:`keep_writes` (``WeightReader(..., keep_writes=True)``); goes in 0.4.0."""
+        warn_deprecated("WeightReader.private_on_write", "WeightReader(..., keep_writes=True)", "0.4.0")
+        return self.keep_writes
+
+    @private_on_write.setter
+    def private_on_write(self, keep: bool) -> None:
+        warn_deprecated("WeightReader.private_on_write", "WeightReader(..., keep_writes=True)", "0.4.0")
+        self.keep_writes = keep
 
     @property
     def waiting(self) -> bool:
@@ -324,7 +341,7 @@ class WeightReader:
         else by a copy. Returns the version loaded."""
         if not self.mode.private:
             in_place = cast(InPlace, binding.in_place)  # bound to run in place (else _bind said private)
-            if self.mode.viewing and in_place.undo_writes(self._version, keep=self.private_on_write):
+            if self.mode.viewing and in_place.undo_writes(self._version, keep=self.keep_writes):
                 self._set_mode(_private(binding), binding)  # the module wrote its weights, kept privately
                 _warn_private_copy(self.store.memory.name, self.worker)
             elif self._row < 0:  # no row in the readers' table (it is full): no lease, a copy

@@ -70,8 +70,8 @@ class Receiver:
                 destination=self.scheme.model_id,
                 zero_copy=self.scheme.settings.zero_copy,
                 worker=self.scheme.worker_idx,
+                keep_writes=True,  # TorchRL's load_state_dict writes the policy's weights
             )
-            self.reader.private_on_write = True  # TorchRL's load_state_dict writes the policy's weights
             self.reader.set_waiting(self.waiting)
             self._install_hooks(model)
             if first:

@@ -294,12 +294,22 @@ def test_a_reader_maps_the_slots_once_privately_and_a_copying_reader_too(store_f
         attached.close()
 
 
+def test_private_on_write_is_a_deprecated_name_of_keep_writes(store_factory):
+    store = store_factory(blob_weights(SMALL, 7.0))
+    reader = WeightReader(store, ParamBlob(SMALL))
+    with pytest.warns(DeprecationWarning, match=r"keep_writes=True"):
+        reader.private_on_write = True
+    with pytest.warns(DeprecationWarning, match=r"removed in 0.4.0"):
+        assert reader.private_on_write
+    assert reader.keep_writes
+    reader.close()
+
+
 def test_a_reader_told_to_keep_writes_goes_on_with_a_private_copy(store_factory):
     """What TorchRL collectors ask for: loading a collector's state dict writes the policy's weights."""
     store = store_factory(blob_weights(SMALL, 7.0))
     module = ParamBlob(SMALL)
-    reader = WeightReader(store, module)
-    reader.private_on_write = True
+    reader = WeightReader(store, module, keep_writes=True)
     assert reader.poll() and reader.viewing
     with torch.no_grad():
         module.a.fill_(3.0)
