@@ -133,7 +133,7 @@ class LeafWatch:
         self.still = [0] * count  # looks in a row it was found unchanged
         self.quiet_after: list[dict[str | None, bool]] = [{} for _ in range(count)]  # per moment
         self.untrackable = [0] * count  # the address it was found not trackable at (0: never)
-        self.versions = [-1] * count  # torch's version counter at the last look
+        self.write_counts = [-1] * count  # torch's version counter (its count of in-place writes) at the last look
         self.sized: list[int] | None = None  # the leaves large enough to track, found at the first settle
         self.why_compared = written_pages.unavailable_reason()
         self._pages: WrittenPages | None = None
@@ -171,7 +171,10 @@ class LeafWatch:
     def _with_edges(self, i: int, r: TrackedRange, spans: Spans) -> Spans:
         """Leaf ``i``'s untracked edges, and ``spans`` (within its tracked range ``r``) at its own
         offsets between them."""
-        head, edges = r.address - self.where[i][0], self.edges[i]
+        edges = self.edges[i]
+        if not spans:  # no page written: its edges alone
+            return edges
+        head = r.address - self.where[i][0]
         first = edges[: head > 0]
         return [*first, *((o + head, n) for o, n in spans), *edges[len(first) :]]
 
@@ -259,11 +262,11 @@ class LeafWatch:
     ) -> list[bool]:
         """Per leaf of ``ids``, whether it changed or was written since the last look (see
         :meth:`settle`)."""
-        versions, edges, active = self.versions, self.edges, []
+        write_counts, edges, active = self.write_counts, self.edges, []
         for i in ids:
             t, differs = tensors[i], changed[i]
-            version, spans = t._version, looked.get(i)
-            moved = version != versions[i] >= 0 and i not in own
+            count, spans = t._version, looked.get(i)
+            moved = count != write_counts[i] >= 0 and i not in own
             # More than two pages of its tracked ones written (its untracked edges left out).
             written = (
                 spans is not None
@@ -271,7 +274,7 @@ class LeafWatch:
                 and sum(n for _, n in spans) - sum(n for _, n in edges[i]) > 2 * PAGE
             )
             active.append(differs or moved or written)
-            versions[i] = version
+            write_counts[i] = count
         return active
 
     def let_go(self, ids: Sequence[int]) -> None:
