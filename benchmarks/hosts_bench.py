@@ -23,6 +23,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import socket
 import statistics
 import sys
@@ -143,6 +144,8 @@ def bench_tree(nbytes: int, hosts: int, fanout: int, reps: int, encrypt: bool = 
             if proc.is_alive():
                 proc.kill()
         store.close()
+        for host_dir in dirs:  # each simulated host's folder, once its relay is gone
+            shutil.rmtree(host_dir, ignore_errors=True)
     times = [[(seen[h * (reps + 1) + v] - started[v]) / 1e9 for v in started] for h in range(hosts)]
     per_version = list(zip(*times))
     return {
@@ -212,6 +215,8 @@ def bench_frozen(hosts: int, reps: int, deltas: bool) -> dict:
             if proc.is_alive():
                 proc.kill()
         store.close()
+        for host_dir in dirs:  # each simulated host's folder, once its relay is gone
+            shutil.rmtree(host_dir, ignore_errors=True)
     last = [max((seen[h * (reps + 1) + v] - started[v]) / 1e9 for h in range(hosts)) for v in started]
     return {
         "hosts": hosts,

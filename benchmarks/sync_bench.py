@@ -506,8 +506,10 @@ def _slow_reader(name: str, nbytes: int, seconds: float, pin_first: bool, conn) 
             dst.copy_(src)
         copies.append(time.perf_counter_ns() - began)
     copy_ns = statistics.median(copies)
-    role = reader._binding.slot_reader  # this reader's SlotReader counts its failed copies and pins
-    conn.send({"loads": loads, "failed_copies": role.retries, "pinned": role.pinned_reads, "copy_ns": copy_ns})
+    slot_reader = reader._binding.slot_reader  # counts this reader's failed copies and pinned reads
+    conn.send(
+        {"loads": loads, "failed_copies": slot_reader.retries, "pinned": slot_reader.pinned_reads, "copy_ns": copy_ns}
+    )
     reader.close()
     store.close()
 
