@@ -20,6 +20,7 @@ import os
 import platform
 from collections.abc import Iterable
 
+from shmsync.core.pages import address_of
 from shmsync.errors import WriteTrackingError
 
 PAGE = mmap.PAGESIZE
@@ -290,7 +291,7 @@ class PageMap:
         block = mmap.mmap(-1, 4 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         try:
             block.write(b"\1" * len(block))
-            start = _address_of(block)
+            start = address_of(block)
             end = start + len(block)
             try:
                 _, before, _ = self.written(start, end)
@@ -315,14 +316,6 @@ class PageMap:
             return None
         finally:
             block.close()
-
-
-def _address_of(block: mmap.mmap) -> int:
-    anchor = ctypes.c_char.from_buffer(block)
-    try:
-        return ctypes.addressof(anchor)
-    finally:
-        del anchor  # the export would keep the mapping from closing
 
 
 class Mappings:
