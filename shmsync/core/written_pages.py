@@ -41,11 +41,8 @@ Why a write cannot be missed
   bit again under the page table's lock, then flushes the TLB, in the same call: a write either
   lands before the page is reported (and is reported) or faults afterwards (and is reported by the
   next look). When the output array fills, the kernel stops at ``walk_end`` before protecting the
-  next written page; the scan goes on from there until the span's end, so a page is protected
-  again only if it was reported. A look scans the runs it is asked about, those at most
-  :data:`SCAN_GAP` apart as one span: the mappings between them are not registered, so the scan
-  passes over them (their pages are never protected), and what it finds in a run not asked
-  about is held for that run's ranges like any other write.
+  next written page; the scan goes on from there until the run's end, so a page is protected
+  again only if it was reported.
 * *New ranges.* A range is protected by that same scan rather than by ``UFFDIO_WRITEPROTECT``, and
   what the scan finds on pages shared with ranges already tracked is credited to them: tracking
   a tensor never clears the evidence of a write to its neighbour on the same page. Its own pending
@@ -53,14 +50,14 @@ Why a write cannot be missed
   read the bytes).
 * *Memory that changed identity.* A range whose memory was unmapped, or unmapped and mapped again
   (``p.data = other`` freeing a large tensor, ``MAP_FIXED``, ``mremap``), is no longer registered,
-  and a scan of it would find nothing written (the scan passes over mappings not registered, and
-  over holes). So each look asks, after its scan, which parts of the span it scanned are mapped
-  but not registered (``PAGE_IS_WPALLOWED`` asked as absent: the kernel passes over a registered
-  mapping whole and walks the others' pages), and ``msync(MS_ASYNC)``, which fails with
-  ``ENOMEM`` on a hole, whether all of it is mapped (if not, each range's pages are asked on their
-  own). A range with a page in either comes back ``None`` and is no longer tracked (track it
-  again). Asked after the scan, the question catches a change the scan passed over; a change
-  made after it is caught by the next look.
+  and a scan of it would find nothing written. Each look therefore checks each run: ``msync(MS_ASYNC)``
+  fails with ``ENOMEM`` when part of it is unmapped (a scan silently skips holes, even with
+  ``PM_SCAN_CHECK_WPASYNC``), and the scan, with ``PM_SCAN_CHECK_WPASYNC``, fails with ``EPERM`` on a
+  mapping not registered for asynchronous write-protection. Either way a scan of the pages' write
+  permission (``PAGE_IS_WPALLOWED``) names the ranges affected; they come back ``None`` and are no
+  longer tracked (track them again). The pages the failed scan had reported and protected before
+  it stopped are not lost: the kernel copies their entries out before returning the error, and a
+  zeroed output array tells how many; the rest of the run is scanned again without the check.
 * *Forks.* A child does not inherit the registration (the kernel drops it without
   ``UFFD_FEATURE_EVENT_FORK``), and its inherited descriptors still point at the parent: its
   pagemap descriptor would scan, and protect, the *parent's* pages. So a tracker made before a
@@ -100,16 +97,15 @@ mapping merges back.
 
 Cost
 ----
-A look costs three system calls per span of runs it covers (the scan, the question of what is
-not registered, ``msync``), plus the walk of the page tables of its runs and of its gaps'
-mappings; the first write to each protected page, a fault. Measured with
-``benchmarks/written_pages_bench.py`` on a 2-core x86-64 VM under Linux 6.18, medians of 50:
+A look costs one ``msync`` and one ``PAGEMAP_SCAN`` per run it covers, plus the scan's walk of the
+page tables; the first write to each protected page, a fault. Measured with
+``benchmarks/written_pages_bench.py`` on a 2-core x86-64 VM under Linux 6.18, shared with other
+work (load 4 to 5), medians of 50:
 
-* a look over 128 MiB (one run) with nothing written: 0.044 ms; with 4 MiB written: 0.10 ms;
-* a look over 256 runs of 64 KiB a page apart (one span), nothing written: 0.50 ms (2 us a run);
-  tracking them: 5.6 ms;
-* the first write after a look: 4 MiB in 1.2 ms against 0.06 ms for the same write again (1.2 us
-  a 4 KiB page); all 128 MiB in 57 ms against 7 ms (the page tables out of cache).
+* a look over 128 MiB (one run) with nothing written: 0.043 ms; with 4 MiB written: 0.10 ms;
+* a look over 256 runs of 64 KiB, nothing written: 1.15 ms (4.5 us a run); tracking them: 9 ms;
+* the first write after a look: 4 MiB in 1.2 ms against 0.06 ms for the same write again (1.1 us
+  a 4 KiB page); all 128 MiB in 96 ms against 9 ms (2.7 us a page, the page tables out of cache).
 
 So protect what is expected to stay unchanged: a tensor rewritten every step pays the fault on
 each of its pages every step.
@@ -139,7 +135,6 @@ ENV = "SHMSYNC_WRITE_TRACKING"  # "0" turns write tracking off
 
 MAX_RUNS = 4096  # runs of tracked pages per process: each may split a mapping at both ends
 MAX_RANGES = 1 << 16  # tracked ranges per process
-SCAN_GAP = 64 * PAGE  # runs this close are scanned as one span: a system call saved, their gaps walked
 _ADDRESS_LIMIT = 1 << 63  # above: the kernel's half of the address space, on every machine above
 
 
@@ -294,16 +289,8 @@ class WrittenPages:
             return [None] * len(ranges)
         with self._lock:
             runs = {id(run): run for r in ranges if (run := self._run_of.get(r)) is not None}
-            spans: list[tuple[int, int]] = []  # the runs asked about, those SCAN_GAP apart or closer joined
             for run in sorted(runs.values(), key=lambda run: run.start):
-                if spans and run.start - spans[-1][1] <= SCAN_GAP:
-                    spans[-1] = (spans[-1][0], run.end)
-                else:
-                    spans.append((run.start, run.end))
-            starts = self._starts
-            for start, end in spans:  # every run in it, asked about or not, is credited what it found
-                low, high = bisect.bisect_left(starts, start), bisect.bisect_left(starts, end)
-                self._scan([r for run in self._runs[low:high] for r in run.ranges], start, end)
+                self._scan(list(run.ranges), run.start, run.end)
             answers: dict[TrackedRange, Spans | None] = {}
             for r in ranges:
                 if r not in answers:
@@ -427,26 +414,20 @@ class WrittenPages:
 
     def _scan(self, ranges: list[TrackedRange], start: int, end: int) -> None:
         """Scan ``[start, end)`` (protecting what was written again), credit what was written to
-        ``ranges``, and lose those of them whose pages within it are no longer all mapped and
-        registered; all of them if the scan fails (its pages may have been protected again
-        unreported). Whether the memory is still mapped and registered is asked after the scan:
-        a change the scan passed over is caught here, one made after it by the next look."""
-        page_map = self._page_map
+        ``ranges``, and lose those of them no longer wholly mapped and registered; all of them if
+        the scan fails (its pages may have been protected again unreported)."""
         try:
-            written, unregistered, whole = page_map.written(start, end)
+            written, intact = self._page_map.written(start, end)
             if written:
                 self._credit(ranges, written)
+            registered = [(start, end)] if intact else self._page_map.registered(start, end)
         except WriteTrackingError as e:
             for r in ranges:
                 self._lose(r, f"a scan of its pages failed: {e}")
             return
-        if not unregistered and whole:
-            return
-        ends = [e for _, e in unregistered]
-        for r in ranges:
-            low, high = max(r.pages_start, start), min(r.pages_end, end)
-            i = bisect.bisect_right(ends, low)  # the first part not registered that ends past low
-            if i < len(unregistered) and unregistered[i][0] < high or not whole and not page_map.mapped(low, high):
+        for r in ranges if not intact else ():
+            i = bisect.bisect_right(registered, (r.pages_start, _ADDRESS_LIMIT)) - 1
+            if i < 0 or registered[i][1] < r.pages_end:
                 self._lose(r, "its memory was unmapped, or mapped anew, since it was tracked")
 
     def _credit(self, ranges: list[TrackedRange], written: list[tuple[int, int]]) -> None:

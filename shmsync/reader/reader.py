@@ -96,6 +96,7 @@ class WeightReader:
             unchanged, or viewed in place).
         reloads: the reloads made.
         fallbacks: the reloads that could not lease a slot, and copied instead.
+        keep_writes: as the argument: a write into parameters in place is kept in a private copy.
 
     Raises:
         ArgumentTypeError: ``store`` is no store, or ``zero_copy`` no bool or None.

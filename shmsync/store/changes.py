@@ -149,8 +149,9 @@ class LeafWatch:
         """Per tracked leaf, the bytes of it to compare: those on its tracked pages written since
         its last look, and its edges where they are not tracked (``[]``: nothing, it is unchanged),
         the written pages protected again. The spans are sorted and apart, but an edge and a
-        written page beside it may touch. A leaf whose memory moved since it was tracked, or
-        whose pages the tracker lost, is let go and missing from the answer: compare it."""
+        written page beside it may touch (a leaf's edges are this watch's own list: read it, never
+        change it). A leaf whose memory moved since it was tracked, or whose pages the tracker
+        lost, is let go and missing from the answer: compare it."""
         pages, tracked, where, edges = self._pages, self.tracked, self.where, self.edges
         if pages is None or self.sized is None:  # nothing tracked yet
             return {}

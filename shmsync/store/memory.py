@@ -203,7 +203,7 @@ class StoreMemory:
         self._private: list[list[torch.Tensor]] = []  # per slot, views of a private mapping (a reader's)
         self._page_locked: list = []  # (pointer, view) of page-locked memory, for CUDA copies
         # This process's device slots when it is the writer (a process cannot open its own CUDA
-        # IPC handles): given by the CUDA writer (hold_device_slots), read by a reader on that GPU.
+        # IPC handles): given by the CUDA writer (set_own_device_slots), read by a reader on that GPU.
         self.own_device_slots: list[torch.Tensor | None] | None = None
         self._dependents: weakref.WeakSet = weakref.WeakSet()  # closed before the memory goes
         self.closed = False
@@ -212,10 +212,10 @@ class StoreMemory:
             self, _release, segment, (self.slots, self._private), h[W_CREATOR_PID], self._page_locked, unlink_at_exit
         )
 
-    def hold_device_slots(self, slots: list[torch.Tensor | None]) -> None:
-        """Keep the device slots this process's CUDA writer made (one flat tensor per slot, None
-        until written), for a reader in this process: a process cannot open its own CUDA IPC
-        handles, so it maps these instead of the records'."""
+    def set_own_device_slots(self, slots: list[torch.Tensor | None]) -> None:
+        """Set :attr:`own_device_slots`: the device slots this process's CUDA writer made (one flat
+        tensor per slot, None until written), for a reader in this process: a process cannot
+        open its own CUDA IPC handles, so it maps these instead of the records'."""
         self.own_device_slots = slots
 
     @classmethod

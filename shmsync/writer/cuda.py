@@ -57,7 +57,7 @@ class CudaWriter:
         self.memory, self.host, self.copier, self.device = memory, host, copier, device
         self.slot_writer = SlotWriter(memory.device, Leases(memory.device, memory.locks))
         self.slots = DeviceSlots(memory.header, memory.layout, memory.num_slots, device)
-        memory.hold_device_slots(self.slots.flat)  # a reader in this process maps these (it cannot open its own)
+        memory.set_own_device_slots(self.slots.flat)  # a reader in this process maps these (it cannot open its own)
         self.stream = torch.cuda.Stream(device)  # the host fills' copies
         self._wanted = memory.header[W_HOST_WANTED]
         self._closing = threading.Event()

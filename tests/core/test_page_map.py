@@ -44,7 +44,7 @@ def test_the_structures_and_ioctl_numbers_are_the_upstream_headers():
     )
     assert (page_map.UFFD_FEATURE_WP_ASYNC, page_map.UFFD_FEATURE_WP_UNPOPULATED) == (1 << 15, 1 << 13)
     assert (page_map.PAGE_IS_WPALLOWED, page_map.PAGE_IS_WRITTEN) == (1, 2)
-    assert page_map.PM_SCAN_WP_MATCHING == 1
+    assert (page_map.PM_SCAN_WP_MATCHING, page_map.PM_SCAN_CHECK_WPASYNC) == (1, 2)
 
 
 def test_private_copies_counts_the_pages_this_process_wrote_in_a_private_file_mapping(tmp_path):

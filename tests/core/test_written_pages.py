@@ -31,7 +31,6 @@ from shmsync.core import written_pages
 from shmsync.core.page_map import PAGEMAP_SCAN, UFFDIO_API, UFFDIO_REGISTER
 from shmsync.core.written_pages import (
     ENV,
-    SCAN_GAP,
     TrackedRange,
     WrittenPages,
     for_this_process,
@@ -340,38 +339,6 @@ def test_memory_unmapped_is_unknown_and_its_run_neighbours_lose_nothing(pages, m
         assert b.unknown is None and pages.look([b]) == [[]]
         m.write(6 * P)
         assert pages.look([a, b, c]) == [[], pages_at((2, 1)), []]
-
-
-@needs_tracking
-@pytest.mark.parametrize("change", ["none", "mapped-anew", "unmapped", "gap-unmapped"])
-def test_runs_a_few_pages_apart_are_scanned_as_one_and_lose_nothing(pages, memory, change):
-    """Three runs with gaps of untracked pages between them, closer than SCAN_GAP: a look at the
-    first and last scans the three as one span, passing over the gaps (written, never reported
-    nor protected); the middle run's writes wait for its own look. Memory mapped anew or unmapped
-    in a run makes that run's range unknown, the others exact; a gap unmapped costs nothing."""
-    m = memory(15)
-    a, b, c = pages.track([(m.address, 3 * P), (m.address + 6 * P, 3 * P), (m.address + 12 * P, 3 * P)])
-    assert len(pages._runs) == 3 and SCAN_GAP >= 3 * P
-    m.write(1 * P)
-    m.write(4 * P)  # a gap: nobody's
-    m.write(7 * P)
-    m.write(13 * P)
-    if change == "mapped-anew":
-        m.replace(7, 1)
-    elif change == "unmapped":
-        m.unmap(7, 1)
-    elif change == "gap-unmapped":
-        m.unmap(10, 1)
-    assert pages.look([a, c]) == [pages_at((1, 1)), pages_at((1, 1))]
-    if change in ("mapped-anew", "unmapped"):
-        assert "unmapped" in b.unknown and pages.look([b]) == [None]
-    else:
-        assert pages.look([b]) == [pages_at((1, 1))]  # found by the look at a and c, kept for b's
-    m.write(4 * P)
-    m.write(5 * P)
-    assert pages.look([a, b, c]) == [[], [] if b.unknown is None else None, []]  # the gap again: no fault, no report
-    m.write(2 * P)
-    assert pages.look([a, c]) == [pages_at((2, 1)), []]
 
 
 @needs_tracking

@@ -35,7 +35,7 @@ def _figures() -> list[tuple[str, str, tuple]]:
     """``(page, pattern, the code's values)``: each figure a page cites about the code, where it
     cites it; the pattern's groups are the figures, in order."""
     from shmsync import ShmWeightSyncScheme, WeightStore
-    from shmsync.core import header, segment, written_pages
+    from shmsync.core import header, segment
     from shmsync.relay import RelaySender, messages, sealing, wire
     from shmsync.store import layout
     from shmsync.store.copies import PARALLEL_MIN_BYTES
@@ -87,7 +87,6 @@ def _figures() -> list[tuple[str, str, tuple]]:
         ("docs/hosts.md", r"`timeout` seconds \((\d+) by default\)", (default(RelaySender, "timeout"),)),
         ("docs/security.md", r"`handshake_timeout` \((\d+) s\)", (default(RelaySender, "handshake_timeout"),)),
         ("docs/operations.md", r"threads a copy of (\d+) MB or more is split across", (PARALLEL_MIN_BYTES >> 20,)),
-        ("CHANGELOG.md", r"\(`SCAN_GAP`, (\d+) pages\)", (written_pages.SCAN_GAP // written_pages.PAGE,)),
         ("docs/torchrl.md", r"split across the cores that sit idle from (\d+) MB on", (PARALLEL_MIN_BYTES >> 20,)),
         ("docs/gpus.md", r"fills a host slot from each new device slot in (\d+) MB chunks", (CHUNK_BYTES >> 20,)),
         ("docs/torchrl.md", r"the wait ends at its deadline \((\d+) s\)", (READY_TIMEOUT_S,)),
